@@ -1,0 +1,40 @@
+"""The set of kernel ops the engine binds once at construction: PyTorch references or Triton."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """Callables with the signatures of the `*_ref` functions in this package."""
+
+    name: str
+    rms_norm: Callable  # (x, weight, eps, residual|None) -> (normed, new_residual)
+    silu_and_mul: Callable  # (x [T, 2I]) -> [T, I]
+    rope_and_cache: Callable  # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
+    prefill_attention: Callable  # (q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, window) -> out
+    decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, window) -> out
+
+
+def get_ops(backend: str) -> KernelOps:
+    """Return the op set for `backend`: "torch" (references, any device) or "triton"."""
+    if backend == "torch":
+        from kernels.decode_attention import decode_attention_ref
+        from kernels.prefill_attention import paged_attention_ref
+        from kernels.rmsnorm import rms_norm_ref
+        from kernels.rope_cache import rope_and_cache_ref
+        from kernels.silu_mul import silu_and_mul_ref
+
+        return KernelOps(
+            name="torch",
+            rms_norm=rms_norm_ref,
+            silu_and_mul=silu_and_mul_ref,
+            rope_and_cache=rope_and_cache_ref,
+            prefill_attention=paged_attention_ref,
+            decode_attention=decode_attention_ref,
+        )
+    if backend == "triton":
+        raise NotImplementedError("triton kernels are not in yet")
+    raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")

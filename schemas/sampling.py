@@ -1,0 +1,44 @@
+"""Sampling parameters: how one job's tokens are chosen and when generation stops."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class SamplingParams(BaseModel):
+    """How to sample one request's output tokens and when to stop.
+
+    `temperature == 0` means greedy. `top_k` of `None` (or 0) means no top-k cut;
+    `top_p == 1` means no nucleus cut. A `seed` makes sampling reproducible per request,
+    independent of what else is in the batch. Stop strings are not included in the output.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(default=256, ge=1, description="most output tokens to generate")
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 means greedy")
+    top_k: int | None = Field(default=None, ge=0, description="keep the k most likely tokens; None or 0: all")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus mass kept, in (0, 1]")
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description="per-request RNG seed")
+    stop: list[str] = Field(default_factory=list, description="strings that end generation (not in output)")
+    stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end generation")
+    ignore_eos: bool = Field(default=False, description="keep going past the model's end-of-sequence ids")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [v]
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        """True when the output is the argmax at every step."""
+        return self.temperature == 0.0
