@@ -1,0 +1,74 @@
+"""Per-step attention metadata and the attention layer over the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.ops import KernelOps
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the step's tokens go in the KV cache and what each sequence attends to.
+
+    The flattened batch holds `num_decodes` single-token sequences first, then the prefills.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    num_decodes: int  # sequences (= tokens) in the decode part
+    num_decode_tokens: int  # == num_decodes; the prefill part starts at this token index
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int32
+    prefill_block_tables: torch.Tensor | None  # [num_prefills, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor | None  # [num_prefills + 1] int32, relative to the prefill part
+    prefill_seq_lens: torch.Tensor | None  # [num_prefills] int32
+    prefill_max_query_len: int = 0
+    decode_num_splits: int | None = None  # flash-decoding splits; fixed when the step is graph-captured
+
+
+class PagedAttention:
+    """Attention of the step's new tokens over one layer's paged KV cache (no weights)."""
+
+    def __init__(self, ops: KernelOps, num_heads: int, num_kv_heads: int, head_dim: int,
+                 sliding_window: int | None) -> None:
+        self.ops = ops
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        # q: [T, Hq, D] (rotated); the step's k/v are already in k_cache/v_cache
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            return self.ops.decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                self.sliding_window, **_splits(meta),
+            )
+        if nd == 0:
+            return self._prefill(q, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        out[:nd] = self.ops.decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+            self.sliding_window, **_splits(meta),
+        )
+        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta)
+        return out
+
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        kwargs = {}
+        if self.ops.name != "torch":
+            kwargs["max_query_len"] = meta.prefill_max_query_len
+        return self.ops.prefill_attention(
+            q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+            meta.prefill_seq_lens, self.scale, self.sliding_window, **kwargs,
+        )
+
+
+def _splits(meta: AttentionMetadata) -> dict:
+    return {} if meta.decode_num_splits is None else {"num_splits": meta.decode_num_splits}

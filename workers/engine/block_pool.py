@@ -1,0 +1,114 @@
+"""The pool of KV-cache blocks: reference counts, an LRU free queue, and the prefix-cache index."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from array import array
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of a full block: covers the parent block's hash and this block's token ids."""
+    h = hashlib.blake2b(digest_size=16)
+    if parent is not None:
+        h.update(parent)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """One physical block of the KV cache."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None  # set once the block is full and indexed in the prefix cache
+
+
+class BlockPool:
+    """Fixed pool of `num_blocks` blocks.
+
+    Free blocks wait in a queue kept in eviction order: the front is evicted first. A freed
+    block goes to the back, so the least recently used is reused first. A free block that still
+    carries a hash stays findable in the prefix cache until it is handed out again.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be positive")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in eviction order (front first)."""
+        return list(self._free)
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        """The cached block holding exactly this chain of tokens, if any."""
+        return self._cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on cached blocks (removing them from the free queue if unused)."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self._free[b.block_id]
+            b.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Hand out `n` blocks from the front of the free queue, evicting their cached contents."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            bid, _ = self._free.popitem(last=False)
+            b = self.blocks[bid]
+            if b.block_hash is not None:
+                if self._cached.get(b.block_hash) is b:
+                    del self._cached[b.block_hash]
+                b.block_hash = None
+                self.num_evictions += 1
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block; blocks no one uses join the back of the free queue in order."""
+        for b in blocks:
+            if b.ref_cnt <= 0:
+                raise RuntimeError(f"block {b.block_id} released more often than taken")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._free[b.block_id] = None
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        """Index a full block under its chained hash (first writer wins for duplicate contents)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no request holds; returns how many were dropped."""
+        n = 0
+        for h, b in list(self._cached.items()):
+            if b.ref_cnt == 0:
+                del self._cached[h]
+                b.block_hash = None
+                n += 1
+        return n

@@ -1,0 +1,189 @@
+"""Model and engine configuration."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workers.engine.errors import CheckpointError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape and numerics of a Llama-family model, read from a Hugging Face `config.json`."""
+
+    architecture: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    max_position_embeddings: int = 4096
+    # per-layer sliding window (None: full attention); Mistral sets it on every layer
+    sliding_windows: tuple[int | None, ...] = ()
+    qkv_bias: bool = False  # Qwen2
+    o_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "bfloat16"  # the checkpoint's dtype
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if not self.sliding_windows:
+            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.sliding_windows) != self.num_layers:
+            raise CheckpointError("one sliding-window entry per layer expected")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings and lm_head included)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        mlp = 3 * h * i
+        per_layer = attn + mlp + 2 * h
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        """Build from a Hugging Face config dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+        archs = d.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            mt = d.get("model_type")
+            arch = mt if mt in SUPPORTED_ARCHITECTURES.values() else None
+        if arch is None:
+            raise CheckpointError(
+                f"unsupported architecture {archs or d.get('model_type')!r}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        if d.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"unsupported hidden_act {d.get('hidden_act')!r}; only silu")
+        if d.get("mlp_bias"):
+            raise CheckpointError("mlp_bias=true is not supported")
+        n_layers = int(d["num_hidden_layers"])
+        n_heads = int(d["num_attention_heads"])
+        head_dim = int(d.get("head_dim") or d["hidden_size"] // n_heads)
+
+        rope = d.get("rope_parameters") or {}
+        rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            rtype = scaling.get("rope_type", scaling.get("type", "default"))
+            if rtype not in ("default", "llama3", "linear"):
+                raise CheckpointError(f"unsupported rope scaling type {rtype!r}; supported: llama3, linear")
+            scaling["rope_type"] = rtype
+            if rtype == "default":
+                scaling = None
+
+        window = d.get("sliding_window")
+        if arch == "qwen2":
+            use = bool(d.get("use_sliding_window", False))
+            max_window_layers = int(d.get("max_window_layers", n_layers))
+            windows = tuple(
+                int(window) if use and window and i >= max_window_layers else None for i in range(n_layers)
+            )
+        else:
+            windows = (int(window) if window else None,) * n_layers
+        layer_types = d.get("layer_types")
+        if layer_types and window:
+            windows = tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+        eos: list[int] = []
+        for src in (generation_config or {}, d):
+            e = src.get("eos_token_id")
+            if e is None:
+                continue
+            for x in e if isinstance(e, list) else [e]:
+                if int(x) not in eos:
+                    eos.append(int(x))
+        attention_bias = bool(d.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=n_layers,
+            num_heads=n_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            sliding_windows=windows,
+            qkv_bias=arch == "qwen2" or attention_bias,
+            o_bias=attention_bias and arch != "qwen2",
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=tuple(eos),
+            dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        """Read `config.json` (and `generation_config.json` when present) from a checkpoint directory."""
+        p = Path(path)
+        cfg = p / "config.json"
+        if not cfg.is_file():
+            raise CheckpointError(f"{p}: no config.json (is this a Hugging Face checkpoint directory?)")
+        gen = p / "generation_config.json"
+        gen_d = json.loads(gen.read_text()) if gen.is_file() else None
+        return cls.from_hf_dict(json.loads(cfg.read_text()), gen_d)
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs: KV cache size, batching limits, kernels, device."""
+
+    block_size: int = 16  # tokens per KV-cache block
+    num_blocks: int | None = None  # None: sized from free device memory (CUDA) or cpu_kv_cache_tokens
+    gpu_memory_utilization: float = 0.90  # share of total GPU memory the engine may use
+    cpu_kv_cache_tokens: int = 65536  # KV capacity on CPU when num_blocks is None
+    max_num_batched_tokens: int = 8192  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 256  # most requests running at once
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    kernel_backend: str | None = None  # "triton" | "torch"; None: triton on CUDA, torch elsewhere
+    cuda_graphs: bool = True  # capture the decode step (CUDA + triton only)
+    cuda_graph_max_batch: int | None = None  # None: max_num_seqs
+    dtype: str | None = None  # None: the checkpoint's dtype (bf16 on CUDA, fp32 on CPU if it can't)
+    device: str | None = None  # None: cuda when available, else cpu
+    seed: int = 0  # seed of the engine-wide RNG used by unseeded sampling
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be positive")
+        if self.kernel_backend not in (None, "torch", "triton"):
+            raise ValueError("kernel_backend must be 'torch' or 'triton'")

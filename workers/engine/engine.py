@@ -1,0 +1,276 @@
+"""The engine: add_request / abort / step. Schedules, runs the model, turns samples into events."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas.sampling import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.errors import InvalidRequestError
+from workers.engine.kv_cache_manager import KVCacheManager
+from workers.engine.model_runner import ModelRunner
+from workers.engine.outputs import (
+    EngineStats,
+    EngineTimings,
+    FinishedRequest,
+    FirstTokenEvent,
+    StepOutput,
+    Usage,
+)
+from workers.engine.presets import PRESETS
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Request, RequestTimes
+from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+STATS_WINDOW_S = 10.0
+
+
+class LLMEngine:
+    """Continuous batching over one paged KV cache with prefix reuse.
+
+    `model` is a preset name (random weights: "tiny", "llama3-8b") or a Hugging Face checkpoint
+    directory. Not thread-safe: one thread calls add_request/abort/step.
+    """
+
+    def __init__(self, model: str = "tiny", config: EngineConfig | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model_name = model
+        self.runner = ModelRunner(model, self.config)
+        self.model_config = self.runner.model_config
+        if tokenizer is None:
+            if model in PRESETS:
+                bos, eos = (256, 257) if model == "tiny" else (None, None)
+                tokenizer = Tokenizer.byte_level(bos, eos)
+            else:
+                tokenizer = Tokenizer.from_dir(Path(model))
+        self.tokenizer = tokenizer
+        self.max_model_len = self.runner.max_model_len
+        self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len
+        )
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+        self._pending_finished: list[FinishedRequest] = []
+        self._steps = 0
+        self._history: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises InvalidRequestError (with a code) for this request only."""
+        if request_id in self.requests:
+            raise InvalidRequestError("duplicate_request_id", f"request {request_id!r} is already in the engine")
+        sp = self._validate_sampling(sampling)
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("empty_prompt", "give a prompt or prompt_token_ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise InvalidRequestError("empty_prompt", "the prompt has no tokens")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError("invalid_prompt", f"token ids must be in [0, {vocab})")
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt_too_long", f"prompt has {n} tokens; the model's context is {self.max_model_len}"
+            )
+        if n + sp.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens_out_of_range",
+                f"prompt ({n} tokens) + max_tokens ({sp.max_tokens}) exceeds the context ({self.max_model_len})",
+            )
+        capacity = self.runner.num_blocks * self.config.block_size
+        if n + sp.max_tokens > capacity:
+            raise InvalidRequestError(
+                "prompt_too_long",
+                f"prompt + max_tokens ({n + sp.max_tokens}) exceeds the KV cache ({capacity} tokens)",
+            )
+        req = Request(
+            request_id=request_id,
+            token_ids=ids,
+            num_prompt_tokens=n,
+            sampling=sp,
+            priority=int(priority),
+            arrival_index=next(self._arrivals),
+            times=RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic()),
+            eos_token_ids=frozenset() if sp.ignore_eos else self.eos_token_ids,
+        )
+        self.requests[request_id] = req
+        if sp.stop:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids)
+        self.scheduler.add(req)
+
+    @staticmethod
+    def _validate_sampling(sampling: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+        if sampling is None:
+            return SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            try:
+                return SamplingParams.model_validate(dict(sampling))
+            except ValidationError as e:
+                raise InvalidRequestError("invalid_sampling", _pydantic_message(e)) from None
+        # re-check what model_construct() could have skipped
+        s = sampling
+        if s.max_tokens < 1:
+            raise InvalidRequestError("max_tokens_out_of_range", "max_tokens must be at least 1")
+        if s.temperature < 0:
+            raise InvalidRequestError("invalid_sampling", "temperature must be >= 0")
+        if not 0 < s.top_p <= 1:
+            raise InvalidRequestError("invalid_sampling", "top_p must be in (0, 1]")
+        if s.top_k is not None and s.top_k < 0:
+            raise InvalidRequestError("invalid_sampling", "top_k must be >= 0")
+        return s
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks; the next step reports it finished ("abort")."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, "abort")
+        self._pending_finished.append(self._finish(req, time.monotonic()))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending_finished)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one iteration ----------------------------------------------------------------
+    def step(self) -> StepOutput:
+        """Schedule and run one step; return the first-token and finished events it produced."""
+        result = StepOutput(finished=self._pending_finished)
+        self._pending_finished = []
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return result
+        tokens = self.runner.execute(out)
+        now = time.monotonic()
+        self._steps += 1
+        result.num_scheduled = len(out.scheduled)
+        result.num_batched_tokens = out.num_batched_tokens
+        prompt_tokens = 0
+        it = iter(tokens)
+        for e in out.scheduled:
+            req = e.request
+            req.num_computed_tokens += e.num_new_tokens
+            prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - e.num_computed_tokens)
+            if not e.samples:
+                continue
+            tok = next(it)
+            req.token_ids.append(tok)
+            if req.times.first_token is None:
+                req.times.first_token = now
+                result.first_tokens.append(
+                    FirstTokenEvent(req.request_id, tok, now, (now - req.times.arrival) * 1e3)
+                )
+            reason = self._check_stop(req, tok)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                result.finished.append(self._finish(req, now))
+        self._history.append((now, prompt_tokens, len(tokens)))
+        while self._history and now - self._history[0][0] > STATS_WINDOW_S:
+            self._history.popleft()
+        return result
+
+    def _check_stop(self, req: Request, tok: int) -> str | None:
+        sp = req.sampling
+        if tok in sp.stop_token_ids or tok in req.eos_token_ids:
+            req.stop_reason = tok
+            return "stop"
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            delta = detok.add(tok)
+            if delta:
+                start = max(0, len(req.text) - max(len(s) for s in sp.stop) + 1)
+                req.text += delta
+                for s in sp.stop:
+                    pos = req.text.find(s, start)
+                    if pos != -1:
+                        req.text = req.text[:pos]
+                        req.stop_reason = s
+                        return "stop"
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, now: float) -> FinishedRequest:
+        req.times.finished = now
+        del self.requests[req.request_id]
+        self.runner.release(req.request_id)
+        out_ids = req.output_token_ids
+        if isinstance(req.stop_reason, str):
+            text = req.text
+        else:
+            shown = out_ids[:-1] if isinstance(req.stop_reason, int) else out_ids
+            text = self.tokenizer.decode(shown)
+        self._detok.pop(req.request_id, None)
+        t = req.times
+        return FinishedRequest(
+            request_id=req.request_id,
+            output_token_ids=list(out_ids),
+            text=text,
+            finish_reason=req.finish_reason or "abort",
+            stop_reason=req.stop_reason,
+            usage=Usage(req.num_prompt_tokens, req.num_cached_tokens or 0, len(out_ids)),
+            timings=EngineTimings(t.arrival, t.first_scheduled, t.first_token, now),
+            num_preemptions=req.num_preemptions,
+        )
+
+    # ---- introspection ----------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        if len(self._history) >= 2:
+            span = self._history[-1][0] - self._history[0][0]
+            p = sum(h[1] for h in list(self._history)[1:])
+            g = sum(h[2] for h in list(self._history)[1:])
+            pt, gt = (p / span, g / span) if span > 0 else (0.0, 0.0)
+        else:
+            pt = gt = 0.0
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used,
+            kv_blocks_free=pool.num_free,
+            prefix_hit_rate=self.kv.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_per_s=pt,
+            generation_tokens_per_s=gt,
+            steps=self._steps,
+            kernel_backend=self.runner.ops.name,
+            cuda_graphs=self.runner.graphs is not None,
+        )
+
+
+def _pydantic_message(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts)

@@ -1,0 +1,205 @@
+"""Runs one scheduled step on the device: flatten the batch, forward, logits where sampled, sample."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels.ops import KernelOps, get_ops
+from workers.engine.attention import AttentionMetadata
+from workers.engine.config import EngineConfig, ModelConfig
+from workers.engine.cuda_graphs import DecodeGraphs
+from workers.engine.loader import load_checkpoint, random_model, resolve_dtype
+from workers.engine.models.llama import LlamaForCausalLM
+from workers.engine.models.rope import rope_cos_sin
+from workers.engine.presets import PRESETS
+from workers.engine.sampler import Sampler, SamplingBatch
+from workers.engine.scheduler import SchedulerOutput
+from workers.engine.sequence import Request
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name is not None:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class ModelRunner:
+    """Owns the model, the KV cache and the sampler on one device."""
+
+    def __init__(self, model: str, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        backend = config.kernel_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.ops: KernelOps = get_ops(backend)
+        self.model, self.model_config = self._load(model)
+        self.dtype = next(self.model.parameters()).dtype
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.cos_sin = rope_cos_sin(mc.head_dim, mc.rope_theta, mc.rope_scaling, self.max_model_len, self.device)
+        self.num_blocks = config.num_blocks or self._auto_num_blocks()
+        # one extra block at index num_blocks: scratch slots for padded (graph) rows
+        shape = (self.num_blocks + 1, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(mc.num_layers)
+        ]
+        self.pad_slot = self.num_blocks * self.block_size
+        self.sampler = Sampler(self.device, config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton":
+            max_bs = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
+            self.graphs = DecodeGraphs(self, max_bs)
+            self.graphs.capture()
+
+    # ---- loading and sizing -------------------------------------------------------------
+    def _load(self, model: str) -> tuple[LlamaForCausalLM, ModelConfig]:
+        if model in PRESETS:
+            cfg = PRESETS[model]
+            dtype = resolve_dtype(self.config.dtype or cfg.dtype, self.device)
+            if self.device.type == "cpu" and dtype != torch.float32 and self.config.dtype is None:
+                dtype = torch.float32
+            return random_model(cfg, self.ops, self.device, dtype, seed=self.config.seed), cfg
+        if not Path(model).exists():
+            raise ValueError(f"model {model!r} is neither a preset {sorted(PRESETS)} nor a directory")
+        dtype = resolve_dtype(self.config.dtype, self.device) if self.config.dtype else None
+        model_, cfg = load_checkpoint(model, self.ops, self.device, dtype)
+        return model_, cfg
+
+    def kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+
+    def _auto_num_blocks(self) -> int:
+        c = self.config
+        if self.device.type != "cuda":
+            return max(c.cpu_kv_cache_tokens // self.block_size, 1)
+        mc = self.model_config
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others_and_us = total - free
+        # activations of the largest step plus logits, with margin (measured peaks are below this)
+        t = c.max_num_batched_tokens
+        act = t * (mc.hidden_size * 12 + mc.intermediate_size * 6 + (mc.q_size + 2 * mc.kv_size) * 4)
+        act += c.max_num_seqs * mc.vocab_size * 4 * 4 + (1 << 30)
+        budget = total * c.gpu_memory_utilization - used_by_others_and_us - act
+        n = int(budget // self.kv_bytes_per_block())
+        if n < self.max_blocks_per_seq // 4:
+            raise RuntimeError(
+                f"only {max(n, 0)} KV blocks fit in GPU memory; lower max_num_batched_tokens or "
+                "raise gpu_memory_utilization"
+            )
+        return n
+
+    # ---- one step -------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+        """Flatten the step's tokens into one varlen batch. Returns (input_ids, positions, meta, logit rows)."""
+        entries = out.scheduled
+        nd = out.num_decodes
+        n_new = np.fromiter((e.num_new_tokens for e in entries), dtype=np.int64, count=len(entries))
+        start = np.fromiter((e.num_computed_tokens for e in entries), dtype=np.int64, count=len(entries))
+        seq_lens = start + n_new
+        cu = np.concatenate(([0], np.cumsum(n_new)))
+        total = int(cu[-1])
+        ids: list[int] = []
+        for e in entries:
+            s = e.num_computed_tokens
+            ids.extend(e.request.token_ids[s : s + e.num_new_tokens])
+        tok_row = np.repeat(np.arange(len(entries)), n_new)
+        positions = np.arange(total, dtype=np.int64) - cu[:-1][tok_row] + start[tok_row]
+        width = int(-(-seq_lens.max() // self.block_size))
+        tables = np.zeros((len(entries), width), dtype=np.int32)
+        for i, e in enumerate(entries):
+            b = e.request.block_ids[:width]
+            tables[i, : len(b)] = b
+        slots = tables[tok_row, positions // self.block_size].astype(np.int64) * self.block_size + (
+            positions % self.block_size
+        )
+        sample_rows = np.array([i for i, e in enumerate(entries) if e.samples], dtype=np.int64)
+        logit_rows = cu[1:][sample_rows] - 1
+
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+        pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+        tables_t = torch.from_numpy(tables).to(dev, non_blocking=True)
+        seq_t = torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True)
+        np_ = len(entries) - nd
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            num_decodes=nd,
+            num_decode_tokens=nd,
+            decode_block_tables=tables_t[:nd] if nd else None,
+            decode_seq_lens=seq_t[:nd] if nd else None,
+            prefill_block_tables=tables_t[nd:] if np_ else None,
+            prefill_query_start_loc=(
+                torch.from_numpy((cu[nd:] - cu[nd]).astype(np.int32)).to(dev, non_blocking=True) if np_ else None
+            ),
+            prefill_seq_lens=seq_t[nd:] if np_ else None,
+            prefill_max_query_len=int(n_new[nd:].max()) if np_ else 0,
+        )
+        return input_ids, pos_t, meta, logit_rows
+
+    def sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        if all(r.sampling.temperature == 0.0 for r in reqs):
+            return SamplingBatch(True, None, None, None, None, [])
+        dev = self.device
+        temps = [r.sampling.temperature or 1.0 for r in reqs]
+        greedy = [r.sampling.temperature == 0.0 for r in reqs]
+        v = self.model_config.vocab_size
+        top_k = [r.sampling.top_k if r.sampling.top_k else v for r in reqs]
+        top_p = [r.sampling.top_p for r in reqs]
+        gens: list[torch.Generator | None] = []
+        for r in reqs:
+            g = None
+            if r.sampling.seed is not None and r.sampling.temperature > 0:
+                g = self._generators.get(r.request_id)
+                if g is None:
+                    g = torch.Generator(device=dev).manual_seed(r.sampling.seed)
+                    self._generators[r.request_id] = g
+            gens.append(g)
+        return SamplingBatch(
+            all_greedy=False,
+            temperature=torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool).to(dev, non_blocking=True),
+            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev, non_blocking=True) if any(k < v for k in top_k) else None,
+            top_p=torch.tensor(top_p, dtype=torch.float32).to(dev, non_blocking=True) if any(p < 1.0 for p in top_p) else None,
+            generators=gens,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (its RNG) once it has finished."""
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        """Run the step; return one sampled token id per scheduled entry that samples, in order."""
+        sampling_reqs = [e.request for e in out.scheduled if e.samples]
+        if self.graphs is not None and out.num_decodes == len(out.scheduled) and self.graphs.fits(len(out.scheduled)):
+            logits = self.graphs.run(out)
+        else:
+            input_ids, positions, meta, logit_rows = self.prepare(out)
+            hidden, residual = self.model(input_ids, positions, self.cos_sin, self.kv_caches, meta)
+            if len(logit_rows) == 0:
+                return []
+            rows = torch.from_numpy(logit_rows).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[rows], residual[rows])
+        if not sampling_reqs:
+            return []
+        tokens = self.sampler(logits, self.sampling_batch(sampling_reqs))
+        return tokens.tolist()
+
+    def decode_num_splits(self, batch: int) -> int:
+        """Flash-decoding splits for a graph-captured batch: enough programs to fill the GPU."""
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        progs = batch * self.model_config.num_kv_heads
+        want = math.ceil(2 * sms / progs)
+        return int(max(1, min(want, 32, self.max_blocks_per_seq)))

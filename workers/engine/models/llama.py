@@ -1,0 +1,114 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2) over the paged KV cache.
+
+q/k/v and gate/up projections are fused into single matrices at load time. Every op that the
+Triton kernels replace goes through the `KernelOps` bound at construction.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.ops import KernelOps
+from workers.engine.attention import AttentionMetadata, PagedAttention
+from workers.engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, ops: KernelOps) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [T, H] -> (normed(x + residual), x + residual)
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ops: KernelOps) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ops = ops
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.attn = PagedAttention(ops, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer])
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) * D]
+        q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+        q, _ = self.ops.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        o = self.attn(q, k_cache, v_cache, meta)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, cfg.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ops: KernelOps) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, layer, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, cos_sin, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer; `forward` returns final hidden states, `compute_logits` the logits."""
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ops = ops
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # input_ids, positions: [T] -> (last layer output [T, H], residual [T, H]), before the final norm
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, cos_sin, kc, vc, meta)
+        assert residual is not None
+        return x, residual
+
+    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # hidden, residual: [N, H] rows that sample -> logits [N, V] fp32 (final norm fused with the add)
+        h, _ = self.norm(hidden, residual)
+        return torch.nn.functional.linear(h, self.lm_head_weight).float()

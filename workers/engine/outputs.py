@@ -1,0 +1,104 @@
+"""What the engine reports: first-token events and finished requests, with usage and timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int  # served by the prefix cache at admission
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineTimings:
+    """Monotonic instants (seconds) inside the engine, and durations derived from them (ms)."""
+
+    arrival: float  # add_request
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float
+
+    @property
+    def queue_ms(self) -> float | None:
+        """Wait in the engine before the first step computed any of the prompt."""
+        return None if self.first_scheduled is None else (self.first_scheduled - self.arrival) * 1e3
+
+    @property
+    def engine_ttft_ms(self) -> float | None:
+        """First token minus admission to the engine."""
+        return None if self.first_token is None else (self.first_token - self.arrival) * 1e3
+
+    @property
+    def prefill_ms(self) -> float | None:
+        """First token minus the first step that computed the prompt."""
+        if self.first_token is None or self.first_scheduled is None:
+            return None
+        return (self.first_token - self.first_scheduled) * 1e3
+
+    @property
+    def e2e_ms(self) -> float:
+        return (self.finished - self.arrival) * 1e3
+
+
+@dataclass(frozen=True)
+class FirstTokenEvent:
+    """A request's first output token was sampled."""
+
+    request_id: str
+    token_id: int
+    time: float  # monotonic
+    engine_ttft_ms: float
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A request that left the engine: its output, why it ended, usage and timings."""
+
+    request_id: str
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    stop_reason: int | str | None  # the token id or stop string that ended it
+    usage: Usage
+    timings: EngineTimings
+    num_preemptions: int = 0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first."""
+        t = self.timings
+        n = self.usage.completion_tokens
+        if t.first_token is None or n < 2:
+            return None
+        return (t.finished - t.first_token) * 1e3 / (n - 1)
+
+
+@dataclass
+class StepOutput:
+    """Events of one engine step."""
+
+    first_tokens: list[FirstTokenEvent] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+    num_scheduled: int = 0  # requests that computed tokens this step
+    num_batched_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load and cache."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_hit_rate: float  # share of admitted prompt tokens served from the prefix cache
+    num_preemptions: int
+    prompt_tokens_per_s: float  # over the last stats window
+    generation_tokens_per_s: float
+    steps: int
+    kernel_backend: str
+    cuda_graphs: bool

@@ -1,0 +1,68 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds; no host sync inside."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of the rows that sample this step, on the device."""
+
+    all_greedy: bool
+    temperature: torch.Tensor | None  # [N] fp32; 1.0 on greedy rows
+    greedy_mask: torch.Tensor | None  # [N] bool
+    top_k: torch.Tensor | None  # [N] int64, vocab size where unset; None when no row sets it
+    top_p: torch.Tensor | None  # [N] fp32; None when no row sets it
+    generators: list[torch.Generator | None]  # per row: the request's own RNG when seeded
+
+
+class Sampler:
+    """Picks one token per row of logits."""
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        # logits: [N, V] fp32 -> token ids [N] int64 (on the device)
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
+        assert batch.temperature is not None and batch.greedy_mask is not None
+        greedy = logits.argmax(dim=-1)
+        x = logits / batch.temperature[:, None]
+        if batch.top_k is not None or batch.top_p is not None:
+            x = _top_k_top_p(x, batch.top_k, batch.top_p)
+        probs = torch.softmax(x, dim=-1)
+        noise = self._exponential(probs, batch.generators)
+        # argmax(p / E) with E ~ Exp(1) draws from p without a host sync (the Gumbel-max trick's twin)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(batch.greedy_mask, greedy, sampled)
+
+    def _exponential(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        if not any(g is not None for g in generators):
+            return noise.exponential_(generator=self.generator)
+        noise.exponential_(generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        return noise
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus to -inf. x: [N, V]."""
+    sorted_x, idx = x.sort(dim=-1, descending=True)
+    v = x.shape[-1]
+    if top_k is not None:
+        ranks = torch.arange(v, device=x.device)[None, :]
+        sorted_x = sorted_x.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        p = torch.softmax(sorted_x, dim=-1)
+        cum = p.cumsum(dim=-1)
+        # drop a token when the mass before it already reaches top_p; the first token always stays
+        drop = (cum - p) >= top_p[:, None]
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter(-1, idx, sorted_x)

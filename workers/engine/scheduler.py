@@ -1,0 +1,199 @@
+"""Iteration-level scheduling: which requests compute how many tokens in the next step."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from workers.engine.kv_cache_manager import KVCacheManager
+from workers.engine.sequence import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at num_computed_tokens
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so its logits give the next one."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What the next step computes."""
+
+    # decodes first (exactly one new token each), then prefills (chunks, prefix-hit remainders)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_decodes: int = 0  # the first num_decodes entries of `scheduled` have one new token
+    num_batched_tokens: int = 0  # total new tokens this step
+    preempted: list[Request] = field(default_factory=list)  # taken off the running list this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """Waiting requests, highest priority first, then first come first served; O(log n) push/pop.
+
+    Removal is lazy: a heap entry counts only while its request is still the live one for its id.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple[int, int], int, Request]] = []
+        self._live: dict[str, Request] = {}
+        self._pushes = 0
+
+    def push(self, req: Request) -> None:
+        self._pushes += 1
+        heapq.heappush(self._heap, (req.sort_key(), self._pushes, req))
+        self._live[req.request_id] = req
+
+    def _drop_stale(self) -> None:
+        while self._heap and self._live.get(self._heap[0][2].request_id) is not self._heap[0][2]:
+            heapq.heappop(self._heap)
+
+    def peek(self) -> Request | None:
+        self._drop_stale()
+        return self._heap[0][2] if self._heap else None
+
+    def pop(self) -> Request:
+        self._drop_stale()
+        req = heapq.heappop(self._heap)[2]
+        del self._live[req.request_id]
+        return req
+
+    def remove(self, req: Request) -> bool:
+        if self._live.get(req.request_id) is not req:
+            return False
+        del self._live[req.request_id]
+        return True
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, req: Request) -> bool:
+        return self._live.get(req.request_id) is req
+
+
+class Scheduler:
+    """Continuous batching with a per-step token budget, chunked prefill, prefix reuse and preemption.
+
+    Running requests are served first, in admission order; then waiting ones are admitted while
+    the token budget, `max_num_seqs` and free blocks allow. When blocks run out, the running
+    request of lowest priority, newest among equals, is preempted: its blocks are freed and it
+    waits to be recomputed (its cached prefix makes the recompute cheap).
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.push(req)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def _pick_victim(self) -> Request:
+        """The running request of lowest priority, newest among equals."""
+        return max(self.running, key=lambda r: (-r.priority, r.arrival_index))
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        entries: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self._pick_victim()
+                vi = self.running.index(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+                if vi < i:  # it was scheduled earlier in this step: take it back out
+                    i -= 1
+                    for k, e in enumerate(entries):
+                        if e.request is victim:
+                            budget += e.num_new_tokens
+                            del entries[k]
+                            break
+            else:
+                entries.append(ScheduledRequest(req, n, req.num_computed_tokens))
+                budget -= n
+                i += 1
+
+        if not preempted:
+            now = time.monotonic()
+            while budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting.peek()
+                if req is None:
+                    break
+                cached, n_cached = self.kv.find_cached_prefix(req)
+                n = min(req.num_tokens - n_cached, budget)
+                if not self.kv.allocate_slots(req, n, cached):
+                    break
+                self.waiting.pop()
+                if req.num_cached_tokens is None:
+                    req.num_cached_tokens = n_cached
+                    self.kv.record_hit(req.num_prompt_tokens, n_cached)
+                if req.times.first_scheduled is None:
+                    req.times.first_scheduled = now
+                req.num_computed_tokens = n_cached
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                entries.append(ScheduledRequest(req, n, n_cached))
+                budget -= n
+
+        decodes = [e for e in entries if e.num_new_tokens == 1]
+        prefills = [e for e in entries if e.num_new_tokens > 1]
+        return SchedulerOutput(
+            scheduled=decodes + prefills,
+            num_decodes=len(decodes),
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            preempted=preempted,
+        )
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Take a request out of the scheduler for good and free its blocks."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,79 @@
+"""One request's state inside the engine: computed tokens catching up to total tokens."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from schemas.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again after its blocks were taken; recomputes on resume
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestTimes:
+    """Monotonic instants (seconds, `time.monotonic()`) in the request's life inside the engine."""
+
+    arrival: float  # add_request
+    first_scheduled: float | None = None  # first step that computed any of its tokens
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's tokens and progress.
+
+    `token_ids` holds the prompt followed by the generated tokens. Every step computes some of
+    the tokens in [num_computed_tokens, num_tokens): a prompt chunk, the rest of a prefix hit, or
+    the one token sampled last step. When num_computed_tokens reaches num_tokens, the step's
+    logits give the next token. Higher `priority` is scheduled first; ties go first come first served.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    priority: int
+    arrival_index: int  # engine-wide admission order (FCFS tie-break)
+    times: RequestTimes
+    eos_token_ids: frozenset[int] = frozenset()
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache at first admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
+    num_indexed_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the token id or stop string that ended it
+    text: str = ""  # output text so far (kept only when stop strings need it)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Waiting-queue order: highest priority first, then earliest arrival."""
+        return (-self.priority, self.arrival_index)
