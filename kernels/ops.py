@@ -19,7 +19,12 @@ class KernelOps:
 
 
 def get_ops(backend: str) -> KernelOps:
-    """Return the op set for `backend`: "torch" (references, any device) or "triton"."""
+    """Return the op set for `backend`: "torch" (references, any device) or "triton".
+
+    The Triton ops take the references' arguments, plus optional extras: prefill_attention a
+    `max_query_len` int that sizes its grid, decode_attention a `num_splits` int. Triton's
+    rope_and_cache rotates q and k in place (the reference returns new tensors).
+    """
     if backend == "torch":
         from kernels.decode_attention import decode_attention_ref
         from kernels.prefill_attention import paged_attention_ref
@@ -36,5 +41,18 @@ def get_ops(backend: str) -> KernelOps:
             decode_attention=decode_attention_ref,
         )
     if backend == "triton":
-        raise NotImplementedError("triton kernels are not in yet")
+        from kernels.decode_attention import decode_attention_triton
+        from kernels.prefill_attention import paged_attention_triton
+        from kernels.rmsnorm import rms_norm_triton
+        from kernels.rope_cache import rope_and_cache_triton
+        from kernels.silu_mul import silu_and_mul_triton
+
+        return KernelOps(
+            name="triton",
+            rms_norm=rms_norm_triton,
+            silu_and_mul=silu_and_mul_triton,
+            rope_and_cache=rope_and_cache_triton,
+            prefill_attention=paged_attention_triton,
+            decode_attention=decode_attention_triton,
+        )
     raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from kernels._triton import cdiv, check, lazy_jit, next_pow2, num_sms
 
 
 def paged_attention_ref(
@@ -22,7 +26,7 @@ def paged_attention_ref(
     seq_lens: [B] int32 (context length including the new tokens). Hq is a multiple of Hk
     (grouped-query heads). Returns [T, Hq, D] in q.dtype; softmax in fp32.
     """
-    T, hq, d = q.shape
+    _T, hq, d = q.shape
     bs, hk = k_cache.shape[1], k_cache.shape[2]
     group = hq // hk
     out = torch.empty_like(q)
@@ -49,4 +53,235 @@ def paged_attention_ref(
         scores = scores.masked_fill(~allowed, float("-inf"))
         p = torch.softmax(scores, dim=-1)
         out[s:e] = torch.einsum("hnk,khd->nhd", p, v).to(q.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton
+# ---------------------------------------------------------------------------------------------
+
+tl: Any = None  # triton.language, bound at the first launch by kernels._triton.lazy_jit
+
+
+@lazy_jit
+def _paged_attention_kernel(
+    q_ptr,  # q: [T, Hq, D], last dim contiguous
+    k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous
+    v_cache_ptr,  # v_cache: same shape and strides as k_cache
+    out_ptr,  # out: [T, Hq, D], last dim contiguous
+    bt_ptr,  # block_tables: [B, max_blocks] int32
+    qsl_ptr,  # query_start_loc: [B + 1] int32
+    seq_lens_ptr,  # seq_lens: [B] int32, context length including the new tokens
+    qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
+    window,  # sliding window W (read only when HAS_WINDOW)
+    num_m_tiles,  # grid size along axis 0 (query tiles per sequence, an upper bound)
+    stride_qt,  # q token stride (elements)
+    stride_qh,  # q head stride
+    stride_ot,  # out token stride
+    stride_oh,  # out head stride
+    stride_cb,  # cache block stride (k and v caches share strides)
+    stride_cs,  # cache slot-in-block stride
+    stride_ch,  # cache kv-head stride
+    stride_bt,  # block_tables row stride
+    GROUP: tl.constexpr,  # q heads per kv head (Hq // Hk)
+    G_PACK: tl.constexpr,  # q heads of the group packed into one program's M rows
+    HEAD_CHUNKS: tl.constexpr,  # programs per kv head along axis 1 = cdiv(GROUP, G_PACK)
+    BLOCK_Q: tl.constexpr,  # query tokens per program = BLOCK_M // G_PACK
+    BLOCK_M: tl.constexpr,  # rows of the score tile (BLOCK_Q tokens x G_PACK heads)
+    BLOCK_N: tl.constexpr,  # keys per tile
+    HEAD_DIM: tl.constexpr,  # D
+    BLOCK_D: tl.constexpr,  # power of two >= D
+    BLOCK_SIZE: tl.constexpr,  # KV cache block size (tokens per block)
+    HAS_WINDOW: tl.constexpr,  # apply the sliding window
+    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs, else "tf32" (unused for 16 bit)
+    DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
+):
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2)
+    kvh = pid_h // HEAD_CHUNKS
+    chunk = pid_h % HEAD_CHUNKS
+
+    q_start = tl.load(qsl_ptr + b)
+    n_new = tl.load(qsl_ptr + b + 1) - q_start
+    ctx = tl.load(seq_lens_ptr + b)
+    prefix = ctx - n_new  # cached tokens before the new ones
+    m_tile = num_m_tiles - 1 - pid_m  # the longest (last) tiles start first
+    if m_tile * BLOCK_Q >= n_new:
+        return
+
+    # rows r of the tile: token m_tile * BLOCK_Q + r // G_PACK, head kvh * GROUP + chunk * G_PACK + r % G_PACK
+    r = tl.arange(0, BLOCK_M)
+    tok = m_tile * BLOCK_Q + r // G_PACK  # [BLOCK_M] index among the sequence's new tokens
+    g = chunk * G_PACK + r % G_PACK  # [BLOCK_M] head within the group
+    row_ok = (r < BLOCK_Q * G_PACK) & (tok < n_new) & (g < GROUP)
+    qpos = prefix + tok  # [BLOCK_M] absolute position of each row's query
+    qh = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    row_t = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + row_t[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & dmask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    q_lo = prefix + m_tile * BLOCK_Q  # smallest query position in the tile
+    q_hi = prefix + tl.minimum((m_tile + 1) * BLOCK_Q, n_new) - 1  # largest
+    k_end = q_hi + 1  # causal: no key past the last query
+    k_begin = 0
+    if HAS_WINDOW:
+        k_begin = tl.maximum(q_lo - window + 1, 0)
+        k_begin = (k_begin // BLOCK_N) * BLOCK_N  # tiles fully outside every row's window are skipped
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows give p = 0, not NaN
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    kv_head_off = kvh.to(tl.int64) * stride_ch
+    for start in range(k_begin, k_end, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        k_ok = kpos < k_end
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
+        kv_mask = k_ok[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        # only tiles on the causal diagonal or the window's edge need the per-element mask
+        need_mask = start + BLOCK_N - 1 > q_lo
+        if HAS_WINDOW:
+            need_mask = need_mask | (start < q_hi - window + 1)
+        if need_mask:
+            allowed = kpos[None, :] <= qpos[:, None]
+            if HAS_WINDOW:
+                allowed = allowed & (kpos[None, :] > qpos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if DOT_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + row_t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dmask[None, :],
+    )
+
+
+def check_paged_inputs(
+    name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[int, int, int, int]:
+    """Shared launcher checks of the attention ops; returns (Hq, Hk, D, block_size)."""
+    check(q.dim() == 3, f"{name}: q must be [T, Hq, D], got {tuple(q.shape)}")
+    _, hq, d = q.shape
+    check(k_cache.dim() == 4, f"{name}: k_cache must be [num_blocks, block_size, Hk, D], got {tuple(k_cache.shape)}")
+    _, bs, hk, dk = k_cache.shape
+    check(dk == d, f"{name}: head_dim of q ({d}) != cache ({dk})")
+    check(hq % hk == 0, f"{name}: Hq={hq} is not a multiple of Hk={hk}")
+    check(v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
+          f"{name}: v_cache must have k_cache's shape and strides")
+    check(q.stride(2) == 1 and k_cache.stride(3) == 1, f"{name}: q and the caches need a contiguous last dim")
+    check(q.dtype == k_cache.dtype == v_cache.dtype,
+          f"{name}: dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    check(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"{name}: unsupported dtype {q.dtype}")
+    check(block_tables.dim() == 2 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1,
+          f"{name}: block_tables must be [B, max_blocks] int32 with a contiguous last dim")
+    devs = {q.device, k_cache.device, v_cache.device, block_tables.device}
+    check(len(devs) == 1, f"{name}: tensors on several devices {devs}")
+    check(d <= 256, f"{name}: head_dim {d} > 256 is not supported")
+    return hq, hk, d, bs
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_query_len: int | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Triton `paged_attention_ref`: the whole varlen batch in one launch, no host sync.
+
+    Grid (query tiles, kv heads x head chunks, sequences); each program packs G_PACK q heads of
+    one kv head's group times BLOCK_Q tokens into its M rows, so each K/V tile is loaded once for
+    the group. max_query_len (a Python int, the longest new-token run in the batch) sizes the
+    grid; without it T is the upper bound and tiles past a sequence's end exit at once.
+    block_m / block_n / num_warps / num_stages override the tile choice (benchmarks).
+    """
+    # q: [T, Hq, D]; out: [T, Hq, D]
+    hq, hk, d, bs = check_paged_inputs("paged_attention", q, k_cache, v_cache, block_tables)
+    b = block_tables.shape[0]
+    check(query_start_loc.shape == (b + 1,) and query_start_loc.dtype == torch.int32,
+          f"paged_attention: query_start_loc must be [{b + 1}] int32")
+    check(seq_lens.shape == (b,) and seq_lens.dtype == torch.int32, f"paged_attention: seq_lens must be [{b}] int32")
+    check(query_start_loc.is_contiguous() and seq_lens.is_contiguous(),
+          "paged_attention: query_start_loc and seq_lens must be contiguous")
+    check(query_start_loc.device == q.device and seq_lens.device == q.device,
+          "paged_attention: metadata on another device than q")
+    check(sliding_window is None or sliding_window >= 1, f"paged_attention: bad sliding_window {sliding_window}")
+    t = q.shape[0]
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    max_q = t if max_query_len is None else min(max_query_len, t)
+    if t == 0 or b == 0 or max_q <= 0:
+        return out
+    group = hq // hk
+    on_gpu = q.device.type == "cuda"
+    if q.dtype == torch.float32:
+        bm, bn, warps, stages = 64, 32, 4, 2
+    elif on_gpu:
+        bm, bn, warps, stages = 128, 64, 8, 3
+    else:
+        bm, bn, warps, stages = 64, 64, 4, 2
+    g_pack = min(group, 16)
+    if block_m is None and on_gpu and bm == 128:
+        # fewer, fatter programs only when there are enough of them to fill the chip
+        progs = cdiv(max_q, bm // g_pack) * hk * cdiv(group, g_pack) * b
+        if progs < 2 * num_sms(q.device):
+            bm, warps = 64, 4
+    bm = block_m or bm
+    bn = block_n or bn
+    warps = num_warps or warps
+    stages = num_stages or stages
+    check(bm >= 16 and bm & (bm - 1) == 0 and bn >= 16 and bn & (bn - 1) == 0,
+          "paged_attention: block_m and block_n must be powers of two >= 16")
+    g_pack = min(g_pack, bm)
+    block_q = bm // g_pack
+    head_chunks = cdiv(group, g_pack)
+    num_m_tiles = cdiv(max_q, block_q)
+    grid = (num_m_tiles, hk * head_chunks, b)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        scale * 1.4426950408889634,
+        sliding_window or 0,
+        num_m_tiles,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, G_PACK=g_pack, HEAD_CHUNKS=head_chunks, BLOCK_Q=block_q,
+        BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_SIZE=bs,
+        HAS_WINDOW=sliding_window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else "tf32",
+        DOT_FP32=not on_gpu,
+        num_warps=warps, num_stages=stages,
+    )
     return out

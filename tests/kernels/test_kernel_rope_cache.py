@@ -1,0 +1,81 @@
+"""Fused RoPE + paged KV-cache write against its reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testutil import TOL
+
+from kernels.rope_cache import rope_and_cache_ref, rope_and_cache_triton
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def cos_sin_table(max_pos: int, d: int, base: float = 10000.0) -> torch.Tensor:
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]  # [max_pos, D/2]
+    return torch.cat((ang.cos(), ang.sin()), dim=1).contiguous()
+
+
+def make_inputs(t: int, hq: int, hk: int, d: int, bs: int, dtype: torch.dtype):
+    # q, k, v: strided views of one fused qkv output [T, (Hq + 2 Hk) * D]
+    qkv = torch.randn(t, (hq + 2 * hk) * d).to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    num_blocks = t // bs + 4
+    positions = torch.randint(0, 4000, (t,), dtype=torch.int64)
+    slots = torch.randperm(num_blocks * bs)[:t].to(torch.int64)  # distinct slots, random blocks and offsets
+    k_cache = torch.full((num_blocks, bs, hk, d), float("nan"), dtype=dtype)
+    return qkv, q, k, v, positions, slots, k_cache, torch.full_like(k_cache, float("nan"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("t", "hq", "hk", "d"), [(1, 4, 1, 64), (6, 8, 2, 128), (42, 8, 8, 64), (123, 4, 1, 128)])
+def test_rope_and_cache(dtype: torch.dtype, t: int, hq: int, hk: int, d: int) -> None:
+    bs = 16
+    _qkv, q, k, v, pos, slots, kc, vc = make_inputs(t, hq, hk, d, bs, dtype)
+    cs = cos_sin_table(4096, d)
+    q0, k0, v0 = q.clone(), k.clone(), v.clone()
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_ref, k_ref = rope_and_cache_ref(q0, k0, v0, pos, cs, kc_ref, vc_ref, slots)
+
+    q_out, k_out = rope_and_cache_triton(q, k, v, pos, cs, kc, vc, slots)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # rotated in place
+    torch.testing.assert_close(q, q_ref, **TOL[dtype])
+    torch.testing.assert_close(k, k_ref, **TOL[dtype])
+    torch.testing.assert_close(v, v0, atol=0, rtol=0)  # v untouched
+    # exactly the mapped slots were written (the rest is still NaN), with the right values
+    written = torch.zeros(kc.shape[0] * bs, dtype=torch.bool)
+    written[slots] = True
+    flat_k, flat_v = kc.view(-1, hk, d), vc.view(-1, hk, d)
+    assert flat_k[~written].isnan().all() and flat_v[~written].isnan().all()
+    torch.testing.assert_close(flat_k[slots], kc_ref.view(-1, hk, d)[slots], **TOL[dtype])
+    torch.testing.assert_close(flat_v[slots], v0, atol=0, rtol=0)
+
+
+def test_rope_and_cache_catches_slot_off_by_one() -> None:
+    # negative check: the comparison above fails for a cache written one slot off
+    t, hq, hk, d, bs = 6, 4, 2, 64, 16
+    _, q, k, v, pos, slots, kc, vc = make_inputs(t, hq, hk, d, bs, torch.float32)
+    cs = cos_sin_table(4096, d)
+    kc_bad, vc_bad = kc.clone(), vc.clone()
+    rope_and_cache_ref(q.clone(), k.clone(), v.clone(), pos, cs, kc_bad, vc_bad, (slots + 1) % (kc.shape[0] * bs))
+    rope_and_cache_triton(q, k, v, pos, cs, kc, vc, slots)
+    good = kc.view(-1, hk, d)[slots]
+    bad = kc_bad.view(-1, hk, d)[slots]
+    assert not torch.allclose(good, bad, equal_nan=False, **TOL[torch.float32])
+
+
+def test_rope_and_cache_skips_negative_slots() -> None:
+    t, hq, hk, d, bs = 5, 4, 2, 64, 16
+    _, q, k, v, pos, slots, kc, vc = make_inputs(t, hq, hk, d, bs, torch.float32)
+    slots[2] = -1
+    rope_and_cache_triton(q, k, v, pos, cos_sin_table(4096, d), kc, vc, slots)
+    assert (~kc.isnan()).sum() == (t - 1) * hk * d
+
+
+def test_rope_and_cache_rejects_bad_cache() -> None:
+    _, q, k, v, pos, slots, kc, vc = make_inputs(4, 4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="k_cache"):
+        rope_and_cache_triton(q, k, v, pos, cos_sin_table(64, 64), kc[..., :32], vc[..., :32], slots)
