@@ -1,0 +1,104 @@
+"""Block pool and KV cache manager: exact block ids, eviction order, reference counts."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from schemas.sampling import SamplingParams
+from workers.engine.block_pool import BlockPool, hash_block
+from workers.engine.kv_cache_manager import KVCacheManager
+from workers.engine.sequence import Request, RequestTimes
+
+_ids = itertools.count()
+
+
+def make_request(tokens: list[int], priority: int = 0) -> Request:
+    n = next(_ids)
+    return Request(f"q{n}", list(tokens), len(tokens), SamplingParams(max_tokens=4), priority, n, RequestTimes(0.0))
+
+
+def test_allocate_in_order_and_free_to_back():
+    pool = BlockPool(6)
+    a = pool.allocate(2)
+    b = pool.allocate(3)
+    assert [x.block_id for x in a] == [0, 1]
+    assert [x.block_id for x in b] == [2, 3, 4]
+    assert pool.free_block_ids() == [5]
+    pool.release(reversed(a))
+    assert pool.free_block_ids() == [5, 1, 0]
+    assert [x.block_id for x in pool.allocate(2)] == [5, 1]
+    with pytest.raises(RuntimeError):
+        pool.allocate(2)
+
+
+def test_cached_free_block_reused_then_evicted_lru():
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    hashes = [hash_block(None, [i]) for i in range(3)]
+    for blk, h in zip(blocks, hashes):
+        pool.cache(blk, h)
+    pool.release([blocks[1], blocks[0], blocks[2]])  # free order: 1, 0, 2
+    assert pool.free_block_ids() == [1, 0, 2]
+    # a cache hit takes block 0 out of the free queue without evicting it
+    hit = pool.lookup(hashes[0])
+    assert hit is blocks[0]
+    pool.touch([hit])
+    assert pool.free_block_ids() == [1, 2]
+    # the next allocation evicts the least recently freed cached block: 1
+    (new,) = pool.allocate(1)
+    assert new.block_id == 1 and new.block_hash is None
+    assert pool.lookup(hashes[1]) is None
+    assert pool.lookup(hashes[2]) is blocks[2]
+    assert pool.num_evictions == 1
+
+
+def test_release_more_than_taken_is_an_error():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    pool.release([b])
+    with pytest.raises(RuntimeError):
+        pool.release([b])
+
+
+def test_chained_hash_depends_on_parent():
+    h1 = hash_block(None, [1, 2])
+    assert hash_block(h1, [3, 4]) != hash_block(hash_block(None, [9, 9]), [3, 4])
+    assert hash_block(h1, [3, 4]) == hash_block(hash_block(None, [1, 2]), [3, 4])
+
+
+def test_prefix_reuse_and_refcounts():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = make_request(list(range(10)))  # 2 full blocks + 2 tokens
+    assert kv.find_cached_prefix(a) == ([], 0)
+    assert kv.allocate_slots(a, 10)
+    assert a.block_ids == [0, 1, 2]
+    a.num_computed_tokens = 10
+    # b shares the first 8 tokens: the two full blocks are reused, not recomputed
+    b = make_request(list(range(8)) + [99, 98, 97])
+    blocks, n = kv.find_cached_prefix(b)
+    assert [x.block_id for x in blocks] == [0, 1] and n == 8
+    assert kv.allocate_slots(b, 3, blocks)
+    assert b.block_ids == [0, 1, 3]
+    assert [kv.pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
+    kv.free(a)
+    # a's tail goes to the free queue first (evicted first), shared blocks stay held by b
+    assert kv.pool.free_block_ids()[-1:] == [2]
+    kv.free(b)
+    assert all(x.ref_cnt == 0 for x in kv.pool.blocks)
+    assert kv.pool.free_block_ids()[-4:] == [2, 3, 1, 0]
+    # exactly block-aligned prompt: the last block is recomputed so its logits exist
+    c = make_request(list(range(8)))
+    blocks, n = kv.find_cached_prefix(c)
+    assert [x.block_id for x in blocks] == [0] and n == 4
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_request(list(range(12)))
+    assert kv.allocate_slots(a, 12)
+    b = make_request([7] * 5)
+    free_before = kv.pool.free_block_ids()
+    assert not kv.allocate_slots(b, 5)
+    assert b.block_ids == [] and kv.pool.free_block_ids() == free_before

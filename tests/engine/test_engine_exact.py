@@ -1,0 +1,137 @@
+"""Exact greedy outputs under prefix hits, shared prefixes, chunked prefill, preemption and aborts."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.sampling import SamplingParams
+from tests.engine.conftest import hf_greedy, prompt_set
+from workers.engine import LLMEngine, EngineConfig
+
+MAX_NEW = 10
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return prompt_set(8, seed=5, min_len=5, max_len=61)
+
+
+@pytest.fixture(scope="module")
+def shared_prompts() -> list[list[int]]:
+    prefix = prompt_set(1, seed=9, min_len=37, max_len=37)[0]
+    tails = prompt_set(6, seed=10, min_len=1, max_len=20)
+    return [prefix + t for t in tails]
+
+
+@pytest.fixture(scope="module")
+def want(llama_dir, prompts):
+    return hf_greedy(llama_dir, prompts, MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def want_shared(llama_dir, shared_prompts):
+    return hf_greedy(llama_dir, shared_prompts, MAX_NEW)
+
+
+def make_engine(path, **cfg) -> LLMEngine:
+    cfg.setdefault("block_size", 4)
+    return LLMEngine(str(path), EngineConfig(device="cpu", dtype="float32", **cfg))
+
+
+def run_all(engine: LLMEngine, prompts, tag: str = "r", sampling=GREEDY):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", prompt_token_ids=p, sampling=sampling)
+    done = {}
+    while engine.has_unfinished():
+        for f in engine.step().finished:
+            done[f.request_id] = f
+    return [done[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+def assert_pool_clean(engine: LLMEngine) -> None:
+    pool = engine.kv.pool
+    assert pool.num_free == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert sorted(pool.free_block_ids()) == list(range(pool.num_blocks))
+
+
+def test_second_run_hits_prefix_cache(llama_dir, prompts, want):
+    eng = make_engine(llama_dir)
+    first = run_all(eng, prompts, "a")
+    assert [f.output_token_ids for f in first] == want
+    assert all(f.usage.cached_prompt_tokens == 0 for f in first)
+    second = run_all(eng, prompts, "b")
+    assert [f.output_token_ids for f in second] == want
+    for f, p in zip(second, prompts):
+        # every full block but the one holding the last prompt token comes from the cache
+        assert f.usage.cached_prompt_tokens == ((len(p) - 1) // 4) * 4
+    assert eng.stats().prefix_hit_rate > 0.4
+    assert_pool_clean(eng)
+
+
+def test_shared_prefix_in_one_batch(llama_dir, shared_prompts, want_shared):
+    eng = make_engine(llama_dir)
+    got = run_all(eng, shared_prompts)
+    assert [f.output_token_ids for f in got] == want_shared
+    # the first request computes the 36 tokens of full prefix blocks; the others reuse them
+    assert got[0].usage.cached_prompt_tokens == 0
+    assert all(f.usage.cached_prompt_tokens >= 36 for f in got[1:])
+    assert_pool_clean(eng)
+
+
+@pytest.mark.parametrize("budget", [7, 16])
+def test_chunked_prefill(llama_dir, prompts, want, budget):
+    eng = make_engine(llama_dir, max_num_batched_tokens=budget)
+    steps_with_partial = 0
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", prompt_token_ids=p, sampling=GREEDY)
+    done = {}
+    while eng.has_unfinished():
+        out = eng.step()
+        assert out.num_batched_tokens <= budget
+        if any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
+            steps_with_partial += 1
+        for f in out.finished:
+            done[f.request_id] = f
+    assert steps_with_partial > 0
+    assert [done[f"r{i}"].output_token_ids for i in range(len(prompts))] == want
+    assert_pool_clean(eng)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preemption_recomputes_exactly(llama_dir, prompts, want, prefix_caching):
+    # 24 blocks of 4 tokens: far less than the 8 requests need together (~330 tokens)
+    eng = make_engine(llama_dir, num_blocks=24, enable_prefix_caching=prefix_caching)
+    got = run_all(eng, prompts)
+    assert eng.scheduler.num_preemptions > 0
+    assert sum(f.num_preemptions for f in got) == eng.scheduler.num_preemptions
+    assert [f.output_token_ids for f in got] == want
+    assert_pool_clean(eng)
+
+
+def test_abort_midway(llama_dir, prompts, want):
+    eng = make_engine(llama_dir, max_num_batched_tokens=32)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", prompt_token_ids=p, sampling=GREEDY)
+    done = {}
+    aborted = {"r1", "r4", "r7"}
+    for step in range(200):
+        if step == 3:
+            # r1 is decoding, r4 mid-prefill or waiting, r7 still waiting
+            for rid in aborted:
+                assert eng.abort(rid)
+            assert not eng.abort("r1"), "a second abort of the same id finds nothing"
+        for f in eng.step().finished:
+            done[f.request_id] = f
+        if not eng.has_unfinished():
+            break
+    assert set(done) == {f"r{i}" for i in range(8)}
+    for rid in aborted:
+        assert done[rid].finish_reason == "abort"
+        assert len(done[rid].output_token_ids) < MAX_NEW
+    for i in range(8):
+        if f"r{i}" not in aborted:
+            assert done[f"r{i}"].finish_reason == "length"
+            assert done[f"r{i}"].output_token_ids == want[i]
+    assert_pool_clean(eng)
