@@ -1,0 +1,1 @@
+"""Everything around the GPU: settings, queue, store, API, CLI, batch files, control tasks."""

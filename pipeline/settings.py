@@ -1,0 +1,110 @@
+"""Settings of every pipeline process, read from FIRSTTOKEN_* environment variables."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+
+def normalize_database_url(url: str) -> str:
+    """A SQLAlchemy URL with an explicit driver: `postgres://` and `postgresql://` become
+    `postgresql+psycopg://` (psycopg 3); `sqlite://` URLs and URLs naming a driver are kept.
+    """
+    url = url.strip()
+    for scheme in ("postgres://", "postgresql://"):
+        if url.startswith(scheme):
+            url = "postgresql+psycopg://" + url[len(scheme) :]
+            break
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ValueError(f"not a database URL: {exc}") from None
+    if parsed.get_backend_name() not in ("postgresql", "sqlite"):
+        raise ValueError(f"unsupported database {parsed.get_backend_name()!r}: use postgresql or sqlite")
+    return url
+
+
+class Settings(BaseSettings):
+    """Configuration of the API, the producers and the workers; validated when built.
+
+    Every field reads the environment variable FIRSTTOKEN_<FIELD NAME>, e.g.
+    FIRSTTOKEN_DATABASE_URL, FIRSTTOKEN_KAFKA_BOOTSTRAP, FIRSTTOKEN_JOBS_PARTITIONS.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="FIRSTTOKEN_", extra="ignore", frozen=True)
+
+    # --- results store ---
+    database_url: str = Field(
+        default="sqlite:///firsttoken.db", description="SQLAlchemy URL; postgres:// is accepted"
+    )
+    store_batch_rows: int = Field(
+        default=500, ge=1, le=5000, description="result rows per upsert transaction"
+    )
+
+    # --- Kafka ---
+    kafka_bootstrap: str = Field(default="127.0.0.1:19092", description="comma-separated host:port list")
+    jobs_topic: str = Field(default="firsttoken.jobs", min_length=1, max_length=249)
+    dlq_topic: str = Field(default="firsttoken.jobs.dlq", min_length=1, max_length=249)
+    jobs_partitions: int = Field(
+        default=8, ge=1, le=10_000, description="partitions of a jobs topic we create"
+    )
+    replication_factor: int = Field(default=1, ge=1, le=32)
+    consumer_group: str = Field(default="firsttoken-workers", min_length=1)
+    prefix_key_chars: int = Field(
+        default=256, ge=1, description="prompt characters hashed into a derived routing key"
+    )
+    producer_linger_ms: int = Field(default=5, ge=0, le=10_000)
+    producer_batch_bytes: int = Field(default=256 * 1024, ge=1024)
+    fetch_max_wait_ms: int = Field(
+        default=5, ge=0, le=10_000, description="how long a fetch may wait for data"
+    )
+    max_poll_records: int = Field(default=256, ge=1)
+    session_timeout_ms: int = Field(default=10_000, ge=1000)
+    max_poll_interval_ms: int = Field(default=300_000, ge=1000)
+
+    # --- Celery / Redis ---
+    redis_url: str = Field(default="redis://127.0.0.1:16379/0")
+
+    # --- this process ---
+    worker_name: str | None = Field(
+        default=None, description="name written with each result; host:pid when None"
+    )
+
+    @field_validator("database_url")
+    @classmethod
+    def _normalize_database_url(cls, v: str) -> str:
+        return normalize_database_url(v)
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _bootstrap_servers(cls, v: str) -> str:
+        servers = [s.strip() for s in v.split(",") if s.strip()]
+        if not servers:
+            raise ValueError("needs at least one host:port")
+        for s in servers:
+            host, sep, port = s.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{s!r} is not host:port")
+        return ",".join(servers)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
+    @property
+    def kafka_bootstrap_servers(self) -> list[str]:
+        """The bootstrap servers as a list."""
+        return self.kafka_bootstrap.split(",")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, built from the environment on first use."""
+    return Settings()

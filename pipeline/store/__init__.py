@@ -1,0 +1,17 @@
+"""The results store: jobs and batches in Postgres or SQLite, schema by Alembic migrations."""
+
+from pipeline.store.engine import make_engine
+from pipeline.store.migrate import migrate
+from pipeline.store.records import BatchProgress, BatchRecord, JobRecord, LatencyStats
+from pipeline.store.repository import ResultStore, percentile_cont
+
+__all__ = [
+    "BatchProgress",
+    "BatchRecord",
+    "JobRecord",
+    "LatencyStats",
+    "ResultStore",
+    "make_engine",
+    "migrate",
+    "percentile_cont",
+]

@@ -1,0 +1,134 @@
+"""What the store returns: a job's row, a batch's row and progress, latency percentiles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.job import (
+    ChatMessage,
+    ErrorCode,
+    FinishReason,
+    JobRequest,
+    JobResult,
+    JobStatus,
+    JobTimings,
+    Usage,
+)
+from schemas.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One row of `jobs`: the request as submitted and, once terminal, its result."""
+
+    id: str
+    batch_id: str | None
+    status: JobStatus
+    prompt: str | None
+    messages: list[ChatMessage] | None
+    sampling: SamplingParams | None
+    priority: int
+    prefix_key: str | None
+    metadata: dict[str, Any]
+    text: str | None
+    finish_reason: FinishReason | None
+    usage: Usage
+    timings: JobTimings
+    worker: str | None
+    model: str | None
+    error_code: ErrorCode | None
+    error_message: str | None
+    created_at: float
+    updated_at: float
+
+    def request(self) -> JobRequest | None:
+        """The JobRequest this row was made from, or None for a row written from a result alone."""
+        if self.prompt is None and self.messages is None:
+            return None
+        return JobRequest(
+            id=self.id,
+            batch_id=self.batch_id,
+            prompt=self.prompt,
+            messages=self.messages,
+            sampling=self.sampling or SamplingParams(),
+            priority=self.priority,
+            prefix_key=self.prefix_key,
+            metadata=self.metadata,
+            submitted_at=self.timings.submitted_at,
+        )
+
+    def result(self) -> JobResult | None:
+        """The JobResult of a terminal row; None while queued or running."""
+        if not self.status.terminal:
+            return None
+        return JobResult(
+            id=self.id,
+            batch_id=self.batch_id,
+            status=self.status,
+            text=self.text or "",
+            finish_reason=self.finish_reason,
+            usage=self.usage,
+            timings=self.timings,
+            worker=self.worker,
+            model=self.model,
+            error_code=self.error_code,
+            error_message=self.error_message,
+        )
+
+
+@dataclass(frozen=True)
+class BatchProgress:
+    """How far a batch is: job counts by status. `total` is the announced job count when known."""
+
+    batch_id: str
+    total: int | None
+    counts: dict[JobStatus, int] = field(default_factory=dict)
+
+    @property
+    def recorded(self) -> int:
+        """Jobs of the batch that have a row."""
+        return sum(self.counts.values())
+
+    @property
+    def done(self) -> int:
+        """Jobs in a terminal state."""
+        return sum(n for s, n in self.counts.items() if s.terminal)
+
+    @property
+    def complete(self) -> bool:
+        """True when every job of the batch is terminal (and, if announced, all of them have rows)."""
+        expected = self.total if self.total is not None else self.recorded
+        return expected > 0 and self.done >= expected and self.done == self.recorded
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """One row of `batches` with its progress."""
+
+    id: str
+    status: str
+    input_format: str | None
+    source: str | None
+    output: str | None
+    total_jobs: int | None
+    metadata: dict[str, Any]
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+    progress: BatchProgress
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Percentiles (percentile_cont, i.e. linear interpolation) of one latency metric, in ms,
+    over one group of jobs (a worker, a model, both, or all when the grouping is empty)."""
+
+    metric: str
+    worker: str | None
+    model: str | None
+    count: int
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None

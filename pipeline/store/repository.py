@@ -1,0 +1,564 @@
+"""ResultStore: the jobs and batches tables behind one small interface, on Postgres or SQLite."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Row, and_, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from pipeline.store.engine import make_engine
+from pipeline.store.records import BatchProgress, BatchRecord, JobRecord, LatencyStats
+from pipeline.store.tables import LATENCY_METRICS, RESULT_COLUMNS, batches, jobs
+from schemas.job import (
+    TERMINAL_STATUSES,
+    ChatMessage,
+    ErrorCode,
+    FinishReason,
+    JobRequest,
+    JobResult,
+    JobStatus,
+    JobTimings,
+    Usage,
+)
+from schemas.sampling import SamplingParams
+
+_TERMINAL = sorted(s.value for s in TERMINAL_STATUSES)
+_NOT_TERMINAL = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+# Bound parameters per statement stay under SQLite's 32766 and Postgres' 65535.
+_MAX_PARAMS = 30_000
+# Result columns that keep the stored value when the incoming one is null (e.g. submitted_at
+# recorded at submission, admitted_at and worker recorded by mark_running).
+_KEEP_IF_NULL = ("submitted_at", "admitted_at", "first_token_at", "worker", "model")
+_REQUEST_COLUMNS = ("prompt", "messages", "sampling", "prefix_key", "metadata")
+
+BATCH_OPEN = "open"
+BATCH_COMPLETED = "completed"
+BATCH_CANCELLED = "cancelled"
+
+
+def _chunks(rows: list[dict[str, Any]], ncols: int, limit: int) -> Iterable[list[dict[str, Any]]]:
+    size = max(1, min(limit, _MAX_PARAMS // max(1, ncols)))
+    for i in range(0, len(rows), size):
+        yield rows[i : i + size]
+
+
+def _request_row(job: JobRequest, status: JobStatus, now: float) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "batch_id": job.batch_id,
+        "status": status.value,
+        "prompt": job.prompt,
+        "messages": None if job.messages is None else [m.model_dump() for m in job.messages],
+        "sampling": job.sampling.model_dump(mode="json"),
+        "priority": job.priority,
+        "prefix_key": job.prefix_key,
+        "metadata": dict(job.metadata),
+        "submitted_at": job.submitted_at,
+        "created_at": now,
+        "updated_at": now,
+    }
+
+
+def _result_row(result: JobResult, request: JobRequest | None, now: float) -> dict[str, Any]:
+    t, u = result.timings, result.usage
+    row: dict[str, Any] = {
+        "id": result.id,
+        "batch_id": result.batch_id,
+        "priority": 0,
+        "prompt": None,
+        "messages": None,
+        "sampling": None,
+        "prefix_key": None,
+        "metadata": None,
+        "status": result.status.value,
+        "text": result.text,
+        "finish_reason": None if result.finish_reason is None else result.finish_reason.value,
+        "prompt_tokens": u.prompt_tokens,
+        "cached_prompt_tokens": u.cached_prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "submitted_at": t.submitted_at,
+        "admitted_at": t.admitted_at,
+        "first_token_at": t.first_token_at,
+        "finished_at": t.finished_at,
+        "queue_ms": t.queue_ms,
+        "ttft_ms": t.ttft_ms,
+        "engine_ttft_ms": t.engine_ttft_ms,
+        "prefill_ms": t.prefill_ms,
+        "tpot_ms": t.tpot_ms,
+        "e2e_ms": t.e2e_ms,
+        "worker": result.worker,
+        "model": result.model,
+        "error_code": None if result.error_code is None else result.error_code.value,
+        "error_message": result.error_message,
+        "created_at": now,
+        "updated_at": now,
+    }
+    if request is not None:
+        req = _request_row(request, result.status, now)
+        for col in (*_REQUEST_COLUMNS, "priority"):
+            row[col] = req[col]
+        row["batch_id"] = row["batch_id"] or req["batch_id"]
+        if row["submitted_at"] is None:
+            row["submitted_at"] = req["submitted_at"]
+    return row
+
+
+def _first_by_id(items: Iterable[Any], key: Callable[[Any], str]) -> list[Any]:
+    seen: set[str] = set()
+    out = []
+    for item in items:
+        k = key(item)
+        if k not in seen:
+            seen.add(k)
+            out.append(item)
+    return out
+
+
+def percentile_cont(sorted_values: Sequence[float], q: float) -> float | None:
+    """Postgres' percentile_cont: linear interpolation between the two nearest ranks."""
+    if not sorted_values:
+        return None
+    pos = q * (len(sorted_values) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _job_record(row: Row[Any]) -> JobRecord:
+    m = row._mapping
+    messages = m["messages"]
+    sampling = m["sampling"]
+    return JobRecord(
+        id=m["id"],
+        batch_id=m["batch_id"],
+        status=JobStatus(m["status"]),
+        prompt=m["prompt"],
+        messages=None if messages is None else [ChatMessage.model_validate(x) for x in messages],
+        sampling=None if sampling is None else SamplingParams.model_validate(sampling),
+        priority=m["priority"],
+        prefix_key=m["prefix_key"],
+        metadata=m["metadata"] or {},
+        text=m["text"],
+        finish_reason=None if m["finish_reason"] is None else FinishReason(m["finish_reason"]),
+        usage=Usage(
+            prompt_tokens=m["prompt_tokens"] or 0,
+            cached_prompt_tokens=m["cached_prompt_tokens"] or 0,
+            completion_tokens=m["completion_tokens"] or 0,
+        ),
+        timings=JobTimings(**{k: m[k] for k in JobTimings.model_fields}),
+        worker=m["worker"],
+        model=m["model"],
+        error_code=None if m["error_code"] is None else ErrorCode(m["error_code"]),
+        error_message=m["error_message"],
+        created_at=m["created_at"],
+        updated_at=m["updated_at"],
+    )
+
+
+class ResultStore:
+    """Jobs and batches in one SQL database (Postgres in production, SQLite embedded).
+
+    Every write is idempotent by id, and a row in a terminal state (succeeded, failed, cancelled)
+    is never changed again: a re-delivered job, or a late duplicate result, writes nothing.
+    The schema comes from the Alembic migrations (`pipeline.store.migrate`); this class never
+    creates tables.
+    """
+
+    def __init__(
+        self, engine: Engine, *, batch_rows: int = 500, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.engine = engine
+        self.batch_rows = batch_rows
+        self._clock = clock
+        dialect = engine.dialect.name
+        if dialect == "postgresql":
+            self._insert = postgresql.insert
+        elif dialect == "sqlite":
+            self._insert = sqlite.insert
+        else:
+            raise ValueError(f"unsupported database dialect {dialect!r}")
+        self.dialect = dialect
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> ResultStore:
+        """A store on a new engine for `url` (normalised like settings' database_url)."""
+        return cls(make_engine(url), **kwargs)
+
+    def close(self) -> None:
+        """Close the engine's pooled connections."""
+        self.engine.dispose()
+
+    # --- writes ----------------------------------------------------------------------------------
+
+    def insert_queued(self, requests: Iterable[JobRequest]) -> int:
+        """Record jobs as queued; jobs that already have a row are left alone. Returns rows inserted."""
+        now = self._clock()
+        rows = [_request_row(j, JobStatus.QUEUED, now) for j in _first_by_id(requests, lambda j: j.id)]
+        if not rows:
+            return 0
+        inserted = 0
+        with self.engine.begin() as conn:
+            for chunk in _chunks(rows, len(rows[0]), self.batch_rows):
+                stmt = self._insert(jobs).values(chunk).on_conflict_do_nothing(index_elements=["id"])
+                inserted += max(conn.execute(stmt).rowcount, 0)
+        return inserted
+
+    def mark_running(
+        self,
+        requests: Iterable[JobRequest | str],
+        *,
+        worker: str | None = None,
+        admitted_at: float | None = None,
+    ) -> int:
+        """Mark jobs running (admitted by an engine) unless they are already terminal.
+
+        A JobRequest without a row gets one (a job that came straight through Kafka); a bare id
+        only updates an existing row. Returns the rows written.
+        """
+        now = self._clock()
+        admitted = now if admitted_at is None else admitted_at
+        reqs: list[JobRequest] = []
+        ids: list[str] = []
+        for r in requests:
+            (ids if isinstance(r, str) else reqs).append(r)  # type: ignore[arg-type]
+        written = 0
+        with self.engine.begin() as conn:
+            if reqs:
+                rows = []
+                for j in _first_by_id(reqs, lambda j: j.id):
+                    row = _request_row(j, JobStatus.RUNNING, now)
+                    row.update(worker=worker, admitted_at=admitted)
+                    rows.append(row)
+                for chunk in _chunks(rows, len(rows[0]), self.batch_rows):
+                    stmt = self._insert(jobs).values(chunk)
+                    stmt = stmt.on_conflict_do_update(
+                        index_elements=["id"],
+                        set_={
+                            "status": JobStatus.RUNNING.value,
+                            "worker": stmt.excluded.worker,
+                            "admitted_at": stmt.excluded.admitted_at,
+                            "updated_at": stmt.excluded.updated_at,
+                        },
+                        where=jobs.c.status.in_(_NOT_TERMINAL),
+                    )
+                    written += max(conn.execute(stmt).rowcount, 0)
+            if ids:
+                stmt = (
+                    update(jobs)
+                    .where(jobs.c.id.in_(ids), jobs.c.status.in_(_NOT_TERMINAL))
+                    .values(
+                        status=JobStatus.RUNNING.value, worker=worker, admitted_at=admitted, updated_at=now
+                    )
+                )
+                written += max(conn.execute(stmt).rowcount, 0)
+        return written
+
+    def upsert_results(
+        self, results: Iterable[JobResult], requests: Mapping[str, JobRequest] | None = None
+    ) -> int:
+        """Write terminal results, all in one transaction (many rows per statement).
+
+        Idempotent by job id: a row already terminal is never overwritten, so a result delivered
+        twice writes once. A result without a row inserts one, with its request's fields when
+        `requests` has them. Returns the rows written (inserted or updated).
+        """
+        now = self._clock()
+        requests = requests or {}
+        rows = [_result_row(r, requests.get(r.id), now) for r in _first_by_id(results, lambda r: r.id)]
+        if not rows:
+            return 0
+        written = 0
+        with self.engine.begin() as conn:
+            for chunk in _chunks(rows, len(rows[0]), self.batch_rows):
+                written += self._upsert_chunk(conn, chunk)
+        return written
+
+    def _upsert_chunk(self, conn: Connection, chunk: list[dict[str, Any]]) -> int:
+        stmt = self._insert(jobs).values(chunk)
+        ex = stmt.excluded
+        set_: dict[str, Any] = {c: ex[c] for c in RESULT_COLUMNS}
+        for c in _KEEP_IF_NULL:
+            set_[c] = func.coalesce(ex[c], jobs.c[c])
+        for c in (*_REQUEST_COLUMNS, "batch_id"):
+            set_[c] = func.coalesce(jobs.c[c], ex[c])
+        set_["updated_at"] = ex.updated_at
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["id"], set_=set_, where=jobs.c.status.notin_(_TERMINAL)
+        )
+        return max(conn.execute(stmt).rowcount, 0)
+
+    def cancel(
+        self, *, job_ids: Sequence[str] = (), batch_id: str | None = None, reason: str = "cancelled"
+    ) -> int:
+        """Mark queued or running jobs (by id, or every job of a batch) cancelled. Returns rows changed."""
+        if not job_ids and batch_id is None:
+            return 0
+        now = self._clock()
+        cond = jobs.c.status.in_(_NOT_TERMINAL)
+        cond = (
+            and_(cond, jobs.c.id.in_(list(job_ids))) if job_ids else and_(cond, jobs.c.batch_id == batch_id)
+        )
+        stmt = (
+            update(jobs)
+            .where(cond)
+            .values(
+                status=JobStatus.CANCELLED.value,
+                finish_reason=FinishReason.ABORT.value,
+                error_code=ErrorCode.CANCELLED.value,
+                error_message=reason,
+                finished_at=now,
+                updated_at=now,
+            )
+        )
+        with self.engine.begin() as conn:
+            n = max(conn.execute(stmt).rowcount, 0)
+            if batch_id is not None and not job_ids:
+                conn.execute(
+                    update(batches)
+                    .where(batches.c.id == batch_id, batches.c.status == BATCH_OPEN)
+                    .values(status=BATCH_CANCELLED, updated_at=now, finished_at=now)
+                )
+        return n
+
+    # --- batches ---------------------------------------------------------------------------------
+
+    def create_batch(
+        self,
+        batch_id: str,
+        *,
+        input_format: str | None = None,
+        source: str | None = None,
+        output: str | None = None,
+        total_jobs: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Record a batch (open). Idempotent: returns False when it already exists."""
+        now = self._clock()
+        stmt = (
+            self._insert(batches)
+            .values(
+                id=batch_id,
+                status=BATCH_OPEN,
+                input_format=input_format,
+                source=source,
+                output=output,
+                total_jobs=total_jobs,
+                metadata=dict(metadata or {}),
+                created_at=now,
+                updated_at=now,
+            )
+            .on_conflict_do_nothing(index_elements=["id"])
+        )
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount == 1
+
+    def set_batch_total(self, batch_id: str, total_jobs: int) -> None:
+        """Announce how many jobs a batch has (once its input is fully read)."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(batches)
+                .where(batches.c.id == batch_id)
+                .values(total_jobs=total_jobs, updated_at=self._clock())
+            )
+
+    def finalize_batch(self, batch_id: str) -> bool:
+        """Mark an open batch completed if every one of its jobs is terminal. Returns True if it is now completed."""
+        progress = self.batch_progress(batch_id)
+        if not progress.complete:
+            return False
+        now = self._clock()
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(batches)
+                .where(batches.c.id == batch_id, batches.c.status == BATCH_OPEN)
+                .values(status=BATCH_COMPLETED, updated_at=now, finished_at=now)
+            )
+            status = conn.execute(select(batches.c.status).where(batches.c.id == batch_id)).scalar()
+        return status == BATCH_COMPLETED
+
+    # --- reads -----------------------------------------------------------------------------------
+
+    def get_job(self, job_id: str) -> JobRecord | None:
+        """The job's row, or None."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
+        return None if row is None else _job_record(row)
+
+    def get_jobs(self, job_ids: Sequence[str]) -> dict[str, JobRecord]:
+        """The rows of those ids that exist, by id."""
+        out: dict[str, JobRecord] = {}
+        ids = list(dict.fromkeys(job_ids))
+        with self.engine.connect() as conn:
+            for i in range(0, len(ids), 1000):
+                for row in conn.execute(select(jobs).where(jobs.c.id.in_(ids[i : i + 1000]))):
+                    rec = _job_record(row)
+                    out[rec.id] = rec
+        return out
+
+    def list_jobs(
+        self,
+        *,
+        batch_id: str | None = None,
+        status: JobStatus | str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> list[JobRecord]:
+        """Jobs in id order, filtered by batch and/or status; `after` is the last id of the previous page."""
+        q = select(jobs).order_by(jobs.c.id).limit(limit)
+        if batch_id is not None:
+            q = q.where(jobs.c.batch_id == batch_id)
+        if status is not None:
+            q = q.where(jobs.c.status == JobStatus(status).value)
+        if after is not None:
+            q = q.where(jobs.c.id > after)
+        with self.engine.connect() as conn:
+            return [_job_record(r) for r in conn.execute(q)]
+
+    def batch_progress(self, batch_id: str) -> BatchProgress:
+        """Job counts by status for one batch (from the jobs table)."""
+        with self.engine.connect() as conn:
+            return self._progress(conn, batch_id)
+
+    def _progress(self, conn: Connection, batch_id: str) -> BatchProgress:
+        counts = {
+            JobStatus(s): n
+            for s, n in conn.execute(
+                select(jobs.c.status, func.count()).where(jobs.c.batch_id == batch_id).group_by(jobs.c.status)
+            )
+        }
+        total = conn.execute(select(batches.c.total_jobs).where(batches.c.id == batch_id)).scalar()
+        return BatchProgress(batch_id=batch_id, total=total, counts=counts)
+
+    def get_batch(self, batch_id: str) -> BatchRecord | None:
+        """The batch's row with its progress, or None."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(batches).where(batches.c.id == batch_id)).first()
+            if row is None:
+                return None
+            progress = self._progress(conn, batch_id)
+        m = row._mapping
+        return BatchRecord(
+            id=m["id"],
+            status=m["status"],
+            input_format=m["input_format"],
+            source=m["source"],
+            output=m["output"],
+            total_jobs=m["total_jobs"],
+            metadata=m["metadata"] or {},
+            created_at=m["created_at"],
+            updated_at=m["updated_at"],
+            finished_at=m["finished_at"],
+            progress=progress,
+        )
+
+    # --- latency ---------------------------------------------------------------------------------
+
+    def latency_stats(
+        self,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+        metrics: Sequence[str] = ("ttft_ms", "queue_ms", "tpot_ms"),
+        by: Sequence[str] = ("worker", "model"),
+        time_column: str = "finished_at",
+        status: JobStatus | None = JobStatus.SUCCEEDED,
+    ) -> list[LatencyStats]:
+        """p50/p90/p99, mean and count of each metric over jobs whose `time_column` lies in
+        [since, until), grouped by `by` (a subset of worker, model; empty: one group).
+
+        Postgres computes percentile_cont in SQL; SQLite has no percentile aggregate, so the
+        values are fetched and interpolated the same way in Python.
+        """
+        bad = [m for m in metrics if m not in LATENCY_METRICS]
+        if bad:
+            raise ValueError(f"unknown latency metric {bad[0]!r}; one of {LATENCY_METRICS}")
+        if any(g not in ("worker", "model") for g in by):
+            raise ValueError("by: only 'worker' and 'model' can group latency stats")
+        if time_column not in ("finished_at", "submitted_at"):
+            raise ValueError("time_column: finished_at or submitted_at")
+        tcol = jobs.c[time_column]
+        conds = [tcol.is_not(None)]
+        if since is not None:
+            conds.append(tcol >= since)
+        if until is not None:
+            conds.append(tcol < until)
+        if status is not None:
+            conds.append(jobs.c.status == JobStatus(status).value)
+        groups = [jobs.c[g] for g in by]
+        if self.dialect == "postgresql":
+            return self._latency_sql(metrics, by, groups, conds)
+        return self._latency_python(metrics, by, groups, conds)
+
+    def _latency_sql(
+        self, metrics: Sequence[str], by: Sequence[str], groups: list[Any], conds: list[Any]
+    ) -> list[LatencyStats]:
+        cols: list[Any] = list(groups)
+        for m in metrics:
+            c = jobs.c[m]
+            cols += [
+                func.count(c),
+                func.avg(c),
+                func.percentile_cont(0.5).within_group(c),
+                func.percentile_cont(0.9).within_group(c),
+                func.percentile_cont(0.99).within_group(c),
+            ]
+        q = select(*cols).where(*conds)
+        if groups:
+            q = q.group_by(*groups).order_by(*groups)
+        out = []
+        with self.engine.connect() as conn:
+            for row in conn.execute(q):
+                key = dict(zip(by, row[: len(by)]))
+                vals = row[len(by) :]
+                for i, m in enumerate(metrics):
+                    n, mean, p50, p90, p99 = vals[5 * i : 5 * i + 5]
+                    out.append(
+                        LatencyStats(
+                            metric=m,
+                            worker=key.get("worker"),
+                            model=key.get("model"),
+                            count=int(n),
+                            mean=None if mean is None else float(mean),
+                            p50=p50,
+                            p90=p90,
+                            p99=p99,
+                        )
+                    )
+        return out
+
+    def _latency_python(
+        self, metrics: Sequence[str], by: Sequence[str], groups: list[Any], conds: list[Any]
+    ) -> list[LatencyStats]:
+        values: dict[tuple[Any, ...], dict[str, list[float]]] = defaultdict(lambda: {m: [] for m in metrics})
+        q = select(*groups, *(jobs.c[m] for m in metrics)).where(*conds)
+        with self.engine.connect() as conn:
+            for row in conn.execute(q):
+                key = tuple(row[: len(by)])
+                bucket = values[key]
+                for m, v in zip(metrics, row[len(by) :]):
+                    if v is not None:
+                        bucket[m].append(float(v))
+        if not values and not by:
+            values[()] = {m: [] for m in metrics}
+        out = []
+        for key in sorted(values, key=lambda k: tuple("" if x is None else str(x) for x in k)):
+            named = dict(zip(by, key))
+            for m in metrics:
+                vs = sorted(values[key][m])
+                out.append(
+                    LatencyStats(
+                        metric=m,
+                        worker=named.get("worker"),
+                        model=named.get("model"),
+                        count=len(vs),
+                        mean=(sum(vs) / len(vs)) if vs else None,
+                        p50=percentile_cont(vs, 0.5),
+                        p90=percentile_cont(vs, 0.9),
+                        p99=percentile_cont(vs, 0.99),
+                    )
+                )
+        return out

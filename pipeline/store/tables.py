@@ -1,0 +1,103 @@
+"""The results database's tables, as SQLAlchemy Core metadata.
+
+These definitions are what the store's queries are written against; the schema itself is created
+and changed only by the Alembic migrations under migrations/, which must agree with this file
+(tests/pipeline/test_store_sqlite.py checks that they do).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import JSON, Column, Float, Index, Integer, MetaData, String, Table, Text
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = MetaData()
+
+# JSON on SQLite, JSONB on Postgres (indexable, compact, queryable with ->> in SQL).
+JsonDoc = JSON().with_variant(JSONB(), "postgresql")
+
+ID_LEN = 200
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", String(ID_LEN), primary_key=True),
+    Column("batch_id", String(ID_LEN), nullable=True),
+    Column("status", String(16), nullable=False),
+    # the request (null when a result arrives for a job that was never recorded as queued)
+    Column("prompt", Text, nullable=True),
+    Column("messages", JsonDoc, nullable=True),
+    Column("sampling", JsonDoc, nullable=True),
+    Column("priority", Integer, nullable=False, server_default="0"),
+    Column("prefix_key", String(ID_LEN), nullable=True),
+    Column("metadata", JsonDoc, nullable=True),
+    # the result
+    Column("text", Text, nullable=True),
+    Column("finish_reason", String(16), nullable=True),
+    Column("prompt_tokens", Integer, nullable=True),
+    Column("cached_prompt_tokens", Integer, nullable=True),
+    Column("completion_tokens", Integer, nullable=True),
+    # instants: epoch seconds; durations: milliseconds (see schemas.job.JobTimings)
+    Column("submitted_at", Float, nullable=True),
+    Column("admitted_at", Float, nullable=True),
+    Column("first_token_at", Float, nullable=True),
+    Column("finished_at", Float, nullable=True),
+    Column("queue_ms", Float, nullable=True),
+    Column("ttft_ms", Float, nullable=True),
+    Column("engine_ttft_ms", Float, nullable=True),
+    Column("prefill_ms", Float, nullable=True),
+    Column("tpot_ms", Float, nullable=True),
+    Column("e2e_ms", Float, nullable=True),
+    Column("worker", String(ID_LEN), nullable=True),
+    Column("model", String(ID_LEN), nullable=True),
+    Column("error_code", String(32), nullable=True),
+    Column("error_message", Text, nullable=True),
+    # row bookkeeping, epoch seconds
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Index("ix_jobs_batch_status", "batch_id", "status"),
+    Index("ix_jobs_status", "status"),
+    Index("ix_jobs_submitted_at", "submitted_at"),
+    Index("ix_jobs_finished_at", "finished_at"),
+)
+
+batches = Table(
+    "batches",
+    metadata,
+    Column("id", String(ID_LEN), primary_key=True),
+    Column("status", String(16), nullable=False),
+    Column("input_format", String(32), nullable=True),
+    Column("source", Text, nullable=True),
+    Column("output", Text, nullable=True),
+    Column("total_jobs", Integer, nullable=True),
+    Column("metadata", JsonDoc, nullable=True),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("finished_at", Float, nullable=True),
+    Index("ix_batches_created_at", "created_at"),
+)
+
+# Columns a result writes; the request columns are written only when the row is first inserted.
+RESULT_COLUMNS = (
+    "status",
+    "text",
+    "finish_reason",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "completion_tokens",
+    "submitted_at",
+    "admitted_at",
+    "first_token_at",
+    "finished_at",
+    "queue_ms",
+    "ttft_ms",
+    "engine_ttft_ms",
+    "prefill_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "worker",
+    "model",
+    "error_code",
+    "error_message",
+)
+
+LATENCY_METRICS = ("queue_ms", "ttft_ms", "engine_ttft_ms", "prefill_ms", "tpot_ms", "e2e_ms")

@@ -1,0 +1,236 @@
+"""ResultStore behaviour every dialect must show. Subclassed with a `store` fixture by
+tests/pipeline/test_store_sqlite.py (SQLite) and tests/integration/test_store_postgres.py (Postgres)."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+
+from pipeline.store import ResultStore, percentile_cont
+from schemas.job import ErrorCode, FinishReason, JobRequest, JobResult, JobStatus, JobTimings, Usage
+
+
+def ok(
+    job_id: str,
+    text_: str = "out",
+    *,
+    worker: str = "w1",
+    model: str = "m",
+    ttft: float = 10.0,
+    finished: float = 1000.0,
+    batch_id: str | None = None,
+    submitted: float | None = 990.0,
+) -> JobResult:
+    return JobResult(
+        id=job_id,
+        batch_id=batch_id,
+        status=JobStatus.SUCCEEDED,
+        text=text_,
+        finish_reason=FinishReason.LENGTH,
+        usage=Usage(prompt_tokens=7, cached_prompt_tokens=3, completion_tokens=4),
+        timings=JobTimings(
+            submitted_at=submitted,
+            admitted_at=995.0,
+            first_token_at=995.5,
+            finished_at=finished,
+            queue_ms=ttft / 2,
+            ttft_ms=ttft,
+            engine_ttft_ms=ttft / 4,
+            prefill_ms=1.0,
+            tpot_ms=ttft / 10,
+            e2e_ms=ttft * 3,
+        ),
+        worker=worker,
+        model=model,
+    )
+
+
+class StoreContract:
+    """Subclasses provide a `store` fixture: a migrated, empty database."""
+
+    def test_insert_queued_is_idempotent(self, store: ResultStore):
+        jobs = [
+            JobRequest(id=f"q{i}", prompt=f"p{i}", batch_id="b", submitted_at=5.0, metadata={"i": i})
+            for i in range(3)
+        ]
+        assert store.insert_queued(jobs) == 3
+        assert store.insert_queued([*jobs, jobs[0]]) == 0
+        rec = store.get_job("q1")
+        assert rec is not None and rec.status is JobStatus.QUEUED
+        assert rec.prompt == "p1" and rec.metadata == {"i": 1} and rec.timings.submitted_at == 5.0
+        assert rec.request() == jobs[1]
+        assert rec.result() is None
+
+    def test_chat_request_round_trips(self, store: ResultStore):
+        job = JobRequest(
+            id="c1",
+            messages=[{"role": "user", "content": "héllo ✓"}],
+            sampling={"temperature": 0, "seed": 3, "stop": ["\n"]},
+        )
+        store.insert_queued([job])
+        rec = store.get_job("c1")
+        assert rec is not None and rec.request() == job
+
+    def test_upsert_results_idempotent_and_never_overwrites_terminal(self, store: ResultStore):
+        store.insert_queued([JobRequest(id="a", prompt="x", batch_id="b", submitted_at=990.0)])
+        assert store.upsert_results([ok("a", "first")]) == 1
+        # a re-delivered / late result for a terminal row writes nothing
+        assert store.upsert_results([ok("a", "second")]) == 0
+        assert store.upsert_results([JobResult.failure("a", ErrorCode.ENGINE_ERROR, "boom")]) == 0
+        rec = store.get_job("a")
+        assert rec is not None
+        assert rec.status is JobStatus.SUCCEEDED and rec.text == "first"
+        assert rec.prompt == "x" and rec.batch_id == "b"
+        assert rec.usage == Usage(prompt_tokens=7, cached_prompt_tokens=3, completion_tokens=4)
+        assert rec.timings.ttft_ms == 10.0 and rec.timings.first_token_at == 995.5
+        assert rec.result() == ok("a", "first", batch_id="b")
+        count = store.engine.connect().execute(text("SELECT count(*) FROM jobs")).scalar()
+        assert count == 1
+
+    def test_upsert_without_queued_row_inserts_with_request(self, store: ResultStore):
+        req = JobRequest(id="k", prompt="from kafka", batch_id="bk", submitted_at=980.0)
+        assert store.upsert_results([ok("k", submitted=None)], requests={"k": req}) == 1
+        rec = store.get_job("k")
+        assert rec is not None and rec.prompt == "from kafka" and rec.batch_id == "bk"
+        assert rec.timings.submitted_at == 980.0
+        assert store.upsert_results([ok("r")]) == 1
+        assert store.get_job("r").prompt is None  # type: ignore[union-attr]
+
+    def test_duplicates_in_one_call_write_once(self, store: ResultStore):
+        assert store.upsert_results([ok("d", "one"), ok("d", "two"), ok("e")]) == 2
+        assert store.get_job("d").text == "one"  # type: ignore[union-attr]
+
+    def test_many_rows_in_chunks(self, store: ResultStore):
+        store.batch_rows = 100
+        results = [ok(f"m{i:04d}") for i in range(1234)]
+        assert store.upsert_results(results) == 1234
+        assert store.upsert_results(results) == 0
+        assert len(store.list_jobs(limit=5000)) == 1234
+
+    def test_mark_running_then_result(self, store: ResultStore):
+        store.insert_queued([JobRequest(id="r1", prompt="x", submitted_at=990.0)])
+        assert store.mark_running(["r1", "missing"], worker="gpu0", admitted_at=995.0) == 1
+        rec = store.get_job("r1")
+        assert (
+            rec is not None
+            and rec.status is JobStatus.RUNNING
+            and rec.worker == "gpu0"
+            and rec.timings.admitted_at == 995.0
+        )
+        # a job seen first by a worker (straight from Kafka) gets a running row
+        assert store.mark_running([JobRequest(id="r2", prompt="y")], worker="gpu1") == 1
+        assert store.get_job("r2").status is JobStatus.RUNNING  # type: ignore[union-attr]
+        res = ok("r1")
+        res = res.model_copy(
+            update={"worker": None, "timings": res.timings.model_copy(update={"admitted_at": None})}
+        )
+        assert store.upsert_results([res]) == 1
+        rec = store.get_job("r1")
+        assert rec is not None and rec.status is JobStatus.SUCCEEDED
+        assert rec.worker == "gpu0" and rec.timings.admitted_at == 995.0  # kept where the result had none
+        # running never goes back over a terminal row
+        assert store.mark_running(["r1"], worker="gpu9") == 0
+        assert store.get_job("r1").worker == "gpu0"  # type: ignore[union-attr]
+
+    def test_failed_and_cancelled(self, store: ResultStore):
+        store.insert_queued([JobRequest(id=f"f{i}", prompt="x", batch_id="bf") for i in range(3)])
+        store.upsert_results([JobResult.failure("f0", ErrorCode.PROMPT_TOO_LONG, "9000 > 4096")])
+        rec = store.get_job("f0")
+        assert (
+            rec is not None and rec.status is JobStatus.FAILED and rec.error_code is ErrorCode.PROMPT_TOO_LONG
+        )
+        assert rec.error_message == "9000 > 4096"
+        assert store.cancel(batch_id="bf") == 2
+        assert store.get_job("f0").status is JobStatus.FAILED  # type: ignore[union-attr]
+        assert store.get_job("f1").status is JobStatus.CANCELLED  # type: ignore[union-attr]
+        assert store.upsert_results([ok("f1")]) == 0
+
+    def test_list_jobs_filters_and_pages(self, store: ResultStore):
+        store.insert_queued(
+            [JobRequest(id=f"l{i}", prompt="x", batch_id="bl" if i % 2 else "other") for i in range(10)]
+        )
+        store.upsert_results([ok("l1", batch_id="bl"), ok("l3", batch_id="bl")])
+        in_batch = store.list_jobs(batch_id="bl")
+        assert [r.id for r in in_batch] == ["l1", "l3", "l5", "l7", "l9"]
+        assert [r.id for r in store.list_jobs(batch_id="bl", status="succeeded")] == ["l1", "l3"]
+        assert [r.id for r in store.list_jobs(batch_id="bl", status=JobStatus.QUEUED, limit=2)] == [
+            "l5",
+            "l7",
+        ]
+        assert [r.id for r in store.list_jobs(batch_id="bl", after="l5")] == ["l7", "l9"]
+        assert set(store.get_jobs(["l1", "l2", "nope"])) == {"l1", "l2"}
+
+    def test_batch_progress_and_finalize(self, store: ResultStore):
+        assert store.create_batch("B", input_format="plain", source="in.jsonl", metadata={"owner": "me"})
+        assert not store.create_batch("B")
+        store.insert_queued([JobRequest(id=f"B-{i}", prompt="x", batch_id="B") for i in range(4)])
+        store.set_batch_total("B", 4)
+        store.upsert_results(
+            [
+                ok("B-0", batch_id="B"),
+                JobResult.failure("B-1", ErrorCode.INVALID_SAMPLING, "bad", batch_id="B"),
+            ]
+        )
+        store.mark_running(["B-2"])
+        batch = store.get_batch("B")
+        assert (
+            batch is not None
+            and batch.status == "open"
+            and batch.input_format == "plain"
+            and batch.metadata == {"owner": "me"}
+        )
+        p = batch.progress
+        assert p.total == 4 and p.recorded == 4 and p.done == 2 and not p.complete
+        assert p.counts == {
+            JobStatus.SUCCEEDED: 1,
+            JobStatus.FAILED: 1,
+            JobStatus.RUNNING: 1,
+            JobStatus.QUEUED: 1,
+        }
+        assert not store.finalize_batch("B")
+        store.upsert_results([ok("B-2", batch_id="B"), ok("B-3", batch_id="B")])
+        assert store.batch_progress("B").complete
+        assert store.finalize_batch("B")
+        batch = store.get_batch("B")
+        assert batch is not None and batch.status == "completed" and batch.finished_at is not None
+        assert store.get_batch("nope") is None
+
+    def test_latency_stats(self, store: ResultStore):
+        # w1: ttft 1..100 ms finished in [1000, 1100); w2: ttft 200 ms; one outside the range; one failed
+        results = [ok(f"t{i:03d}", worker="w1", ttft=float(i), finished=1000.0 + i) for i in range(1, 101)]
+        results += [
+            ok("u1", worker="w2", ttft=200.0, finished=1050.0),
+            ok("u2", worker="w2", ttft=9999.0, finished=5000.0),
+        ]
+        results.append(JobResult.failure("x1", ErrorCode.ENGINE_ERROR, "boom", finished_at=1050.0))
+        store.upsert_results(results)
+        stats = store.latency_stats(since=1000.0, until=1200.0, by=("worker",))
+        by_key = {(s.worker, s.metric): s for s in stats}
+        w1 = by_key[("w1", "ttft_ms")]
+        values = [float(i) for i in range(1, 101)]
+        assert w1.count == 100
+        assert w1.p50 == pytest.approx(percentile_cont(values, 0.5)) == pytest.approx(50.5)
+        assert w1.p90 == pytest.approx(90.1)
+        assert w1.p99 == pytest.approx(99.01)
+        assert w1.mean == pytest.approx(50.5)
+        assert by_key[("w1", "queue_ms")].p50 == pytest.approx(25.25)
+        assert by_key[("w2", "ttft_ms")].count == 1 and by_key[("w2", "ttft_ms")].p99 == pytest.approx(200.0)
+        everything = store.latency_stats(since=1000.0, until=1200.0, by=(), metrics=("ttft_ms",))
+        assert len(everything) == 1 and everything[0].count == 101
+        by_model = store.latency_stats(by=("worker", "model"), metrics=("e2e_ms",))
+        assert {(s.worker, s.model) for s in by_model} == {("w1", "m"), ("w2", "m")}
+        with pytest.raises(ValueError, match="unknown latency metric"):
+            store.latency_stats(metrics=("prompt; DROP TABLE jobs",))
+
+    def test_job_latency_view(self, store: ResultStore):
+        store.upsert_results([ok("v1", ttft=12.0), ok("v2", ttft=20.0)])
+        store.insert_queued([JobRequest(id="v3", prompt="x")])
+        with store.engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT id, ttft_ms, pipeline_overhead_ms, cached_prompt_tokens, submitted_time FROM job_latency ORDER BY id"
+                )
+            ).all()
+        assert [r.id for r in rows] == ["v1", "v2"]
+        assert rows[0].ttft_ms == 12.0 and rows[0].pipeline_overhead_ms == pytest.approx(9.0)
+        assert rows[0].cached_prompt_tokens == 3 and rows[0].submitted_time is not None
