@@ -61,7 +61,7 @@ def _decode_partial_kernel(
     BLOCK_SIZE: tl.constexpr,  # KV cache block size
     NUM_SPLITS: tl.constexpr,  # context partitions per (sequence, kv head)
     HAS_WINDOW: tl.constexpr,  # apply the sliding window
-    PRECISION: tl.constexpr,  # tl.dot input precision ("ieee" for fp32)
+    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs and the interpreter, None (default) for 16 bit
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -218,7 +218,7 @@ def decode_attention_triton(
         GROUP=group, G_PACK=g_pack, HEAD_CHUNKS=head_chunks, BLOCK_H=max(16, next_pow2(g_pack)),
         BLOCK_N=bn, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_SIZE=bs, NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else None,
         DOT_FP32=not on_gpu,
         num_warps=num_warps or 4, num_stages=num_stages or 2,
     )

@@ -93,7 +93,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,  # power of two >= D
     BLOCK_SIZE: tl.constexpr,  # KV cache block size (tokens per block)
     HAS_WINDOW: tl.constexpr,  # apply the sliding window
-    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs, else "tf32" (unused for 16 bit)
+    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no tf32) and the interpreter, None (default) for 16 bit
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
 ):
     pid_m = tl.program_id(0)
@@ -280,7 +280,7 @@ def paged_attention_triton(
         GROUP=group, G_PACK=g_pack, HEAD_CHUNKS=head_chunks, BLOCK_Q=block_q,
         BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_SIZE=bs,
         HAS_WINDOW=sliding_window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else None,
         DOT_FP32=not on_gpu,
         num_warps=warps, num_stages=stages,
     )

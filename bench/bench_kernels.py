@@ -1,0 +1,369 @@
+"""Check and time the Triton kernels on a GPU beside eager PyTorch (the references) and SDPA.
+
+One command (from the repo root, on a CUDA machine):
+
+    python3 bench/bench_kernels.py [--out DIR] [--sweep] [--commit SHA]
+
+(a) checks each Triton kernel against its reference on Llama-3.1-8B shapes (Hq=32, Hk=8, D=128,
+block 16, bf16) and prints the max error; the long prefills (8192, 32768), whose fp32 reference
+would not fit, are checked against SDPA instead; decode is also replayed from a CUDA graph after
+seq_lens changed. (b) times each with triton.testing.do_bench (median, L2 flushed between runs),
+measures a device copy bandwidth and a bf16 matmul rate in the same run, and reports TFLOP/s
+(prefill attention) and GB/s (decode attention, norms, silu, rope). --sweep also times tile
+variants of the two attention kernels. Writes kernels.json and kernels.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+
+from kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from kernels.prefill_attention import paged_attention_ref, paged_attention_triton
+from kernels.rmsnorm import rms_norm_ref, rms_norm_triton
+from kernels.rope_cache import rope_and_cache_ref, rope_and_cache_triton
+from kernels.silu_mul import silu_and_mul_ref, silu_and_mul_triton
+
+HQ, HK, D, BS, HIDDEN, INTER = 32, 8, 128, 16, 4096, 14336  # Llama-3.1-8B
+DT = torch.bfloat16
+DEV = "cuda"
+
+
+def bench(fn, graph: bool = False) -> float:
+    """Median milliseconds of fn (do_bench, or CUDA-graph replays when graph=True)."""
+    import triton.testing as tt
+
+    if graph:
+        return tt.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def err(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    o, r = out.float(), ref.float()
+    return {
+        "max_abs": (o - r).abs().max().item(),
+        "rel_l2": ((o - r).norm() / r.norm().clamp_min(1e-30)).item(),
+        "nan": bool(o.isnan().any().item()),
+    }
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 1 GiB copied: bytes read + written
+    a = torch.empty(n, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    ms = bench(partial(b.copy_, a))
+    x = torch.randn(8192, 8192, device=DEV, dtype=DT)
+    y = torch.randn(8192, 8192, device=DEV, dtype=DT)
+    mm = bench(partial(torch.matmul, x, y))
+    return {"copy_GBps": 2 * n / ms / 1e6, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm / 1e9}
+
+
+# --------------------------------------------------------------------------------------------- elementwise
+
+
+def run_rms(rows: list) -> None:
+    for t in (256, 16384):
+        x = torch.randn(t, HIDDEN, device=DEV, dtype=DT)
+        r = torch.randn_like(x)
+        w = torch.randn(HIDDEN, device=DEV, dtype=DT)
+        out, res = rms_norm_triton(x, w, 1e-5, r)
+        ro, rr = rms_norm_ref(x, w, 1e-5, r)
+        e = err(out, ro)
+        e_res = err(res, rr)
+        nbytes = 4 * t * HIDDEN * 2
+        tt = bench(lambda x=x, w=w, r=r: rms_norm_triton(x, w, 1e-5, r))
+        te = bench(lambda x=x, w=w, r=r: rms_norm_ref(x, w, 1e-5, r))
+        rows.append({"op": "rms_norm+residual", "shape": f"T={t} H={HIDDEN}", **_e(e), "res_max_abs": e_res["max_abs"],
+                     "triton_ms": tt, "eager_ms": te, "GBps": nbytes / tt / 1e6})
+
+
+def run_silu(rows: list) -> None:
+    for t in (256, 8192):
+        x = torch.randn(t, 2 * INTER, device=DEV, dtype=DT)
+        e = err(silu_and_mul_triton(x), silu_and_mul_ref(x))
+        nbytes = 3 * t * INTER * 2
+        tt = bench(lambda x=x: silu_and_mul_triton(x))
+        te = bench(lambda x=x: silu_and_mul_ref(x))
+        rows.append({"op": "silu_and_mul", "shape": f"T={t} I={INTER}", **_e(e),
+                     "triton_ms": tt, "eager_ms": te, "GBps": nbytes / tt / 1e6})
+
+
+def _cos_sin(max_pos: int) -> torch.Tensor:
+    inv = 1.0 / 500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D)
+    ang = torch.arange(max_pos, dtype=torch.float32, device=DEV)[:, None] * inv[None, :]
+    return torch.cat((ang.cos(), ang.sin()), dim=1).contiguous()
+
+
+def run_rope(rows: list) -> None:
+    cs = _cos_sin(131072)
+    for t in (256, 16384):
+        qkv = torch.randn(t, (HQ + 2 * HK) * D, device=DEV, dtype=DT)
+        q = qkv[:, : HQ * D].view(t, HQ, D)
+        k = qkv[:, HQ * D : (HQ + HK) * D].view(t, HK, D)
+        v = qkv[:, (HQ + HK) * D :].view(t, HK, D)
+        nb = t // BS + 8
+        kc = torch.full((nb, BS, HK, D), float("nan"), device=DEV, dtype=DT)
+        vc = torch.full_like(kc, float("nan"))
+        pos = torch.randint(0, 131072, (t,), device=DEV)
+        slots = torch.randperm(nb * BS, device=DEV)[:t]
+        kc2, vc2 = kc.clone(), vc.clone()
+        qr, _ = rope_and_cache_ref(q.clone(), k.clone(), v.clone(), pos, cs, kc2, vc2, slots)
+        qkv0 = qkv.clone()
+        rope_and_cache_triton(q, k, v, pos, cs, kc, vc, slots)
+        e = err(q, qr)
+        ek = err(kc.view(-1, HK, D)[slots], kc2.view(-1, HK, D)[slots])
+        ev = err(vc.view(-1, HK, D)[slots], vc2.view(-1, HK, D)[slots])
+        qkv.copy_(qkv0)
+        nbytes = t * ((HQ + 2 * HK) * D * 2 + (HQ + HK) * D * 2 + 2 * HK * D * 2 + D * 4 + 16)
+        # timing rotates the same buffer repeatedly: the values drift, the bytes moved do not
+        tt = bench(partial(rope_and_cache_triton, q, k, v, pos, cs, kc, vc, slots))
+        te = bench(partial(rope_and_cache_ref, q, k, v, pos, cs, kc, vc, slots))
+        rows.append({"op": "rope_and_cache", "shape": f"T={t} Hq={HQ} Hk={HK}", **_e(e),
+                     "k_cache_max_abs": ek["max_abs"], "v_cache_max_abs": ev["max_abs"],
+                     "triton_ms": tt, "eager_ms": te, "GBps": nbytes / tt / 1e6})
+
+
+def _e(e: dict) -> dict:
+    return {"max_abs": e["max_abs"], "rel_l2": e["rel_l2"], "nan": e["nan"]}
+
+
+# --------------------------------------------------------------------------------------------- attention
+
+
+def paged_kv(ctx_lens: list[int]):
+    """Random bf16 K/V for each sequence in a shuffled paged cache; also the dense copies for SDPA."""
+    nblk = [math.ceil(c / BS) for c in ctx_lens]
+    max_blocks = max(nblk)
+    total = sum(nblk) + 4
+    kc = torch.randn(total, BS, HK, D, device=DEV, dtype=DT)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(total, device=DEV)
+    bt = torch.zeros(len(ctx_lens), max_blocks, dtype=torch.int32, device=DEV)
+    used = 0
+    for i, n in enumerate(nblk):
+        bt[i, :n] = perm[used : used + n].int()
+        used += n
+    return kc, vc, bt
+
+
+def dense_kv(kc, vc, bt, i: int, ctx: int):
+    """Sequence i's K/V gathered from the cache: [1, Hq, ctx, D] each (kv heads repeated)."""
+    blocks = bt[i, : math.ceil(ctx / BS)].long()
+    k = kc[blocks].reshape(-1, HK, D)[:ctx].transpose(0, 1).repeat_interleave(HQ // HK, 0)[None]
+    v = vc[blocks].reshape(-1, HK, D)[:ctx].transpose(0, 1).repeat_interleave(HQ // HK, 0)[None]
+    return k.contiguous(), v.contiguous()
+
+
+PREFILL_SHAPES = [(0, 512), (0, 2048), (0, 8192), (0, 32768), (2048, 128)]  # (cached prefix, new tokens)
+
+
+def run_prefill(rows: list, sweep: list | None) -> None:
+    scale = D**-0.5
+    for prefix, new in PREFILL_SHAPES:
+        ctx = prefix + new
+        kc, vc, bt = paged_kv([ctx])
+        q = torch.randn(new, HQ, D, device=DEV, dtype=DT)
+        qsl = torch.tensor([0, new], dtype=torch.int32, device=DEV)
+        sl = torch.tensor([ctx], dtype=torch.int32, device=DEV)
+        pairs = sum(prefix + i + 1 for i in range(new))
+        flops = 4 * D * HQ * pairs
+        k, v = dense_kv(kc, vc, bt, 0, ctx)
+        qd = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+        if prefix == 0:
+            sdpa = partial(F.scaled_dot_product_attention, qd, k, v, is_causal=True, scale=scale)
+        else:
+            mask = (torch.arange(ctx, device=DEV)[None, :] <= (prefix + torch.arange(new, device=DEV))[:, None])
+            sdpa = partial(F.scaled_dot_product_attention, qd, k, v, attn_mask=mask, scale=scale)
+        tri = partial(paged_attention_triton, q, kc, vc, bt, qsl, sl, scale, None, max_query_len=new)
+        out = tri()
+        if ctx <= 8192:
+            ref = paged_attention_ref(q, kc, vc, bt, qsl, sl, scale)
+            check_against = "reference"
+        else:
+            ref = sdpa()[0].transpose(0, 1)
+            check_against = "sdpa"
+        e = err(out, ref)
+        del ref
+        tt = bench(tri)
+        ts = bench(sdpa)
+        te = bench(partial(paged_attention_ref, q, kc, vc, bt, qsl, sl, scale)) if ctx <= 2176 else None
+        rows.append({"op": "prefill_attention", "shape": f"prefix={prefix} new={new}", **_e(e), "checked_vs": check_against,
+                     "triton_ms": tt, "sdpa_ms": ts, "eager_ms": te,
+                     "TFLOPs": flops / tt / 1e9, "sdpa_TFLOPs": flops / ts / 1e9})
+        if sweep is not None and new in (2048, 8192, 128):
+            for bm, bn, w, st in [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
+                                  (64, 64, 4, 2), (128, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2)]:
+                f = partial(paged_attention_triton, q, kc, vc, bt, qsl, sl, scale, None, max_query_len=new,
+                            block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+                try:
+                    ev = err(f(), out)["max_abs"]
+                    ms = bench(f)
+                    sweep.append({"op": "prefill", "shape": f"prefix={prefix} new={new}",
+                                  "cfg": f"M{bm} N{bn} w{w} s{st}", "ms": ms, "TFLOPs": flops / ms / 1e9, "diff": ev})
+                except Exception as ex:  # a variant that does not compile (shared memory) is reported, not fatal
+                    sweep.append({"op": "prefill", "shape": f"prefix={prefix} new={new}",
+                                  "cfg": f"M{bm} N{bn} w{w} s{st}", "error": repr(ex)[:200]})
+        del kc, vc, k, v, q
+        torch.cuda.empty_cache()
+
+
+def run_decode(rows: list, sweep: list | None) -> None:
+    scale = D**-0.5
+    gen = torch.Generator().manual_seed(0)
+    for b in (1, 8, 64, 256):
+        ctx = torch.randint(1024, 4097, (b,), generator=gen).tolist()
+        kc, vc, bt = paged_kv(ctx)
+        q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
+        sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+        nbytes = sum(ctx) * HK * D * 2 * 2 + 2 * b * HQ * D * 2 + bt.numel() * 4
+        tri = partial(decode_attention_triton, q, kc, vc, bt, sl, scale)
+        out = tri()
+        e = err(out, decode_attention_ref(q, kc, vc, bt, sl, scale))
+        # SDPA over K/V gathered to a dense, padded [B, Hq, max_ctx, D] (the gather is not timed)
+        mx = max(ctx)
+        kd = torch.zeros(b, HQ, mx, D, device=DEV, dtype=DT)
+        vd = torch.zeros_like(kd)
+        for i, c in enumerate(ctx):
+            k, v = dense_kv(kc, vc, bt, i, c)
+            kd[i, :, :c], vd[i, :, :c] = k[0], v[0]
+        mask = (torch.arange(mx, device=DEV)[None, :] < sl[:, None])[:, None, None, :]  # [B, 1, 1, max_ctx]
+        sdpa = partial(F.scaled_dot_product_attention, q[:, :, None], kd, vd, attn_mask=mask, scale=scale)
+        e_sdpa = err(out, sdpa()[:, :, 0])
+        tt = bench(tri)
+        tg = bench(tri, graph=True)
+        ts = bench(sdpa)
+        te = bench(partial(decode_attention_ref, q, kc, vc, bt, sl, scale))
+        rows.append({"op": "decode_attention", "shape": f"B={b} ctx={min(ctx)}..{max(ctx)}", **_e(e),
+                     "vs_sdpa_max_abs": e_sdpa["max_abs"], "triton_ms": tt, "triton_graph_ms": tg, "sdpa_ms": ts,
+                     "eager_ms": te, "GBps": nbytes / tt / 1e6, "graph_GBps": nbytes / tg / 1e6})
+        if sweep is not None:
+            for bn, w, st, ns in [(64, 4, 2, None), (64, 4, 3, None), (32, 4, 3, None), (128, 4, 2, None),
+                                  (128, 8, 2, None), (64, 8, 3, None), (64, 4, 2, 1), (64, 4, 2, 4), (64, 4, 2, 16)]:
+                f = partial(decode_attention_triton, q, kc, vc, bt, sl, scale, num_splits=ns, block_n=bn, num_warps=w,
+                            num_stages=st)
+                try:
+                    ev = err(f(), out)["max_abs"]
+                    ms = bench(f, graph=True)
+                    sweep.append({"op": "decode", "shape": f"B={b}", "cfg": f"N{bn} w{w} s{st} splits={ns or 'auto'}",
+                                  "ms": ms, "GBps": nbytes / ms / 1e6, "diff": ev})
+                except Exception as ex:
+                    sweep.append({"op": "decode", "shape": f"B={b}", "cfg": f"N{bn} w{w} s{st} splits={ns}",
+                                  "error": repr(ex)[:200]})
+        del kc, vc, kd, vd
+        torch.cuda.empty_cache()
+
+
+def check_decode_graph() -> dict:
+    """Capture decode in a CUDA graph, change seq_lens (and the block table) in place, replay, compare."""
+    scale = D**-0.5
+    b = 16
+    kc, vc, bt = paged_kv([4096] * b)
+    q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
+    sl = torch.full((b,), 100, dtype=torch.int32, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        decode_attention_triton(q, kc, vc, bt, sl, scale)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = decode_attention_triton(q, kc, vc, bt, sl, scale)
+    res = {}
+    for name, lens in (("short", [100] * b), ("mixed", torch.randint(1, 4097, (b,)).tolist())):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        torch.cuda.synchronize()
+        res[name] = err(out, decode_attention_ref(q, kc, vc, bt, sl, scale))["max_abs"]
+    return res
+
+
+# --------------------------------------------------------------------------------------------- report
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Kernel benchmark: {result['device']}", "",
+             f"- date {result['date']}, commit {result['commit']}, torch {result['torch']}, triton {result['triton']}",
+             f"- measured ceilings: copy {result['ceilings']['copy_GBps']:.0f} GB/s (read+write), "
+             f"bf16 matmul 8192^3 {result['ceilings']['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
+             f"- decode captured in a CUDA graph, seq_lens changed, replayed: max abs error {result['graph_check']}",
+             "- times: do_bench median (L2 flushed), ms; 'graph' = do_bench_cudagraph median", "",
+             "| op | shape | max abs err | rel L2 | triton ms | triton (graph) ms | eager ms | SDPA ms | rate |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def f(x, p=3):
+        return "-" if x is None else f"{x:.{p}f}"
+
+    for r in result["rows"]:
+        rate = f"{r['TFLOPs']:.0f} TFLOP/s (SDPA {r['sdpa_TFLOPs']:.0f})" if "TFLOPs" in r else f"{r['GBps']:.0f} GB/s"
+        if "graph_GBps" in r:
+            rate += f", graph {r['graph_GBps']:.0f} GB/s"
+        lines.append(f"| {r['op']} | {r['shape']} | {r['max_abs']:.2e} | {r['rel_l2']:.1e} | {f(r['triton_ms'])} | "
+                     f"{f(r.get('triton_graph_ms'))} | {f(r.get('eager_ms'))} | {f(r.get('sdpa_ms'))} | {rate} |")
+    if result.get("sweep"):
+        lines += ["", "## Tile sweep", "", "| op | shape | config | ms | rate | max diff vs default |", "|---|---|---|---|---|---|"]
+        for s in result["sweep"]:
+            if "error" in s:
+                lines.append(f"| {s['op']} | {s['shape']} | {s['cfg']} | error | {s['error']} | |")
+            else:
+                rate = f"{s['TFLOPs']:.0f} TFLOP/s" if "TFLOPs" in s else f"{s['GBps']:.0f} GB/s"
+                lines.append(f"| {s['op']} | {s['shape']} | {s['cfg']} | {s['ms']:.4f} | {rate} | {s['diff']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sweep", action="store_true", help="also time tile variants of the attention kernels")
+    ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    args = ap.parse_args()
+    import triton
+
+    torch.manual_seed(0)
+    t0 = time.time()
+    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": args.commit,
+              "torch": torch.__version__, "triton": triton.__version__,
+              "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    result["ceilings"] = ceilings()
+    print("ceilings", result["ceilings"], flush=True)
+    rows: list = []
+    sweep: list | None = [] if args.sweep else None
+    errors = []
+    sections = (("rms", lambda: run_rms(rows)), ("silu", lambda: run_silu(rows)), ("rope", lambda: run_rope(rows)),
+                ("prefill", lambda: run_prefill(rows, sweep)), ("decode", lambda: run_decode(rows, sweep)),
+                ("graph", lambda: result.__setitem__("graph_check", check_decode_graph())))
+    for name, fn in sections:
+        try:  # one broken section is reported and does not lose the others' numbers
+            fn()
+        except Exception:
+            errors.append(f"{name}: {traceback.format_exc()}")
+            print(errors[-1], flush=True)
+        print(name, "done", f"{time.time() - t0:.0f}s", flush=True)
+    result.setdefault("graph_check", None)
+    result["errors"] = errors
+    result["rows"] = rows
+    result["sweep"] = sweep
+    result["wall_s"] = time.time() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (out / "kernels.md").write_text(md)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "sweep")}))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
