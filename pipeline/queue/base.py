@@ -1,0 +1,248 @@
+"""The JobQueue interface: publish jobs; consume them in batches; commit what is done."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from pipeline.queue.offsets import OffsetTracker
+from schemas.job import JobRequest, describe_validation_error, error_code_for
+
+log = logging.getLogger(__name__)
+
+# Headers of a dead-letter message (its value and key are the original message's).
+DLQ_ERROR = "firsttoken-error"  # what was wrong, naming the field and rule
+DLQ_ERROR_CODE = "firsttoken-error-code"  # an ErrorCode value, or "undecodable_json"
+DLQ_ORIGIN_TOPIC = "firsttoken-origin-topic"
+DLQ_ORIGIN_PARTITION = "firsttoken-origin-partition"
+DLQ_ORIGIN_OFFSET = "firsttoken-origin-offset"
+
+
+def routing_key(job: JobRequest, prefix_chars: int = 256) -> bytes:
+    """The message key of a job: its prefix_key, or a hash of the first `prefix_chars` characters
+    of its prompt (or chat turns), so jobs sharing a prefix land on one partition."""
+    if job.prefix_key is not None:
+        return job.prefix_key.encode("utf-8")
+    head = job.prefix_text()[:prefix_chars].encode("utf-8")
+    return b"p:" + hashlib.blake2b(head, digest_size=12).hexdigest().encode("ascii")
+
+
+def encode_job(job: JobRequest) -> bytes:
+    """A job as a message value (JSON)."""
+    return job.model_dump_json(exclude_defaults=True).encode("utf-8")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One consumed job message: where it came from and the job it holds."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    job: JobRequest
+    timestamp_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class RawMessage:
+    """A message as fetched, before parsing."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class PoisonReport:
+    """Why a message went to the dead-letter topic."""
+
+    code: str
+    error: str
+
+
+def parse_message(raw: RawMessage) -> JobRequest | PoisonReport:
+    """The JobRequest a message holds, or why it holds none."""
+    if raw.value is None:
+        return PoisonReport("invalid_request", "message has no value")
+    try:
+        return JobRequest.model_validate_json(raw.value)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        if len(errors) == 1 and errors[0]["type"] == "json_invalid" and "surrogate" not in errors[0]["msg"]:
+            return PoisonReport("undecodable_json", f"value is not JSON: {errors[0]['msg']}")
+        return PoisonReport(error_code_for(exc).value, describe_validation_error(exc))
+
+
+class JobConsumer(ABC):
+    """A member of a consumer group: fetches job messages in batches and commits the done ones.
+
+    `poll` hands out parsed jobs; messages that are not valid jobs go to the dead-letter topic
+    and count as done at once. `commit(done)` commits, per partition, up to the lowest offset
+    still in flight (see OffsetTracker). poll and commit may be called from different threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._tracker = OffsetTracker()
+        self._closed = False
+        self.dead_lettered = 0
+
+    # --- what implementations provide ---
+
+    @abstractmethod
+    def _fetch(self, timeout_s: float, max_messages: int) -> list[RawMessage]:
+        """Fetch up to max_messages raw messages from the assigned, unpaused partitions."""
+
+    @abstractmethod
+    def _commit_offsets(self, offsets: dict[int, int]) -> None:
+        """Commit offsets (next offset to read, per partition) for the group, synchronously."""
+
+    @abstractmethod
+    def _dead_letter(self, raw: RawMessage, report: PoisonReport) -> None:
+        """Send a poison message to the dead-letter topic (durable before the next commit)."""
+
+    @abstractmethod
+    def _flush_dead_letters(self) -> None:
+        """Wait until every dead letter sent so far is durable."""
+
+    @abstractmethod
+    def pause(self, partitions: Iterable[int] | None = None) -> None:
+        """Stop fetching from these partitions (all assigned ones when None); polling goes on."""
+
+    @abstractmethod
+    def resume(self, partitions: Iterable[int] | None = None) -> None:
+        """Fetch again from these partitions (all when None)."""
+
+    @abstractmethod
+    def paused(self) -> set[int]:
+        """Partitions currently paused."""
+
+    @abstractmethod
+    def assignment(self) -> set[int]:
+        """Partitions currently assigned to this consumer."""
+
+    @abstractmethod
+    def _close_client(self) -> None:
+        """Release the underlying client."""
+
+    # --- the shared behaviour ---
+
+    def poll(self, timeout_s: float = 0.1, max_messages: int = 256) -> list[Message]:
+        """The next batch of jobs (possibly empty after `timeout_s`)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("consumer is closed")
+            raws = self._fetch(timeout_s, max_messages)
+            out: list[Message] = []
+            for raw in raws:
+                self._tracker.delivered(raw.partition, raw.offset)
+                parsed = parse_message(raw)
+                if isinstance(parsed, PoisonReport):
+                    log.warning(
+                        "dead-lettering %s[%d]@%d: %s (%s)",
+                        raw.topic,
+                        raw.partition,
+                        raw.offset,
+                        parsed.code,
+                        parsed.error,
+                    )
+                    self._dead_letter(raw, parsed)
+                    self.dead_lettered += 1
+                    self._tracker.done(raw.partition, raw.offset)
+                    continue
+                out.append(
+                    Message(
+                        raw.topic,
+                        raw.partition,
+                        raw.offset,
+                        raw.key,
+                        raw.value or b"",
+                        parsed,
+                        raw.timestamp_ms,
+                    )
+                )
+            return out
+
+    def batches(self, timeout_s: float = 0.1, max_messages: int = 256) -> Iterator[list[Message]]:
+        """Poll forever (until closed), yielding each batch, empty ones included, so that the
+        caller can do its other work between polls."""
+        while not self._closed:
+            yield self.poll(timeout_s, max_messages)
+
+    def commit(self, done: Iterable[Message] = ()) -> dict[int, int]:
+        """Mark messages done and commit, per partition, up to the lowest offset still in flight.
+
+        Returns the offsets committed now (partition -> next offset to read). Messages of
+        partitions no longer assigned are ignored: their new owner will re-deliver them.
+        """
+        with self._lock:
+            for m in done:
+                self._tracker.done(m.partition, m.offset)
+            return self._commit_tracked(None)
+
+    def _commit_tracked(self, partitions: set[int] | None) -> dict[int, int]:
+        offsets = self._tracker.committable(partitions)
+        if not offsets:
+            return {}
+        self._flush_dead_letters()
+        self._commit_offsets(offsets)
+        self._tracker.committed(offsets)
+        return offsets
+
+    def in_flight(self) -> dict[int, int]:
+        """Number of jobs handed out and not yet done, per partition."""
+        with self._lock:
+            return self._tracker.in_flight()
+
+    def close(self, *, commit: bool = True) -> None:
+        """Commit what is done (unless commit=False) and leave the group."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                if commit:
+                    self._commit_tracked(None)
+            finally:
+                self._closed = True
+                self._close_client()
+
+    def __enter__(self) -> JobConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class JobQueue(ABC):
+    """Where producers put jobs and workers take them from: Kafka, or in-process for the embedded mode."""
+
+    @abstractmethod
+    def publish(self, jobs: Iterable[JobRequest]) -> list[JobRequest]:
+        """Put jobs on the queue, durably (returns when every one is acknowledged).
+
+        Jobs without `submitted_at` get the current time. Returns the jobs as published.
+        """
+
+    @abstractmethod
+    def consumer(self, group: str | None = None) -> JobConsumer:
+        """A new member of the consumer group `group` (the settings' group when None)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release producer resources."""
+
+    @staticmethod
+    def _stamp(jobs: Iterable[JobRequest]) -> Sequence[JobRequest]:
+        now = time.time()
+        return [j.submitted(now) for j in jobs]

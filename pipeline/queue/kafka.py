@@ -1,0 +1,325 @@
+"""KafkaQueue: jobs on a Kafka topic through kafka-python.
+
+Producer: idempotent, acks=all, batched (linger, batch size) for bulk submission; the key is the
+job's routing key, so jobs sharing a prefix land on one partition. Consumer: a group member with
+auto-commit off and a short fetch wait (first-token latency), committing per partition up to the
+lowest offset still in flight; pause/resume; on revocation it commits what finished for those
+partitions and forgets their in-flight offsets; poison messages go to the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.structs import OffsetAndMetadata, TopicPartition
+
+from pipeline.queue.base import (
+    DLQ_ERROR,
+    DLQ_ERROR_CODE,
+    DLQ_ORIGIN_OFFSET,
+    DLQ_ORIGIN_PARTITION,
+    DLQ_ORIGIN_TOPIC,
+    JobConsumer,
+    JobQueue,
+    PoisonReport,
+    RawMessage,
+    encode_job,
+    routing_key,
+)
+from pipeline.settings import Settings, get_settings
+from schemas.job import JobRequest
+
+log = logging.getLogger(__name__)
+
+
+def ensure_topics(
+    bootstrap: str | list[str],
+    topics: dict[str, int],
+    *,
+    replication_factor: int = 1,
+    timeout_s: float = 30.0,
+) -> dict[str, int]:
+    """Create the topics that are missing (name -> partition count) and wait until every one of
+    them has a leader for each partition. Returns each topic's actual partition count (an
+    existing topic keeps the count it has)."""
+    admin = KafkaAdminClient(
+        bootstrap_servers=bootstrap, client_id="firsttoken-admin", request_timeout_ms=int(timeout_s * 1000)
+    )
+    try:
+        existing = set(admin.list_topics())
+        missing = [
+            NewTopic(name, n, replication_factor) for name, n in topics.items() if name not in existing
+        ]
+        if missing:
+            # Another process may create one in between: that is fine.
+            with contextlib.suppress(TopicAlreadyExistsError):
+                admin.create_topics(missing, timeout_ms=int(timeout_s * 1000))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            counts = _ready_partitions(admin, list(topics))
+            if all(name in counts for name in topics):
+                return counts
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"topics {sorted(set(topics) - set(counts))} have no leaders after {timeout_s:.0f} s"
+                )
+            time.sleep(0.1)
+    finally:
+        admin.close()
+
+
+def _ready_partitions(admin: KafkaAdminClient, names: list[str]) -> dict[str, int]:
+    out = {}
+    for t in admin.describe_topics(names):
+        if t.get("error_code", 0) != 0:
+            continue
+        parts = t.get("partitions") or []
+        if parts and all(p.get("error_code", 0) == 0 and p.get("leader", -1) >= 0 for p in parts):
+            out[t["topic"]] = len(parts)
+    return out
+
+
+class KafkaQueue(JobQueue):
+    """Jobs on the Kafka topic `settings.jobs_topic` (created if missing)."""
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        topic: str | None = None,
+        dlq_topic: str | None = None,
+        partitions: int | None = None,
+        create_topics: bool = True,
+    ) -> None:
+        self.settings = settings or get_settings()
+        self.topic = topic or self.settings.jobs_topic
+        self.dlq_topic = dlq_topic or self.settings.dlq_topic
+        self.bootstrap = self.settings.kafka_bootstrap_servers
+        self.partitions = partitions or self.settings.jobs_partitions
+        if create_topics:
+            counts = ensure_topics(
+                self.bootstrap,
+                {self.topic: self.partitions, self.dlq_topic: 1},
+                replication_factor=self.settings.replication_factor,
+            )
+            self.partitions = counts[self.topic]
+        self._producer: KafkaProducer | None = None
+
+    def _get_producer(self) -> KafkaProducer:
+        if self._producer is None:
+            self._producer = make_producer(self.settings, client_id="firsttoken-producer")
+        return self._producer
+
+    def publish(self, jobs: Iterable[JobRequest]) -> list[JobRequest]:
+        """Send jobs keyed by their routing key and wait until every one is acknowledged by all
+        in-sync replicas. Raises the first send error (jobs before it may have been written:
+        re-publishing is safe, the store dedupes by job id)."""
+        producer = self._get_producer()
+        stamped = list(self._stamp(jobs))
+        futures = [
+            producer.send(self.topic, key=routing_key(j, self.settings.prefix_key_chars), value=encode_job(j))
+            for j in stamped
+        ]
+        producer.flush()
+        for f in futures:
+            if f.failed():
+                raise f.exception
+        return stamped
+
+    def publish_raw(
+        self, records: Iterable[tuple[bytes | None, bytes | None]], *, topic: str | None = None
+    ) -> None:
+        """Send raw (key, value) messages and wait for them (tests, and forwarding)."""
+        producer = self._get_producer()
+        futures = [producer.send(topic or self.topic, key=k, value=v) for k, v in records]
+        producer.flush()
+        for f in futures:
+            if f.failed():
+                raise f.exception
+
+    def consumer(self, group: str | None = None, **overrides: Any) -> KafkaJobConsumer:
+        """A new member of the consumer group (settings' consumer_group when None); it joins the
+        group on its first poll."""
+        return KafkaJobConsumer(self, group or self.settings.consumer_group, **overrides)
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+
+
+def make_producer(settings: Settings, *, client_id: str, **overrides: Any) -> KafkaProducer:
+    """An idempotent, acks=all producer batched for bulk submission."""
+    config: dict[str, Any] = {
+        "bootstrap_servers": settings.kafka_bootstrap_servers,
+        "client_id": client_id,
+        "acks": "all",
+        "enable_idempotence": True,
+        "linger_ms": settings.producer_linger_ms,
+        "batch_size": settings.producer_batch_bytes,
+        "max_in_flight_requests_per_connection": 5,
+        "allow_auto_create_topics": False,
+    }
+    config.update(overrides)
+    return KafkaProducer(**config)
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, owner: KafkaJobConsumer) -> None:
+        self.owner = owner
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        self.owner._on_revoked({tp.partition for tp in revoked if tp.topic == self.owner.topic})
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        self.owner._on_assigned({tp.partition for tp in assigned if tp.topic == self.owner.topic})
+
+
+class KafkaJobConsumer(JobConsumer):
+    """A member of the workers' consumer group on the jobs topic."""
+
+    def __init__(self, queue: KafkaQueue, group: str, **overrides: Any) -> None:
+        super().__init__()
+        s = queue.settings
+        self.topic = queue.topic
+        self.dlq_topic = queue.dlq_topic
+        self.group = group
+        config: dict[str, Any] = {
+            "bootstrap_servers": queue.bootstrap,
+            "group_id": group,
+            "client_id": f"firsttoken-consumer-{group}",
+            "enable_auto_commit": False,
+            "auto_offset_reset": "earliest",
+            # A fetch returns as soon as any data is there, and waits at most this long when none is.
+            "fetch_max_wait_ms": s.fetch_max_wait_ms,
+            "fetch_min_bytes": 1,
+            "max_poll_records": s.max_poll_records,
+            "session_timeout_ms": s.session_timeout_ms,
+            "heartbeat_interval_ms": max(1000, s.session_timeout_ms // 3),
+            "max_poll_interval_ms": s.max_poll_interval_ms,
+            "allow_auto_create_topics": False,
+        }
+        config.update(overrides)
+        self._consumer = KafkaConsumer(**config)
+        self._consumer.subscribe([self.topic], listener=_Rebalance(self))
+        self._dlq = make_producer(s, client_id=f"firsttoken-dlq-{group}", linger_ms=0)
+        self._dlq_futures: list[Any] = []
+        self._want_paused: set[int] = set()
+        self._pause_all = False
+
+    # --- rebalance (called inside poll, on this consumer's thread, with the lock held) ---
+
+    def _on_revoked(self, partitions: set[int]) -> None:
+        try:
+            offsets = self._commit_tracked(partitions)
+            if offsets:
+                log.info("revoked %s: committed %s", sorted(partitions), offsets)
+        except KafkaError as exc:
+            log.warning(
+                "revoked %s: commit failed (%s); the next owner re-reads from the last commit",
+                sorted(partitions),
+                exc,
+            )
+        for p in partitions:
+            self._tracker.revoke(p)
+            self._want_paused.discard(p)
+
+    def _on_assigned(self, partitions: set[int]) -> None:
+        for p in partitions:
+            if p not in self._tracker.partitions():
+                self._tracker.assign(p)
+        if self._pause_all:
+            self._want_paused |= partitions
+        if self._want_paused & partitions:
+            self._consumer.pause(*(TopicPartition(self.topic, p) for p in self._want_paused & partitions))
+        log.info("assigned %s of %s", sorted(partitions), self.topic)
+
+    # --- JobConsumer ---
+
+    def _fetch(self, timeout_s: float, max_messages: int) -> list[RawMessage]:
+        records = self._consumer.poll(
+            timeout_ms=int(timeout_s * 1000), max_records=max_messages, update_offsets=True
+        )
+        out = []
+        for tp, msgs in records.items():
+            for r in msgs:
+                out.append(RawMessage(tp.topic, tp.partition, r.offset, r.key, r.value, r.timestamp))
+        return out
+
+    def _commit_offsets(self, offsets: dict[int, int]) -> None:
+        self._consumer.commit(
+            {TopicPartition(self.topic, p): OffsetAndMetadata(off, "", -1) for p, off in offsets.items()}
+        )
+
+    def _dead_letter(self, raw: RawMessage, report: PoisonReport) -> None:
+        headers = [
+            (DLQ_ERROR, report.error.encode("utf-8")),
+            (DLQ_ERROR_CODE, report.code.encode("utf-8")),
+            (DLQ_ORIGIN_TOPIC, raw.topic.encode("utf-8")),
+            (DLQ_ORIGIN_PARTITION, str(raw.partition).encode("ascii")),
+            (DLQ_ORIGIN_OFFSET, str(raw.offset).encode("ascii")),
+        ]
+        self._dlq_futures.append(
+            self._dlq.send(self.dlq_topic, key=raw.key, value=raw.value, headers=headers)
+        )
+
+    def _flush_dead_letters(self) -> None:
+        if not self._dlq_futures:
+            return
+        self._dlq.flush()
+        futures, self._dlq_futures = self._dlq_futures, []
+        for f in futures:
+            if f.failed():
+                raise f.exception
+
+    def pause(self, partitions: Iterable[int] | None = None) -> None:
+        with self._lock:
+            assigned = self.assignment()
+            if partitions is None:
+                self._pause_all = True
+                wanted = assigned
+            else:
+                wanted = set(partitions)
+            self._want_paused |= wanted
+            tps = [TopicPartition(self.topic, p) for p in wanted & assigned]
+            if tps:
+                self._consumer.pause(*tps)
+
+    def resume(self, partitions: Iterable[int] | None = None) -> None:
+        with self._lock:
+            if partitions is None:
+                self._pause_all = False
+                wanted = set(self._want_paused) | self.paused()
+            else:
+                wanted = set(partitions)
+            self._want_paused -= wanted
+            tps = [TopicPartition(self.topic, p) for p in wanted & self.assignment()]
+            if tps:
+                self._consumer.resume(*tps)
+
+    def paused(self) -> set[int]:
+        with self._lock:
+            return {tp.partition for tp in self._consumer.paused() if tp.topic == self.topic}
+
+    def assignment(self) -> set[int]:
+        with self._lock:
+            return {tp.partition for tp in self._consumer.assignment() if tp.topic == self.topic}
+
+    def committed(self) -> dict[int, int | None]:
+        """The group's committed offsets of the assigned partitions, read from the broker."""
+        with self._lock:
+            return {p: self._consumer.committed(TopicPartition(self.topic, p)) for p in self.assignment()}
+
+    def _close_client(self) -> None:
+        try:
+            self._flush_dead_letters()
+        finally:
+            self._dlq.close()
+            self._consumer.close(autocommit=False)
