@@ -1,0 +1,108 @@
+"""Shared benchmark helpers: ceilings measured in the same run, model FLOP/byte counts, reports."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.engine.config import ModelConfig
+
+
+def measure_ceilings(device: str = "cuda") -> dict[str, float]:
+    """bf16 matmul rate (TFLOP/s, 8192^3 on random data) and copy bandwidth (GB/s, read+write of 4 GiB)."""
+    import triton.testing
+
+    def matmul_ms(n: int) -> float:
+        a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+        b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+        return triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+
+    def copy_ms(numel: int) -> float:
+        x = torch.randn(numel, dtype=torch.float32, device=device)
+        y = torch.empty_like(x)
+        return triton.testing.do_bench(lambda: y.copy_(x), warmup=20, rep=200, return_mode="median")
+
+    n = 8192
+    tflops = 2 * n**3 / (matmul_ms(n) * 1e-3) / 1e12
+    numel = 1 << 30  # 4 GiB of fp32
+    gbps = 2 * numel * 4 / (copy_ms(numel) * 1e-3) / 1e9
+    torch.cuda.empty_cache()
+    return {"bf16_matmul_tflops": tflops, "copy_gbps": gbps}
+
+
+def linear_params(cfg: ModelConfig) -> int:
+    """Weights every token multiplies through (all linear layers and lm_head; not the embedding)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i
+    return cfg.num_layers * per_layer
+
+
+def prefill_flops(cfg: ModelConfig, new: int, cached: int = 0) -> float:
+    """FLOPs to compute `new` tokens after `cached` ones, causal attention counted exactly, plus one logits row."""
+    dense = 2 * linear_params(cfg) * new
+    ctx_sum = new * cached + new * (new + 1) / 2  # keys seen, summed over the new tokens
+    attn = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * ctx_sum
+    return dense + attn + 2 * cfg.hidden_size * cfg.vocab_size
+
+
+def weight_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> float:
+    """Bytes of weights one forward reads (linear layers + lm_head)."""
+    return (linear_params(cfg) + cfg.hidden_size * cfg.vocab_size) * dtype_bytes
+
+
+def kv_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 2) -> float:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * tokens * dtype_bytes
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return os.environ.get("FIRSTTOKEN_COMMIT", "unknown")
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        return f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs"
+    return "cpu"
+
+
+def header() -> dict[str, Any]:
+    import triton
+
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
+        "machine": machine(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+def md_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return "" if v is None else str(v)
+
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_report(name: str, data: dict[str, Any], markdown: str) -> None:
+    """Print JSON and markdown; also write both under $OUT when it is set."""
+    text = json.dumps(data, indent=2, default=float)
+    print(text)
+    print(markdown)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, f"{name}.json").write_text(text)
+        Path(out, f"{name}.md").write_text(markdown + "\n")

@@ -1,0 +1,65 @@
+"""On a CUDA GPU (never in CI): Triton kernels + CUDA graphs give transformers' exact greedy tokens.
+
+Run there with `FIRSTTOKEN_GPU_TESTS=1 python3 -m pytest -m gpu tests/engine/test_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from schemas.sampling import SamplingParams
+from tests.engine.conftest import prompt_set
+from workers.engine import EngineConfig, LLMEngine
+
+pytestmark = pytest.mark.gpu
+
+MAX_NEW = 16
+
+
+def hf_greedy_cuda(path, prompts):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").cuda().eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+            outs.append(g[0, len(p):].tolist())
+    return outs
+
+
+def run(path, prompts, **cfg):
+    eng = LLMEngine(str(path), EngineConfig(device="cuda", dtype="float32", kernel_backend="triton",
+                                            num_blocks=256, max_model_len=512, **cfg))
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", prompt_token_ids=p, sampling=sp)
+    done = {}
+    while eng.has_unfinished():
+        for f in eng.step().finished:
+            done[f.request_id] = f
+    return eng, [done[f"r{i}"].output_token_ids for i in range(len(prompts))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_engine_matches_transformers(llama_dir, graphs):
+    prompts = prompt_set(12, seed=3, min_len=3, max_len=150)
+    prompts.append(prompts[-1][:100] + [5, 6, 7])  # a prefix hit
+    want = hf_greedy_cuda(llama_dir, prompts)
+    eng, got = run(llama_dir, prompts, cuda_graphs=graphs, block_size=16)
+    assert (eng.runner.graphs is not None) == graphs
+    assert got == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ckpt", ["qwen2_dir", "mistral_dir", "llama3_dir"])
+def test_cuda_other_architectures(ckpt, request):
+    path = request.getfixturevalue(ckpt)
+    prompts = prompt_set(6, seed=4, min_len=5, max_len=90)
+    want = hf_greedy_cuda(path, prompts)
+    _, got = run(path, prompts, max_num_batched_tokens=64)  # chunked prefill too
+    assert got == want
