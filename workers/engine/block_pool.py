@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from array import array
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:

@@ -30,6 +30,21 @@ def graph_buckets(max_bs: int) -> list[int]:
     return out
 
 
+def capture_graphs(*graph_sets: DecodeGraphs | PrefillGraphs) -> None:
+    """Capture every graph set on one side stream, sharing one memory pool (largest graphs first)."""
+    t0 = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for gs in graph_sets:
+            gs.capture(pool, stream)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    log.info("captured CUDA graphs %s in %.1f s", [sorted(gs.graphs) for gs in graph_sets],
+             time.perf_counter() - t0)
+
+
 class DecodeGraphs:
     """One captured decode graph per bucket; prefill and mixed steps stay eager."""
 
@@ -69,23 +84,14 @@ class DecodeGraphs:
         return r.model.compute_logits(hidden, residual)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.runner.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.buckets):
-                for _ in range(2):  # compile kernels and settle allocations before capturing
-                    self._forward(bs)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    logits = self._forward(bs)
-                self.graphs[bs] = (g, logits)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.graphs), self.buckets,
-                 time.perf_counter() - t0)
+    def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
+        for bs in reversed(self.buckets):
+            for _ in range(2):  # compile kernels and settle allocations before capturing
+                self._forward(bs)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=stream):
+                logits = self._forward(bs)
+            self.graphs[bs] = (g, logits)
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Replay the smallest graph that holds the step's decodes; returns logits [B, V]."""
@@ -117,3 +123,103 @@ class DecodeGraphs:
         g, logits = self.graphs[bs]
         g.replay()
         return logits[:b]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Powers of two from 16 up to max_tokens (max_tokens itself included)."""
+    out = []
+    b = 16
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    out.append(max_tokens)
+    return out
+
+
+class PrefillGraphs:
+    """Captured steps of up to `max_seqs` sequences and `max_tokens` tokens (prefills mixed with decodes).
+
+    Short prefills are bound by the CPU launching ~300 kernels, not by the GPU; replaying a graph
+    removes that. Every sequence goes through the varlen prefill kernel (a decode is a one-token
+    prefill). Padded tokens write to the scratch slot; padded sequences have no tokens.
+    """
+
+    def __init__(self, runner: ModelRunner, max_tokens: int, max_seqs: int) -> None:
+        self.runner = runner
+        self.max_seqs = max_seqs
+        self.buckets = token_buckets(max_tokens)
+        dev = runner.device
+        t = self.buckets[-1]
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((t,), runner.pad_slot, dtype=torch.int64, device=dev)
+        self.block_tables = torch.full(
+            (max_seqs, runner.max_blocks_per_seq), runner.num_blocks, dtype=torch.int32, device=dev
+        )
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
+        self.logit_rows = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool:
+        return num_tokens <= self.buckets[-1] and num_seqs <= self.max_seqs
+
+    def _forward(self, t: int) -> torch.Tensor:
+        r = self.runner
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:t],
+            num_decodes=0,
+            num_decode_tokens=0,
+            decode_block_tables=None,
+            decode_seq_lens=None,
+            prefill_block_tables=self.block_tables,
+            prefill_query_start_loc=self.query_start_loc,
+            prefill_seq_lens=self.seq_lens,
+            prefill_max_query_len=t,
+        )
+        hidden, residual = r.model(self.input_ids[:t], self.positions[:t], r.cos_sin, r.kv_caches, meta)
+        rows = self.logit_rows
+        return r.model.compute_logits(hidden[rows], residual[rows])
+
+    @torch.inference_mode()
+    def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
+        for t in reversed(self.buckets):
+            # warm-up inputs: one sequence holding every token, written to the scratch block
+            self.query_start_loc.fill_(t)
+            self.query_start_loc[0] = 0
+            self.seq_lens.zero_()
+            self.seq_lens[0] = t
+            self.positions.zero_()
+            for _ in range(2):
+                self._forward(t)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=stream):
+                logits = self._forward(t)
+            self.graphs[t] = (g, logits)
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """Replay the smallest graph that holds the step; returns logits of the sampling rows."""
+        r = self.runner
+        input_ids, positions, slots, tables, qsl, seq_lens, logit_rows = r.host_inputs(out)
+        n = len(input_ids)
+        s = len(seq_lens)
+        t = next(x for x in self.buckets if x >= n)
+        self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
+        pad_slots = np.full(t, r.pad_slot, dtype=np.int64)
+        pad_slots[:n] = slots
+        self.slot_mapping[:t].copy_(torch.from_numpy(pad_slots), non_blocking=True)
+        w = tables.shape[1]
+        self.block_tables[:s, :w].copy_(torch.from_numpy(tables), non_blocking=True)
+        q = np.full(self.max_seqs + 1, n, dtype=np.int32)
+        q[: s + 1] = qsl
+        self.query_start_loc.copy_(torch.from_numpy(q), non_blocking=True)
+        sl = np.zeros(self.max_seqs, dtype=np.int32)
+        sl[:s] = seq_lens
+        self.seq_lens.copy_(torch.from_numpy(sl), non_blocking=True)
+        rows = np.zeros(self.max_seqs, dtype=np.int64)
+        rows[: len(logit_rows)] = logit_rows
+        self.logit_rows.copy_(torch.from_numpy(rows), non_blocking=True)
+        g, logits = self.graphs[t]
+        g.replay()
+        return logits[: len(logit_rows)]

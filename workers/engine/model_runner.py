@@ -12,7 +12,7 @@ import torch
 from kernels.ops import KernelOps, get_ops
 from workers.engine.attention import AttentionMetadata
 from workers.engine.config import EngineConfig, ModelConfig
-from workers.engine.cuda_graphs import DecodeGraphs
+from workers.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_graphs
 from workers.engine.loader import load_checkpoint, random_model, resolve_dtype
 from workers.engine.models.llama import LlamaForCausalLM
 from workers.engine.models.rope import rope_cos_sin
@@ -57,10 +57,13 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton":
             max_bs = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
             self.graphs = DecodeGraphs(self, max_bs)
-            self.graphs.capture()
+            max_t = min(config.prefill_graph_max_tokens, config.max_num_batched_tokens)
+            self.prefill_graphs = PrefillGraphs(self, max_t, min(config.prefill_graph_max_seqs, config.max_num_seqs))
+            capture_graphs(self.graphs, self.prefill_graphs)
 
     # ---- loading and sizing -------------------------------------------------------------
     def _load(self, model: str) -> tuple[LlamaForCausalLM, ModelConfig]:
@@ -101,10 +104,14 @@ class ModelRunner:
         return n
 
     # ---- one step -------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
-        """Flatten the step's tokens into one varlen batch. Returns (input_ids, positions, meta, logit rows)."""
+    def host_inputs(self, out: SchedulerOutput) -> tuple[np.ndarray, ...]:
+        """The step's varlen batch on the host.
+
+        Returns (input_ids [T], positions [T], slots [T], block tables [B, W], query_start_loc [B + 1],
+        seq_lens [B], logit rows): the rows are the flattened indices of the last token of each
+        sequence that samples.
+        """
         entries = out.scheduled
-        nd = out.num_decodes
         n_new = np.fromiter((e.num_new_tokens for e in entries), dtype=np.int64, count=len(entries))
         start = np.fromiter((e.num_computed_tokens for e in entries), dtype=np.int64, count=len(entries))
         seq_lens = start + n_new
@@ -126,13 +133,20 @@ class ModelRunner:
         )
         sample_rows = np.array([i for i, e in enumerate(entries) if e.samples], dtype=np.int64)
         logit_rows = cu[1:][sample_rows] - 1
+        return (np.asarray(ids, dtype=np.int64), positions, slots, tables, cu.astype(np.int32),
+                seq_lens.astype(np.int32), logit_rows)
 
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+        """Flatten the step's tokens into one varlen batch. Returns (input_ids, positions, meta, logit rows)."""
+        ids, positions, slots, tables, cu, seq_lens, logit_rows = self.host_inputs(out)
+        nd = out.num_decodes
+        n_seq = len(out.scheduled)
         dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+        input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
         pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
         tables_t = torch.from_numpy(tables).to(dev, non_blocking=True)
-        seq_t = torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True)
-        np_ = len(entries) - nd
+        seq_t = torch.from_numpy(seq_lens).to(dev, non_blocking=True)
+        np_ = n_seq - nd
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
             num_decodes=nd,
@@ -141,10 +155,10 @@ class ModelRunner:
             decode_seq_lens=seq_t[:nd] if nd else None,
             prefill_block_tables=tables_t[nd:] if np_ else None,
             prefill_query_start_loc=(
-                torch.from_numpy((cu[nd:] - cu[nd]).astype(np.int32)).to(dev, non_blocking=True) if np_ else None
+                torch.from_numpy(cu[nd:] - cu[nd]).to(dev, non_blocking=True) if np_ else None
             ),
             prefill_seq_lens=seq_t[nd:] if np_ else None,
-            prefill_max_query_len=int(n_new[nd:].max()) if np_ else 0,
+            prefill_max_query_len=int((cu[nd + 1 :] - cu[nd:-1]).max()) if np_ else 0,
         )
         return input_ids, pos_t, meta, logit_rows
 
@@ -183,8 +197,11 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> list[int]:
         """Run the step; return one sampled token id per scheduled entry that samples, in order."""
         sampling_reqs = [e.request for e in out.scheduled if e.samples]
-        if self.graphs is not None and out.num_decodes == len(out.scheduled) and self.graphs.fits(len(out.scheduled)):
+        n_seq = len(out.scheduled)
+        if self.graphs is not None and out.num_decodes == n_seq and self.graphs.fits(n_seq):
             logits = self.graphs.run(out)
+        elif self.prefill_graphs is not None and self.prefill_graphs.fits(out.num_batched_tokens, n_seq):
+            logits = self.prefill_graphs.run(out)
         else:
             input_ids, positions, meta, logit_rows = self.prepare(out)
             hidden, residual = self.model(input_ids, positions, self.cos_sin, self.kv_caches, meta)
