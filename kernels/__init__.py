@@ -12,5 +12,9 @@ Shared conventions:
   including its new tokens, `block_tables` [B, max_blocks_per_seq] (int32) maps logical to
   physical blocks.
 - Sliding window W (Mistral): a query at position p sees keys at positions k with p - W < k <= p.
-- No code runs at import; triton is imported lazily by the launchers.
+- No code runs at import; triton is imported lazily by the launchers (kernels/_triton.py jits a
+  kernel at its first launch, so TRITON_INTERPRET=1 set before then runs it on CPU).
+- Triton launchers: `<op>_triton` takes the reference's arguments; rope_and_cache rotates q/k in
+  place and skips negative slots (padding); prefill takes `max_query_len`, decode `num_splits`
+  (both optional, host-sync free; decode is CUDA-graph capturable).
 """

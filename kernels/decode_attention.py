@@ -206,7 +206,8 @@ def decode_attention_triton(
         num_splits = default_num_splits(b, hk * head_chunks, block_tables.shape[1] * bs, num_sms(q.device))
     check(1 <= num_splits <= 256, f"decode_attention: num_splits {num_splits} not in [1, 256]")
     on_gpu = q.device.type == "cuda"
-    bn = block_n or (32 if q.dtype == torch.float32 else 64)
+    # 128-key tiles on the GPU: 3-10% over 64 at B=1..256 on H200 (kernels-2026-11-30.md, sweep)
+    bn = block_n or (32 if q.dtype == torch.float32 else 128 if on_gpu else 64)
     check(bn >= 16 and bn & (bn - 1) == 0, "decode_attention: block_n must be a power of two >= 16")
     m_part = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
     l_part = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)

@@ -247,13 +247,14 @@ def paged_attention_triton(
         return out
     group = hq // hk
     on_gpu = q.device.type == "cuda"
-    # Tiles from the H200 sweep (bf16, Hq=32, Hk=8, D=128; bench/results/kernels-2026-11-30.md):
-    # M128 N128 w8 s2 ran 8192 causal tokens at 357 TFLOP/s against 323 for M128 N64 w8 s3; with
-    # too few programs to fill the chip (2048 cached + 128 new), M64 N128 w4 s2 gave 91 against 62.
+    # Tiles from the H200 sweeps (bf16, Hq=32, Hk=8, D=128; bench/results/kernels-2026-11-30.md):
+    # M128 N128 w8 s3 ran 8192 / 32768 causal tokens at 390 / 414 TFLOP/s against 324 / 360 for
+    # M128 N64 w8 s3; with too few programs to fill the chip (2048 cached + 128 new tokens),
+    # M64 N128 w4 s2 gave 93 TFLOP/s against 56 with 3 stages and 65 for M128 N64 w8 s3.
     if q.dtype == torch.float32:
         bm, bn, warps, stages = 64, 32, 4, 2
     elif on_gpu:
-        bm, bn, warps, stages = 128, 128, 8, 2
+        bm, bn, warps, stages = 128, 128, 8, 3
     else:
         bm, bn, warps, stages = 64, 64, 4, 2
     g_pack = min(group, 16)
@@ -261,7 +262,7 @@ def paged_attention_triton(
         # fewer, fatter programs only when there are enough of them to fill the chip
         progs = cdiv(max_q, bm // g_pack) * hk * cdiv(group, g_pack) * b
         if progs < 2 * num_sms(q.device):
-            bm, warps = 64, 4
+            bm, warps, stages = 64, 4, 2
     bm = block_m or bm
     bn = block_n or bn
     warps = num_warps or warps
