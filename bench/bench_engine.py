@@ -230,10 +230,10 @@ def main() -> None:
     if "decode" in sections:
         batches = [int(b) for b in args.decode_batches.split(",")]
         ours_g = ours_decode(engine, vocab, batches)
-        graphs = engine.runner.graphs
-        engine.runner.graphs = None
+        graphs = engine.runner.graphs, engine.runner.prefill_graphs
+        engine.runner.graphs = engine.runner.prefill_graphs = None
         ours_e = ours_decode(engine, vocab, batches)
-        engine.runner.graphs = graphs
+        engine.runner.graphs, engine.runner.prefill_graphs = graphs
         for b in batches:
             fl = (weight_bytes(cfg) + kv_bytes(cfg, b * 536)) / bw * 1e3
             rows.append({"metric": f"decode b{b} per token", "floor_ms": fl,

@@ -63,3 +63,13 @@ def test_cuda_other_architectures(ckpt, request):
     want = hf_greedy_cuda(path, prompts)
     _, got = run(path, prompts, max_num_batched_tokens=64)  # chunked prefill too
     assert got == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_dense_prefill_path(llama_dir):
+    # long uncached prompts alone in a step go through SDPA instead of the paged kernel
+    prompts = prompt_set(4, seed=8, min_len=100, max_len=300)
+    want = hf_greedy_cuda(llama_dir, prompts)
+    _, got = run(llama_dir, prompts, dense_prefill_min_tokens=64, prefill_graph_max_tokens=32,
+                   max_num_batched_tokens=512, max_num_seqs=1)
+    assert got == want

@@ -6,7 +6,7 @@ import pytest
 
 from schemas.sampling import SamplingParams
 from tests.engine.conftest import hf_greedy, prompt_set
-from workers.engine import LLMEngine, EngineConfig
+from workers.engine import EngineConfig, LLMEngine
 
 MAX_NEW = 6
 

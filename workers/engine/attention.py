@@ -26,6 +26,9 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor | None  # [num_prefills] int32
     prefill_max_query_len: int = 0
     decode_num_splits: int | None = None  # flash-decoding splits; fixed when the step is graph-captured
+    # the step is one long prompt with nothing cached: attention runs on the contiguous new
+    # q/k/v with a dense causal kernel instead of through the cache
+    prefill_dense: bool = False
 
 
 class PagedAttention:
@@ -40,9 +43,11 @@ class PagedAttention:
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        # q: [T, Hq, D] (rotated); the step's k/v are already in k_cache/v_cache
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [T, Hq, D], k, v: [T, Hk, D] (rotated); the step's k/v are already in k_cache/v_cache
+        if meta.prefill_dense and self.sliding_window is None:
+            return dense_causal_attention(q, k, v, self.scale)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             return self.ops.decode_attention(
@@ -68,6 +73,26 @@ class PagedAttention:
             q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
             meta.prefill_seq_lens, self.scale, self.sliding_window, **kwargs,
         )
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence over itself through PyTorch SDPA, cuDNN's kernel first.
+
+    On an H200 (bench/results), cuDNN ran 32768 causal tokens at 563 TFLOP/s against 379 for our
+    paged Triton kernel and 342 for SDPA's flash backend; long uncached prompts take this path.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.MATH]
+    gqa = q.shape[1] != k.shape[1]
+    with sdpa_kernel(order, set_priority=True):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=gqa,
+        )
+    return out[0].transpose(0, 1)
 
 
 def _splits(meta: AttentionMetadata) -> dict:

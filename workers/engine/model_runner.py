@@ -54,6 +54,8 @@ class ModelRunner:
             for _ in range(mc.num_layers)
         ]
         self.pad_slot = self.num_blocks * self.block_size
+        # long uncached prompts: dense causal attention (cuDNN) beats the paged kernel on CUDA
+        self.dense_prefill_min_tokens = config.dense_prefill_min_tokens if self.device.type == "cuda" else None
         self.sampler = Sampler(self.device, config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
@@ -159,6 +161,10 @@ class ModelRunner:
             ),
             prefill_seq_lens=seq_t[nd:] if np_ else None,
             prefill_max_query_len=int((cu[nd + 1 :] - cu[nd:-1]).max()) if np_ else 0,
+            prefill_dense=(
+                self.dense_prefill_min_tokens is not None and n_seq == 1 and nd == 0
+                and out.scheduled[0].num_computed_tokens == 0 and len(ids) >= self.dense_prefill_min_tokens
+            ),
         )
         return input_ids, pos_t, meta, logit_rows
 
