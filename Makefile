@@ -5,7 +5,7 @@ install:
 
 # The main job on the embedded default: no services, tiny random model, on CPU.
 run: install
-	.venv/bin/firsttoken generate examples/prompts.jsonl --model tiny --max-tokens 16
+	.venv/bin/firsttoken run examples/prompts.jsonl --model tiny --max-tokens 16
 
 # The whole suite: installs, starts real Kafka/Postgres/Redis, runs pytest, stops them.
 test:

@@ -1,0 +1,219 @@
+"""The worker loop on LocalQueue + SQLite: timings, failures, duplicates, commit-after-durable,
+drain on SIGTERM, cancellation, back-pressure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+from conftest import all_committed, jobs, make_engine_tiny, wait_until
+
+from pipeline.queue import DLQ_ERROR_CODE, encode_job, routing_key
+from schemas.job import ChatMessage, ErrorCode, JobRequest, JobStatus
+from schemas.sampling import SamplingParams
+from workers.sink import SinkConfig
+from workers.worker import Worker, WorkerConfig, run_until_signalled
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_engine_tiny()
+
+
+def start_worker(engine, queue, store, **cfg) -> Worker:
+    sink = cfg.pop("sink", SinkConfig(backoff_initial_s=0.02, backoff_max_s=0.1))
+    return Worker(engine, queue.consumer(), store, WorkerConfig(name="w-test", sink=sink, **cfg),
+                  model_name="tiny").start()
+
+
+def run_all(engine, queue, store, batch, **cfg) -> Worker:
+    w = start_worker(engine, queue, store, **cfg)
+    try:
+        queue.publish(batch)
+        wait_until(lambda: all_committed(queue), what="every offset committed")
+    finally:
+        w.stop()
+    return w
+
+
+def test_every_timing_filled_and_consistent(engine, queue, store):
+    run_all(engine, queue, store, jobs(12))
+    rows = store.get_jobs([f"j{i}" for i in range(12)])
+    assert len(rows) == 12
+    for r in rows.values():
+        t = r.timings
+        assert r.status is JobStatus.SUCCEEDED and r.usage.completion_tokens == 4
+        assert r.worker == "w-test" and r.model == "tiny" and r.prompt is not None
+        for name, value in t.model_dump().items():
+            assert value is not None, name
+        assert t.submitted_at <= t.admitted_at <= t.first_token_at <= t.finished_at
+        assert t.ttft_ms == pytest.approx((t.first_token_at - t.submitted_at) * 1e3, abs=1e-3)
+        assert t.queue_ms == pytest.approx((t.admitted_at - t.submitted_at) * 1e3, abs=1e-3)
+        assert t.e2e_ms == pytest.approx((t.finished_at - t.submitted_at) * 1e3, abs=1e-3)
+        assert t.engine_ttft_ms == pytest.approx((t.first_token_at - t.admitted_at) * 1e3, abs=1e-2)
+        assert t.prefill_ms <= t.engine_ttft_ms + 1e-6 and t.ttft_ms >= t.engine_ttft_ms - 1e-6
+        assert t.tpot_ms == pytest.approx((t.finished_at - t.first_token_at) * 1e3 / 3, rel=1e-3)
+
+
+def test_invalid_jobs_become_failed_rows_and_poison_goes_to_the_dlq(engine, queue, store):
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+    bad = [
+        JobRequest(id="long", prompt="x" * 5000, sampling=sp),
+        JobRequest(id="ctx", prompt="short", sampling=SamplingParams(max_tokens=100_000)),
+        JobRequest(id="ok", prompt="fine", sampling=sp),
+    ]
+    w = start_worker(engine, queue, store)
+    try:
+        queue.publish(bad)
+        queue.publish_raw([(b"k", b"{not json"), (b"k", b'{"id": "s", "prompt": "p", "sampling": {"top_p": 2}}')])
+        wait_until(lambda: all_committed(queue), what="every offset committed")
+    finally:
+        w.stop()
+    rows = store.get_jobs(["long", "ctx", "ok", "s"])
+    assert rows["long"].status is JobStatus.FAILED and rows["long"].error_code is ErrorCode.PROMPT_TOO_LONG
+    assert rows["ctx"].error_code is ErrorCode.PROMPT_TOO_LONG and "max_tokens" in rows["ctx"].error_message
+    assert rows["long"].timings.submitted_at is not None and rows["long"].worker == "w-test"
+    assert rows["ok"].status is JobStatus.SUCCEEDED
+    assert "s" not in rows  # not a valid job: dead-lettered with its error, no row
+    codes = sorted(d.headers[DLQ_ERROR_CODE].decode() for d in queue.dead_letters)
+    assert codes == ["invalid_sampling", "undecodable_json"]
+    assert w.counters.failed == 2
+
+
+def test_same_message_twice_gives_one_row(engine, queue, store):
+    job = jobs(1, "dup")[0].submitted(1.0e9)
+    raw = (routing_key(job), encode_job(job))
+    w = start_worker(engine, queue, store)
+    try:
+        queue.publish_raw([raw, raw])
+        wait_until(lambda: all_committed(queue), what="both committed")
+        queue.publish_raw([raw])  # and once more after it is terminal
+        wait_until(lambda: all_committed(queue), what="third committed")
+    finally:
+        w.stop()
+    assert [r.id for r in store.list_jobs()] == ["dup0"]
+
+
+class FlakyStore:
+    """A ResultStore whose upsert fails while `down` is set."""
+
+    def __init__(self, store):
+        self._store = store
+        self.down = threading.Event()
+        self.failures = 0
+
+    def upsert_results(self, results, requests=None):
+        if self.down.is_set():
+            self.failures += 1
+            raise ConnectionError("database is down")
+        return self._store.upsert_results(results, requests)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_offsets_are_committed_only_after_the_rows_are_durable(engine, queue, store):
+    flaky = FlakyStore(store)
+    flaky.down.set()
+    w = start_worker(engine, queue, flaky)
+    try:
+        queue.publish(jobs(6, "f"))
+        wait_until(lambda: w.counters.succeeded == 6 and flaky.failures >= 2, what="jobs done, writes failing")
+        assert queue.committed() == {} and store.list_jobs() == []
+        assert not w.sink.store_ok and w.sink.buffered == 6
+        flaky.down.clear()
+        wait_until(lambda: all_committed(queue), what="commit after recovery")
+    finally:
+        w.stop()
+    assert len(store.list_jobs()) == 6 and w.sink.store_ok
+
+
+def test_full_sink_buffer_pauses_intake(engine, queue, store):
+    flaky = FlakyStore(store)
+    flaky.down.set()
+    w = start_worker(engine, queue, flaky, sink=SinkConfig(max_buffer=3, backoff_initial_s=0.02, backoff_max_s=0.05),
+                     max_poll_messages=2, max_waiting=2)
+    try:
+        queue.publish(jobs(20, "b"))
+        wait_until(lambda: w.sink.full and w.intake.paused, what="intake paused on a full sink")
+        taken = w.intake.delivered
+        threading.Event().wait(0.3)
+        assert w.intake.delivered == taken < 20  # nothing more taken while the store is down
+        flaky.down.clear()
+        wait_until(lambda: all_committed(queue), what="everything after recovery")
+    finally:
+        w.stop()
+    assert len(store.list_jobs()) == 20
+
+
+def test_engine_backlog_pauses_intake(engine, queue, store):
+    w = run_all(engine, queue, store, jobs(40, "p"), max_waiting=4, max_poll_messages=8)
+    assert w.intake.pauses >= 1 and len(store.list_jobs()) == 40
+
+
+def test_drain_hands_back_unfinished_jobs_uncommitted(engine, queue, store):
+    long = jobs(4, "slow", max_tokens=400)
+    w = start_worker(engine, queue, store)
+    queue.publish(jobs(3, "quick"))
+    wait_until(lambda: all_committed(queue), what="quick jobs")
+    queue.publish(long)
+    wait_until(lambda: len(w._inflight) == 4, what="slow jobs admitted")
+    w.stop(drain=True, timeout_s=0.0)  # the deadline has passed at once: hand them back
+    assert w.counters.handed_back == 4
+    assert {r.id for r in store.list_jobs()} == {"quick0", "quick1", "quick2"}
+    assert not all_committed(queue)
+    # a new member of the group gets them again and finishes them
+    w2 = start_worker(engine, queue, store)
+    try:
+        wait_until(lambda: all_committed(queue), timeout_s=120, what="redelivered slow jobs")
+    finally:
+        w2.stop()
+    rows = store.list_jobs()
+    assert len(rows) == 7 and all(r.status is JobStatus.SUCCEEDED for r in rows)
+
+
+def test_sigterm_drains_in_flight_jobs(engine, queue, store):
+    queue.publish(jobs(5, "t", max_tokens=200))
+    w = Worker(engine, queue.consumer(), store, WorkerConfig(name="w-sig", drain_timeout_s=60), model_name="tiny")
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        assert run_until_signalled(w) == 0
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    rows = store.list_jobs()
+    # whatever was admitted finished (drained) and was committed; the rest stays for redelivery
+    assert all(r.status is JobStatus.SUCCEEDED and r.usage.completion_tokens == 200 for r in rows)
+    assert sum(queue.committed().values()) == len(rows) == w.counters.succeeded
+    assert w.counters.handed_back == 0
+
+
+def test_cancel_running_job_and_later_batch_jobs(engine, queue, store):
+    w = start_worker(engine, queue, store)
+    try:
+        queue.publish(jobs(1, "c", max_tokens=1500))
+        wait_until(lambda: "c0" in w._inflight and w._inflight["c0"].first_token_mono is not None,
+                   what="job running")
+        w.cancel(["c0"])
+        w.cancel(batch_id="B")
+        queue.publish(jobs(3, "cb", batch_id="B") + jobs(2, "other"))
+        wait_until(lambda: all_committed(queue), what="all committed")
+    finally:
+        w.stop()
+    rows = {r.id: r for r in store.list_jobs()}
+    c0 = rows["c0"]
+    assert c0.status is JobStatus.CANCELLED and c0.error_code is ErrorCode.CANCELLED
+    assert 0 < c0.usage.completion_tokens < 1500 and c0.timings.first_token_at is not None
+    assert all(rows[f"cb{i}"].status is JobStatus.CANCELLED for i in range(3))
+    assert all(rows[f"other{i}"].status is JobStatus.SUCCEEDED for i in range(2))
+
+
+def test_chat_messages_are_rendered(engine, queue, store):
+    job = JobRequest(id="chat", messages=[ChatMessage(role="user", content="hi")],
+                     sampling=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    run_all(engine, queue, store, [job])
+    row = store.get_job("chat")
+    assert row.status is JobStatus.SUCCEEDED and row.usage.prompt_tokens > 2

@@ -1,0 +1,178 @@
+"""The intake: a thread that owns the queue consumer, feeds jobs to the engine loop, and commits.
+
+The consumer (kafka-python's is not thread-safe) is used by this thread only: it polls in short
+slices so that a busy GPU never keeps the group from hearing from this worker, pauses every
+partition while the engine (or the sink) is over its bound and resumes them when it drains, and
+commits the offsets the sink reports durable. Poison messages never reach the engine: the
+consumer sends them to the dead-letter topic.
+
+Also here: turning a JobRequest into what `LLMEngine.add_request` takes (the prompt text, with
+chat turns rendered by the checkpoint's template), and the engine's error codes as ErrorCodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from pipeline.queue import JobConsumer, Message
+from schemas.job import ErrorCode, JobRequest
+
+log = logging.getLogger(__name__)
+
+# LLMEngine's InvalidRequestError codes -> the stored ErrorCode.
+ENGINE_ERROR_CODES: dict[str, ErrorCode] = {
+    "prompt_too_long": ErrorCode.PROMPT_TOO_LONG,
+    "max_tokens_out_of_range": ErrorCode.PROMPT_TOO_LONG,  # prompt + max_tokens beyond the context
+    "invalid_sampling": ErrorCode.INVALID_SAMPLING,
+    "empty_prompt": ErrorCode.INVALID_REQUEST,
+    "invalid_prompt": ErrorCode.INVALID_REQUEST,
+    "chat_template": ErrorCode.INVALID_REQUEST,
+}
+
+
+def error_code_of(engine_code: str) -> ErrorCode:
+    """The ErrorCode stored for an engine error code."""
+    return ENGINE_ERROR_CODES.get(engine_code, ErrorCode.ENGINE_ERROR)
+
+
+def render_prompt(tokenizer: object, job: JobRequest) -> str:
+    """The prompt text of a job: its `prompt`, or its chat turns rendered with the checkpoint's
+    chat template. A model without a template (the random presets) gets a plain
+    `role: content` transcript ending in `assistant:`."""
+    if job.prompt is not None:
+        return job.prompt
+    assert job.messages is not None
+    turns = [{"role": m.role, "content": m.content} for m in job.messages]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(turns)  # type: ignore[attr-defined]
+    return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+
+
+class Intake:
+    """Polls `consumer` on its own thread and hands each batch of jobs to `deliver`.
+
+    `overloaded()` is asked before every poll: while it is true every partition is paused (the
+    poll goes on, so the group keeps this member), and when it turns false they are resumed.
+    `commit_later(messages)` may be called from any thread; the commits happen on this one.
+    """
+
+    def __init__(
+        self,
+        consumer: JobConsumer,
+        deliver: Callable[[list[Message]], None],
+        overloaded: Callable[[], bool] = lambda: False,
+        *,
+        poll_timeout_s: float = 0.02,
+        max_messages: int = 256,
+        commit_interval_s: float = 0.05,
+        name: str = "intake",
+    ) -> None:
+        self.consumer = consumer
+        self._deliver = deliver
+        self._overloaded = overloaded
+        self.poll_timeout_s = poll_timeout_s
+        self.max_messages = max_messages
+        self.commit_interval_s = commit_interval_s
+        self._to_commit: deque[Message] = deque()
+        self._taking = True  # false while draining: poll (stay in the group) but deliver nothing
+        self._stop = threading.Event()
+        self._paused = False
+        self._last_commit = 0.0
+        self._commit_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.delivered = 0
+        self.committed_messages = 0
+        self.pauses = 0
+        self.errors = 0
+
+    # --- any thread ------------------------------------------------------------------------------
+
+    def commit_later(self, messages: list[Message]) -> None:
+        """Messages whose results are durable: commit their offsets on the intake thread."""
+        self._to_commit.extend(messages)
+
+    def stop_taking(self) -> None:
+        """Deliver nothing more (draining); the consumer keeps polling and committing."""
+        self._taking = False
+
+    @property
+    def paused(self) -> bool:
+        """True while the partitions are paused for back-pressure (or draining)."""
+        return self._paused
+
+    def start(self) -> None:
+        """Start the polling thread."""
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Commit what is durable, leave the group and stop the thread."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("intake thread did not stop within %.0f s", timeout_s)
+            return
+        try:
+            self.consumer.close(commit=True)
+        except Exception as exc:
+            log.warning("closing the consumer: %s", exc)
+
+    # --- the intake thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._commit(force=False)
+                self._apply_backpressure()
+                messages = self.consumer.poll(self.poll_timeout_s, self.max_messages)
+            except Exception as exc:  # broker down, rebalance failure: keep going, the client reconnects
+                self.errors += 1
+                log.warning("intake: %s: %s", type(exc).__name__, exc)
+                self._stop.wait(0.5)
+                continue
+            if messages and self._taking:
+                self.delivered += len(messages)
+                self._deliver(messages)
+        try:
+            self._commit(force=True)
+        except Exception as exc:
+            log.warning("intake: final commit failed (%s); uncommitted jobs will be delivered again", exc)
+
+    def _apply_backpressure(self) -> None:
+        want = (not self._taking) or self._overloaded()
+        if want and not self._paused:
+            self.consumer.pause()
+            self._paused = True
+            self.pauses += 1
+            log.debug("intake paused")
+        elif not want and self._paused:
+            self.consumer.resume()
+            self._paused = False
+            log.debug("intake resumed")
+
+    def _commit(self, *, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_commit < self.commit_interval_s:
+            return
+        done: list[Message] = []
+        while self._to_commit:
+            done.append(self._to_commit.popleft())
+        if not done and self._commit_error is None and not force:
+            return
+        self._last_commit = now
+        try:
+            self.consumer.commit(done)
+        except Exception as exc:
+            # The tracker already holds them as done: the next successful commit includes them.
+            if self._commit_error is None:
+                log.warning("offset commit failed (%s); retrying", exc)
+            self._commit_error = str(exc)
+            return
+        if self._commit_error is not None:
+            log.info("offset commits work again")
+        self._commit_error = None
+        self.committed_messages += len(done)
