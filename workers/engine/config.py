@@ -175,10 +175,10 @@ class EngineConfig:
     cuda_graph_max_batch: int | None = None  # None: max_num_seqs
     # steps of at most this many tokens and sequences replay a captured graph (CPU launch cost
     # dominates them); larger steps run eagerly
-    prefill_graph_max_tokens: int = 2048
+    prefill_graph_max_tokens: int = 1024
     prefill_graph_max_seqs: int = 16
     # one uncached prompt of at least this many tokens uses dense causal attention (CUDA); None: never
-    dense_prefill_min_tokens: int | None = 4096
+    dense_prefill_min_tokens: int | None = 1025
     dtype: str | None = None  # None: the checkpoint's dtype (bf16 on CUDA, fp32 on CPU if it can't)
     device: str | None = None  # None: cuda when available, else cpu
     seed: int = 0  # seed of the engine-wide RNG used by unseeded sampling

@@ -66,6 +66,19 @@ class ModelRunner:
             max_t = min(config.prefill_graph_max_tokens, config.max_num_batched_tokens)
             self.prefill_graphs = PrefillGraphs(self, max_t, min(config.prefill_graph_max_seqs, config.max_num_seqs))
             capture_graphs(self.graphs, self.prefill_graphs)
+        if self.dense_prefill_min_tokens is not None:
+            self._warm_dense_attention()
+
+    def _warm_dense_attention(self) -> None:
+        """Load the dense attention library (cuDNN) now: its first call costs about a second."""
+        from workers.engine.attention import dense_causal_attention
+
+        mc = self.model_config
+        n = self.dense_prefill_min_tokens or 1
+        q = torch.randn(n, mc.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+        k = torch.randn(n, mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+        dense_causal_attention(q, k, k, mc.head_dim**-0.5)
+        torch.cuda.synchronize(self.device)
 
     # ---- loading and sizing -------------------------------------------------------------
     def _load(self, model: str) -> tuple[LlamaForCausalLM, ModelConfig]:
