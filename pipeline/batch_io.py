@@ -84,7 +84,9 @@ def read_batch_file(path: str | Path, batch_id: str, **kwargs: object) -> ReadBa
         return read_batch(f, batch_id, **kwargs)  # type: ignore[arg-type]
 
 
-def iter_results(store: ResultStore, refs: list[LineRef], chunk: int = 1000) -> Iterator[tuple[LineRef, JobResult | None]]:
+def iter_results(
+    store: ResultStore, refs: list[LineRef], chunk: int = 1000
+) -> Iterator[tuple[LineRef, JobResult | None]]:
     """Each ref with its stored result (None while its job is not terminal), in input order."""
     for i in range(0, len(refs), chunk):
         part = refs[i : i + chunk]

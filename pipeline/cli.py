@@ -112,11 +112,25 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
     t0 = time.perf_counter()
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
-            s = run_file(args.file, model=args.model, db_url=db, output=f, batch_id=args.batch_id,
-                         default_max_tokens=args.max_tokens, engine_config=_engine_config(args))
+            s = run_file(
+                args.file,
+                model=args.model,
+                db_url=db,
+                output=f,
+                batch_id=args.batch_id,
+                default_max_tokens=args.max_tokens,
+                engine_config=_engine_config(args),
+            )
     else:
-        s = run_file(args.file, model=args.model, db_url=db, output=out, batch_id=args.batch_id,
-                     default_max_tokens=args.max_tokens, engine_config=_engine_config(args))
+        s = run_file(
+            args.file,
+            model=args.model,
+            db_url=db,
+            output=out,
+            batch_id=args.batch_id,
+            default_max_tokens=args.max_tokens,
+            engine_config=_engine_config(args),
+        )
     counts = ", ".join(f"{n} {k}" for k, n in sorted(s.counts.items()))
     print(
         f"# batch {s.batch_id}: {s.lines} lines ({s.invalid} invalid), ran {s.ran}, skipped {s.skipped} "
@@ -138,8 +152,9 @@ def cmd_submit(args: argparse.Namespace, out: TextIO) -> int:
     store = None if args.no_db else ResultStore.from_url(_db_url(args))
     queue = KafkaQueue(settings)
     try:
-        s = Producer(queue, store).submit_file(args.file, batch_id=args.batch_id,
-                                              default_max_tokens=args.max_tokens)
+        s = Producer(queue, store).submit_file(
+            args.file, batch_id=args.batch_id, default_max_tokens=args.max_tokens
+        )
     finally:
         queue.close()
         if store is not None:
@@ -156,8 +171,16 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
     from workers.worker import WorkerSettings, build_worker, run_until_signalled
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {k: v for k, v in (("model", args.model), ("device", args.device), ("dtype", args.dtype),
-                                   ("max_model_len", args.max_model_len)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("model", args.model),
+            ("device", args.device),
+            ("dtype", args.dtype),
+            ("max_model_len", args.max_model_len),
+        )
+        if v is not None
+    }
     ws = WorkerSettings(**overrides)
     return run_until_signalled(build_worker(worker_settings=ws))
 
@@ -210,8 +233,9 @@ def cmd_results(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _engine_args(a: argparse.ArgumentParser, model_default: str | None = "tiny") -> None:
-    a.add_argument("--model", default=model_default,
-                   help="preset (tiny, llama3-8b) or Hugging Face checkpoint directory")
+    a.add_argument(
+        "--model", default=model_default, help="preset (tiny, llama3-8b) or Hugging Face checkpoint directory"
+    )
     a.add_argument("--max-model-len", type=int, default=None)
     a.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     a.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
@@ -232,8 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     g.set_defaults(func=cmd_generate)
 
-    r = sub.add_parser("run", help="the whole pipeline in this process (no services): results to SQLite and JSONL")
-    r.add_argument("file", help="JSONL batch file: plain {id, prompt|messages, ...} or OpenAI Batch API lines")
+    r = sub.add_parser(
+        "run", help="the whole pipeline in this process (no services): results to SQLite and JSONL"
+    )
+    r.add_argument(
+        "file", help="JSONL batch file: plain {id, prompt|messages, ...} or OpenAI Batch API lines"
+    )
     _engine_args(r)
     r.add_argument("--output", "-o", default=None, help="output JSONL, in input order (default: stdout)")
     r.add_argument("--db", default=None, help="database URL (default: sqlite:///firsttoken.db)")

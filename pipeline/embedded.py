@@ -90,16 +90,18 @@ def run_file(
     )
 
 
-def _run_jobs(todo: list, store: ResultStore, model: str, engine_config: object | None,
-              worker_name: str | None) -> None:
+def _run_jobs(
+    todo: list, store: ResultStore, model: str, engine_config: object | None, worker_name: str | None
+) -> None:
     from workers.engine import EngineConfig, LLMEngine
     from workers.worker import Worker, WorkerConfig
 
     cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig()
     engine = LLMEngine(model, cfg)
     queue = LocalQueue(partitions=1)
-    worker = Worker(engine, queue.consumer(), store, WorkerConfig(name=worker_name or "embedded"),
-                    model_name=model)
+    worker = Worker(
+        engine, queue.consumer(), store, WorkerConfig(name=worker_name or "embedded"), model_name=model
+    )
     worker.start()
     try:
         for i in range(0, len(todo), 10_000):
@@ -112,4 +114,3 @@ def _run_jobs(todo: list, store: ResultStore, model: str, engine_config: object 
     finally:
         worker.stop(drain=True, timeout_s=5.0)
     log.info("ran %d jobs", len(todo))
-

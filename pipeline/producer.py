@@ -82,9 +82,16 @@ class Producer:
                 for item in parse_lines(f, batch_id=batch_id, id_prefix=f"{batch_id}-L"):
                     if isinstance(item, ParsedLine):
                         job = item.job
-                        if default_max_tokens is not None and "max_tokens" not in job.sampling.model_fields_set:
+                        if (
+                            default_max_tokens is not None
+                            and "max_tokens" not in job.sampling.model_fields_set
+                        ):
                             job = job.model_copy(
-                                update={"sampling": job.sampling.model_copy(update={"max_tokens": default_max_tokens})}
+                                update={
+                                    "sampling": job.sampling.model_copy(
+                                        update={"max_tokens": default_max_tokens}
+                                    )
+                                }
                             )
                         yield job
                     else:
@@ -98,4 +105,3 @@ class Producer:
                 self.store.upsert_results(failures)
             self.store.set_batch_total(batch_id, total + len(failures))
         return SubmitSummary(batch_id, total, len(failures), time.perf_counter() - t0)
-

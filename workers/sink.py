@@ -151,8 +151,11 @@ class ResultSink:
             self.write_failures += 1
             self.last_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if self.store_ok:
-                log.warning("result store write failed (%s); holding %d results and retrying",
-                            self.last_error, len(self._buffer))
+                log.warning(
+                    "result store write failed (%s); holding %d results and retrying",
+                    self.last_error,
+                    len(self._buffer),
+                )
             self.store_ok = False
             return False
         if not self.store_ok:

@@ -160,7 +160,11 @@ class Worker:
         c = self.counters
         log.info(
             "worker %s stopped: %d succeeded, %d failed, %d cancelled, %d handed back",
-            self.name, c.succeeded, c.failed, c.cancelled, c.handed_back,
+            self.name,
+            c.succeeded,
+            c.failed,
+            c.cancelled,
+            c.handed_back,
         )
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -206,7 +210,9 @@ class Worker:
         if self.sink.full:
             return True
         if self.intake.paused:  # hysteresis: resume once half drained
-            return backlog > self.config.max_waiting // 2 or self._kv_used > self.config.kv_high_watermark - 0.1
+            return (
+                backlog > self.config.max_waiting // 2 or self._kv_used > self.config.kv_high_watermark - 0.1
+            )
         return backlog >= self.config.max_waiting or self._kv_used >= self.config.kv_high_watermark
 
     def _on_durable(self, messages: list[Message]) -> None:
@@ -262,8 +268,12 @@ class Worker:
             submitted = job.submitted_at
             if submitted is None:
                 submitted = msg.timestamp_ms / 1000.0 if msg.timestamp_ms else wall_now
-            if job.id in self._cancelled_ids or (job.batch_id is not None and job.batch_id in self._cancelled_batches):
-                outcomes.append(self._failure(job, msg, ErrorCode.CANCELLED, "cancelled before it ran", submitted))
+            if job.id in self._cancelled_ids or (
+                job.batch_id is not None and job.batch_id in self._cancelled_batches
+            ):
+                outcomes.append(
+                    self._failure(job, msg, ErrorCode.CANCELLED, "cancelled before it ran", submitted)
+                )
                 continue
             mono_now = time.monotonic()
             try:
@@ -291,8 +301,14 @@ class Worker:
         self, job: JobRequest, msg: Message, code: ErrorCode, message: str, submitted: float
     ) -> Outcome:
         result = JobResult.failure(
-            job.id, code, message, batch_id=job.batch_id, submitted_at=submitted,
-            finished_at=self._wall(), worker=self.name, model=self.model_name,
+            job.id,
+            code,
+            message,
+            batch_id=job.batch_id,
+            submitted_at=submitted,
+            finished_at=self._wall(),
+            worker=self.name,
+            model=self.model_name,
         )
         if code is ErrorCode.CANCELLED:
             self.counters.cancelled += 1
@@ -420,8 +436,9 @@ def build_worker(
     if engine is None:
         engine = LLMEngine(
             ws.model,
-            EngineConfig(device=ws.device, dtype=ws.dtype, max_model_len=ws.max_model_len,
-                         max_num_seqs=ws.max_num_seqs),
+            EngineConfig(
+                device=ws.device, dtype=ws.dtype, max_model_len=ws.max_model_len, max_num_seqs=ws.max_num_seqs
+            ),
         )
     store = ResultStore.from_url(s.database_url, batch_rows=s.store_batch_rows)
     consumer = KafkaQueue(s).consumer(group)

@@ -45,8 +45,10 @@ def queue() -> LocalQueue:
 def jobs(n: int, prefix: str = "j", *, max_tokens: int = 4, **kw) -> list[JobRequest]:
     """n greedy jobs that run exactly max_tokens tokens."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [JobRequest(id=f"{prefix}{i}", prompt=f"prompt number {i} of {prefix}", sampling=sp, **kw)
-            for i in range(n)]
+    return [
+        JobRequest(id=f"{prefix}{i}", prompt=f"prompt number {i} of {prefix}", sampling=sp, **kw)
+        for i in range(n)
+    ]
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition") -> None:

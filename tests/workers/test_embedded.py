@@ -14,11 +14,25 @@ LINES = [
     {"id": "a", "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0},
     "this is not json",
     {"id": "bad-sampling", "prompt": "x", "sampling": {"max_tokens": 0}},
-    {"custom_id": "oa", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "temperature": 0}},
+    {
+        "custom_id": "oa",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 3,
+            "temperature": 0,
+        },
+    },
     {"prompt": "no id here", "temperature": 0},
     {"id": "long", "prompt": "y" * 3000},
-    {"custom_id": "oc", "method": "POST", "url": "/v1/completions", "body": {"prompt": "abc", "max_tokens": 2}},
+    {
+        "custom_id": "oc",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"prompt": "abc", "max_tokens": 2},
+    },
 ]
 
 
@@ -31,8 +45,25 @@ def write_input(path):
 
 def run(tmp_path, db):
     out = tmp_path / "out.jsonl"
-    assert main(["run", str(tmp_path / "in.jsonl"), "--model", "tiny", "--db", db, "-o", str(out),
-                 "--batch-id", "B1", "--max-tokens", "4"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(tmp_path / "in.jsonl"),
+                "--model",
+                "tiny",
+                "--db",
+                db,
+                "-o",
+                str(out),
+                "--batch-id",
+                "B1",
+                "--max-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
     return [json.loads(x) for x in out.read_text().splitlines()]
 
 
@@ -41,12 +72,18 @@ def test_run_good_and_bad_lines_in_order_then_resume(tmp_path, capsys):
     db = f"sqlite:///{tmp_path / 'run.db'}"
     out = run(tmp_path, db)
     assert len(out) == 7
-    assert out[0]["id"] == "a" and out[0]["status"] == "succeeded" and out[0]["usage"]["completion_tokens"] == 5
+    assert (
+        out[0]["id"] == "a" and out[0]["status"] == "succeeded" and out[0]["usage"]["completion_tokens"] == 5
+    )
     assert out[1]["id"] == "B1-L2" and out[1]["error_code"] == "invalid_request"
     assert out[2]["id"] == "bad-sampling" and out[2]["error_code"] == "invalid_sampling"
     assert out[3]["custom_id"] == "oa" and out[3]["response"]["status_code"] == 200
     assert out[3]["response"]["body"]["object"] == "chat.completion"
-    assert out[4]["id"] == "B1-L5" and out[4]["status"] == "succeeded" and out[4]["usage"]["completion_tokens"] <= 4
+    assert (
+        out[4]["id"] == "B1-L5"
+        and out[4]["status"] == "succeeded"
+        and out[4]["usage"]["completion_tokens"] <= 4
+    )
     assert out[5]["id"] == "long" and out[5]["error_code"] == "prompt_too_long"
     assert out[6]["custom_id"] == "oc" and out[6]["response"]["body"]["object"] == "text_completion"
     assert "ran 5" in capsys.readouterr().err

@@ -24,8 +24,9 @@ def engine():
 
 def start_worker(engine, queue, store, **cfg) -> Worker:
     sink = cfg.pop("sink", SinkConfig(backoff_initial_s=0.02, backoff_max_s=0.1))
-    return Worker(engine, queue.consumer(), store, WorkerConfig(name="w-test", sink=sink, **cfg),
-                  model_name="tiny").start()
+    return Worker(
+        engine, queue.consumer(), store, WorkerConfig(name="w-test", sink=sink, **cfg), model_name="tiny"
+    ).start()
 
 
 def run_all(engine, queue, store, batch, **cfg) -> Worker:
@@ -67,7 +68,9 @@ def test_invalid_jobs_become_failed_rows_and_poison_goes_to_the_dlq(engine, queu
     w = start_worker(engine, queue, store)
     try:
         queue.publish(bad)
-        queue.publish_raw([(b"k", b"{not json"), (b"k", b'{"id": "s", "prompt": "p", "sampling": {"top_p": 2}}')])
+        queue.publish_raw(
+            [(b"k", b"{not json"), (b"k", b'{"id": "s", "prompt": "p", "sampling": {"top_p": 2}}')]
+        )
         wait_until(lambda: all_committed(queue), what="every offset committed")
     finally:
         w.stop()
@@ -120,7 +123,9 @@ def test_offsets_are_committed_only_after_the_rows_are_durable(engine, queue, st
     w = start_worker(engine, queue, flaky)
     try:
         queue.publish(jobs(6, "f"))
-        wait_until(lambda: w.counters.succeeded == 6 and flaky.failures >= 2, what="jobs done, writes failing")
+        wait_until(
+            lambda: w.counters.succeeded == 6 and flaky.failures >= 2, what="jobs done, writes failing"
+        )
         assert queue.committed() == {} and store.list_jobs() == []
         assert not w.sink.store_ok and w.sink.buffered == 6
         flaky.down.clear()
@@ -133,8 +138,14 @@ def test_offsets_are_committed_only_after_the_rows_are_durable(engine, queue, st
 def test_full_sink_buffer_pauses_intake(engine, queue, store):
     flaky = FlakyStore(store)
     flaky.down.set()
-    w = start_worker(engine, queue, flaky, sink=SinkConfig(max_buffer=3, backoff_initial_s=0.02, backoff_max_s=0.05),
-                     max_poll_messages=2, max_waiting=2)
+    w = start_worker(
+        engine,
+        queue,
+        flaky,
+        sink=SinkConfig(max_buffer=3, backoff_initial_s=0.02, backoff_max_s=0.05),
+        max_poll_messages=2,
+        max_waiting=2,
+    )
     try:
         queue.publish(jobs(20, "b"))
         wait_until(lambda: w.sink.full and w.intake.paused, what="intake paused on a full sink")
@@ -176,7 +187,9 @@ def test_drain_hands_back_unfinished_jobs_uncommitted(engine, queue, store):
 
 def test_sigterm_drains_in_flight_jobs(engine, queue, store):
     queue.publish(jobs(5, "t", max_tokens=200))
-    w = Worker(engine, queue.consumer(), store, WorkerConfig(name="w-sig", drain_timeout_s=60), model_name="tiny")
+    w = Worker(
+        engine, queue.consumer(), store, WorkerConfig(name="w-sig", drain_timeout_s=60), model_name="tiny"
+    )
     threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
     old = signal.getsignal(signal.SIGTERM)
     try:
@@ -195,8 +208,9 @@ def test_cancel_running_job_and_later_batch_jobs(engine, queue, store):
     w = start_worker(engine, queue, store)
     try:
         queue.publish(jobs(1, "c", max_tokens=1500))
-        wait_until(lambda: "c0" in w._inflight and w._inflight["c0"].first_token_mono is not None,
-                   what="job running")
+        wait_until(
+            lambda: "c0" in w._inflight and w._inflight["c0"].first_token_mono is not None, what="job running"
+        )
         w.cancel(["c0"])
         w.cancel(batch_id="B")
         queue.publish(jobs(3, "cb", batch_id="B") + jobs(2, "other"))
@@ -212,8 +226,11 @@ def test_cancel_running_job_and_later_batch_jobs(engine, queue, store):
 
 
 def test_chat_messages_are_rendered(engine, queue, store):
-    job = JobRequest(id="chat", messages=[ChatMessage(role="user", content="hi")],
-                     sampling=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    job = JobRequest(
+        id="chat",
+        messages=[ChatMessage(role="user", content="hi")],
+        sampling=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+    )
     run_all(engine, queue, store, [job])
     row = store.get_job("chat")
     assert row.status is JobStatus.SUCCEEDED and row.usage.prompt_tokens > 2

@@ -1,0 +1,85 @@
+"""The GPU worker's bootstep: one engine per Celery worker process, loaded after it started.
+
+Included only in workers that consume the `gpu` queue. `start` builds the engine (the model is
+loaded here, never at import: CUDA and fork do not mix) and starts the worker's intake, engine
+loop and sink threads; `stop` (SIGTERM, warm shutdown) drains them. Also here: the
+remote-control commands `engine_stats` (inspect) and `cancel_jobs` (control).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import Celery, bootsteps
+from celery.worker.control import control_command, inspect_command
+
+log = logging.getLogger(__name__)
+
+_current: dict[str, Any] = {"worker": None}
+_lock = threading.Lock()
+
+
+def current_worker() -> Any:
+    """The GPU Worker of this process, once started (None elsewhere)."""
+    return _current["worker"]
+
+
+def _consumes_gpu(worker: Any) -> bool:
+    try:
+        queues = worker.app.amqp.queues.consume_from or {}
+        return "gpu" in queues
+    except Exception:
+        return False
+
+
+class GPUWorkerStep(bootsteps.StartStopStep):
+    """Owns one engine and its worker threads for the life of the Celery worker process."""
+
+    requires = ("celery.worker.components:Pool",)
+
+    def include_if(self, w: Any) -> bool:
+        return _consumes_gpu(w)
+
+    def start(self, w: Any) -> None:
+        from workers.worker import build_worker
+
+        with _lock:
+            if _current["worker"] is not None:
+                return
+            log.info("loading the model for the GPU worker %s", getattr(w, "hostname", "?"))
+            worker = build_worker()
+            worker.start()
+            _current["worker"] = worker
+
+    def stop(self, w: Any) -> None:
+        with _lock:
+            worker, _current["worker"] = _current["worker"], None
+        if worker is not None:
+            log.info("draining the GPU worker")
+            worker.stop(drain=True)
+
+
+def install(app: Celery) -> None:
+    """Add the GPU bootstep to `app`'s workers."""
+    app.steps["worker"].add(GPUWorkerStep)
+
+
+@inspect_command()
+def engine_stats(state: Any) -> dict[str, Any]:
+    """This worker's engine stats and counters (`celery inspect engine_stats`)."""
+    worker = current_worker()
+    if worker is None:
+        return {"gpu": False}
+    return {"gpu": True, **worker.stats()}
+
+
+@control_command(args=[("job_ids", list), ("batch_id", str)], signature="[job_ids] [batch_id]")
+def cancel_jobs(state: Any, job_ids: list[str] | None = None, batch_id: str | None = None) -> dict[str, Any]:
+    """Abort these jobs (or every job of the batch) on this worker; they get `cancelled` rows."""
+    worker = current_worker()
+    if worker is None:
+        return {"ok": "no engine here"}
+    worker.cancel(job_ids or (), batch_id or None)
+    return {"ok": f"cancelling {len(job_ids or ())} jobs" + (f" and batch {batch_id}" if batch_id else "")}
