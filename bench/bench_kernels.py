@@ -11,6 +11,13 @@ seq_lens changed. (b) times each with triton.testing.do_bench (median, L2 flushe
 measures a device copy bandwidth and a bf16 matmul rate in the same run, and reports TFLOP/s
 (prefill attention) and GB/s (decode attention, norms, silu, rope). --sweep also times tile
 variants of the two attention kernels. Writes kernels.json and kernels.md under --out.
+
+--focus runs instead a short set for the split-KV prefill and the launch overhead (focus.json /
+focus.md): GPU correctness of split / unsplit prefill and decode (also replayed from CUDA graphs
+after seq_lens changed), CUDA-graph times of the cached-prefix prefill (2048 + 128) over tiles
+and split counts, 2048 / 8192 prefill, decode B=1 / 64 (short contexts with one split vs the
+default), and host microseconds per call with and without the direct launch path; with
+--old DIR (a copy of the previous kernels as package `oldkernels`) also the previous launchers.
 """
 
 from __future__ import annotations
@@ -341,12 +348,214 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --------------------------------------------------------------------------------------------- focus
+
+
+def _graph_ms(fn) -> float:
+    """Median ms of fn replayed from a CUDA graph (its launches captured once)."""
+    fn()
+    torch.cuda.synchronize()
+    return bench(fn, graph=True)
+
+
+def _host(fn, n: int = 300) -> float:
+    """Median-of-3 host microseconds per call (no sync inside)."""
+    return sorted(host_us(fn, n) for _ in range(3))[1]
+
+
+FOCUS_PREFILL = [(2048, 128), (0, 2048), (0, 8192)]  # (cached prefix, new tokens); the first is swept
+FOCUS_DECODE = [(1, 1637, 1637), (64, 1024, 4096), (1, 256, 256), (1, 512, 512), (64, 256, 512)]  # (B, ctx range)
+
+
+def focus_prefill(res: dict, old) -> None:
+    scale = D**-0.5
+    rows, sweep = res.setdefault("prefill", []), res.setdefault("prefill_sweep", [])
+    for prefix, new in FOCUS_PREFILL:
+        ctx = prefix + new
+        kc, vc, bt = paged_kv([ctx])
+        q = torch.randn(new, HQ, D, device=DEV, dtype=DT)
+        qsl = torch.tensor([0, new], dtype=torch.int32, device=DEV)
+        sl = torch.tensor([ctx], dtype=torch.int32, device=DEV)
+        flops = 4 * D * HQ * sum(prefix + i + 1 for i in range(new))
+        ref = paged_attention_ref(q, kc, vc, bt, qsl, sl, scale)
+        base = partial(paged_attention_triton, q, kc, vc, bt, qsl, sl, scale, None, max_query_len=new)
+        variants = {"default": base, "splits=1": partial(base, num_splits=1)}
+        if old is not None:
+            variants["previous"] = partial(old.prefill_attention.paged_attention_triton, q, kc, vc, bt, qsl, sl, scale,
+                                           None, max_query_len=new)
+        for name, fn in variants.items():
+            fn()
+            e = err(fn(), ref)  # the second call goes through the direct launch path
+            ms = bench(fn)
+            gms = _graph_ms(fn)
+            rows.append({"shape": f"prefix={prefix} new={new}", "variant": name, **_e(e), "ms": ms, "graph_ms": gms,
+                         "TFLOPs_graph": flops / gms / 1e9})
+            print(rows[-1], flush=True)
+        if (prefix, new) == FOCUS_PREFILL[0]:
+            res["host_us_prefill_2048+128"] = host_table(base, old and partial(
+                old.prefill_attention.paged_attention_triton, q, kc, vc, bt, qsl, sl, scale, None, max_query_len=new))
+            for bm, bn, w, st in [(64, 128, 4, 2), (64, 64, 4, 2), (128, 128, 8, 3)]:
+                for ns in (1, 2, 4, 6, 8):
+                    f = partial(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st, num_splits=ns)
+                    try:
+                        d = err(f(), ref)["max_abs"]
+                        gms = _graph_ms(f)
+                        sweep.append({"cfg": f"M{bm} N{bn} w{w} s{st} splits={ns}", "graph_ms": gms,
+                                      "TFLOPs": flops / gms / 1e9, "max_abs": d})
+                    except Exception as ex:
+                        sweep.append({"cfg": f"M{bm} N{bn} w{w} s{st} splits={ns}", "error": repr(ex)[:200]})
+                    print(sweep[-1], flush=True)
+            try:
+                # the engine's captured step: B = 16 sequence slots, 15 of them padding (no tokens)
+                b = 16
+                bt16 = torch.zeros(b, 8192 // BS, dtype=torch.int32, device=DEV)
+                bt16[0, : bt.shape[1]] = bt[0]
+                qsl16 = torch.full((b + 1,), new, dtype=torch.int32, device=DEV)
+                qsl16[0] = 0
+                sl16 = torch.zeros(b, dtype=torch.int32, device=DEV)
+                sl16[0] = ctx
+                g = partial(paged_attention_triton, q, kc, vc, bt16, qsl16, sl16, scale, None, max_query_len=new)
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    g()
+                torch.cuda.current_stream().wait_stream(s)
+                sl16[0] = 200  # captured with a short context, replayed with the real one
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = g()
+                sl16[0] = ctx
+                graph.replay()
+                torch.cuda.synchronize()
+                res["prefill_graph_b16"] = {**_e(err(out, ref)), "graph_ms": _graph_ms(g),
+                                            "graph_ms_splits1": _graph_ms(partial(g, num_splits=1))}
+                print(res["prefill_graph_b16"], flush=True)
+            except Exception:
+                res["errors"].append(f"prefill graph b16: {traceback.format_exc()}")
+                print(res["errors"][-1], flush=True)
+        _save(res)
+        del kc, vc, q, ref
+        torch.cuda.empty_cache()
+
+
+def _save(res: dict) -> None:
+    """Write what is measured so far (a run stopped at its time limit keeps it)."""
+    out = Path(res["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "focus.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+def host_table(fn, old_fn) -> dict:
+    import kernels._triton as kt
+
+    out = {"direct_launch": _host(fn)}
+    kt.FAST_LAUNCH = False
+    out["triton_dispatch"] = _host(fn)
+    kt.FAST_LAUNCH = True
+    if old_fn is not None:
+        out["previous"] = _host(old_fn)
+    print(out, flush=True)
+    return out
+
+
+def focus_decode(res: dict, old) -> None:
+    scale = D**-0.5
+    rows = res.setdefault("decode", [])
+    for b, lo, hi in FOCUS_DECODE:
+        ctx = torch.randint(lo, hi + 1, (b,)).tolist()
+        kc, vc, bt = paged_kv(ctx)
+        q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
+        sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+        ref = decode_attention_ref(q, kc, vc, bt, sl, scale)
+        nbytes = sum(ctx) * HK * D * 2 * 2
+        for ns in (None, 1, 2, 4):
+            fn = partial(decode_attention_triton, q, kc, vc, bt, sl, scale, num_splits=ns)
+            fn()
+            e = err(fn(), ref)
+            gms = _graph_ms(fn)
+            rows.append({"shape": f"B={b} ctx={lo}..{hi}", "splits": ns or "auto", **_e(e), "graph_ms": gms,
+                         "GBps": nbytes / gms / 1e6})
+            print(rows[-1], flush=True)
+        if b == 1 and lo == 1637:
+            _save(res)
+            res["host_us_decode_b1"] = host_table(partial(decode_attention_triton, q, kc, vc, bt, sl, scale),
+                                                  old and partial(old.decode_attention.decode_attention_triton,
+                                                                  q, kc, vc, bt, sl, scale))
+        del kc, vc
+        torch.cuda.empty_cache()
+    x = torch.randn(256, HIDDEN, device=DEV, dtype=DT)
+    w = torch.randn(HIDDEN, device=DEV, dtype=DT)
+    res["host_us_rms_norm_256"] = host_table(partial(rms_norm_triton, x, w, 1e-5, x),
+                                             old and partial(old.rmsnorm.rms_norm_triton, x, w, 1e-5, x))
+
+
+def focus_markdown(res: dict) -> str:
+    lines = [f"- {res['device']}, commit {res['commit']}, torch {res['torch']}, triton {res['triton']}, "
+             f"decode graph check {res.get('graph_check')}", "",
+             "| prefill | variant | max abs err | NaN | do_bench ms | graph ms | TFLOP/s (graph) |", "|---|---|---|---|---|---|---|"]
+    for r in res.get("prefill", []):
+        lines.append(f"| {r['shape']} | {r['variant']} | {r['max_abs']:.2e} | {r['nan']} | {r['ms']:.4f} | "
+                     f"{r['graph_ms']:.4f} | {r['TFLOPs_graph']:.0f} |")
+    lines += ["", "| prefill 2048+128 config | graph ms | TFLOP/s | max abs err |", "|---|---|---|---|"]
+    for r in res.get("prefill_sweep", []):
+        if "error" in r:
+            lines.append(f"| {r['cfg']} | error | {r['error']} | |")
+        else:
+            lines.append(f"| {r['cfg']} | {r['graph_ms']:.4f} | {r['TFLOPs']:.0f} | {r['max_abs']:.1e} |")
+    lines += ["", f"- prefill 2048+128 captured with B=16 slots (15 padding): {res.get('prefill_graph_b16')}", "",
+              "| decode | splits | max abs err | graph ms | GB/s |", "|---|---|---|---|---|"]
+    for r in res.get("decode", []):
+        lines.append(f"| {r['shape']} | {r['splits']} | {r['max_abs']:.2e} | {r['graph_ms']:.4f} | {r['GBps']:.0f} |")
+    lines += ["", "| host us per call | direct launch | Triton dispatch | previous launcher |", "|---|---|---|---|"]
+    for k in ("host_us_prefill_2048+128", "host_us_decode_b1", "host_us_rms_norm_256"):
+        h = res.get(k) or {}
+        lines.append(f"| {k[8:]} | {h.get('direct_launch', 0):.1f} | {h.get('triton_dispatch', 0):.1f} | "
+                     f"{h.get('previous', float('nan')):.1f} |")
+    if res.get("errors"):
+        lines += ["", "errors:", *[f"    {e}" for e in res["errors"]]]
+    return "\n".join(lines) + "\n"
+
+
+def run_focus(args) -> None:
+    import importlib
+
+    import triton
+
+    old = None
+    if args.old:
+        sys.path.insert(0, args.old)
+        old = importlib.import_module("oldkernels")
+        for m in ("prefill_attention", "decode_attention", "rmsnorm"):
+            importlib.import_module(f"oldkernels.{m}")
+    torch.manual_seed(0)
+    t0 = time.time()
+    res = {"device": torch.cuda.get_device_name(), "commit": args.commit, "torch": torch.__version__,
+           "triton": triton.__version__, "errors": [], "out": args.out}
+    for name, fn in (("prefill", lambda: focus_prefill(res, old)), ("decode", lambda: focus_decode(res, old)),
+                     ("graph", lambda: res.__setitem__("graph_check", check_decode_graph()))):
+        try:
+            fn()
+        except Exception:
+            res["errors"].append(f"{name}: {traceback.format_exc()}")
+            print(res["errors"][-1], flush=True)
+        print(name, "done", f"{time.time() - t0:.0f}s", flush=True)
+        _save(res)
+    md = focus_markdown(res)
+    (Path(args.out) / "focus.md").write_text(md)
+    print(md)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="also time tile variants of the attention kernels")
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    ap.add_argument("--focus", action="store_true", help="only the split-KV / launch-overhead set (see above)")
+    ap.add_argument("--old", default=None, help="folder holding the previous kernels as package `oldkernels`")
     args = ap.parse_args()
+    if args.focus:
+        run_focus(args)
+        return
     import triton
 
     torch.manual_seed(0)

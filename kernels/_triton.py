@@ -4,12 +4,34 @@ A kernel is written at module level as a plain function whose body uses the modu
 name `tl`; `lazy_jit` wraps it, and on the first launch imports triton, binds `tl` in the
 kernel's module and applies `triton.jit`. Because `triton.jit` runs at that moment,
 `TRITON_INTERPRET=1` set any time before the first launch selects the interpreter.
+
+`LazyKernel.launch` also keeps a cheaper launch path on the GPU: Triton's own dispatch binds
+and specialises every argument in Python on each call; `launch` keys the compiled kernel by the
+few facts Triton specialises on (int value classes, tensor dtype and 16-byte alignment, the
+constexprs and launch options) and calls it directly after the first launch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+# Direct launches of compiled kernels (see LazyKernel.launch); the benchmark flips it to time both.
+FAST_LAUNCH = True
+_MAX_CACHED = 256  # compiled-kernel handles kept per kernel before the table is cleared
+
+
+def _spec(a: Any) -> Any:
+    """What Triton's dispatch specialises an argument on (ints: ==1, %16, 32-bit; tensors: dtype, alignment)."""
+    t = type(a)
+    if t is int:
+        return (a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31))
+    if t is float or a is None:
+        return None
+    data_ptr = getattr(a, "data_ptr", None)
+    if data_ptr is None:
+        return (t, a)  # anything else: keyed by its value
+    return (a.dtype, data_ptr() % 16 == 0)
 
 
 class LazyKernel:
@@ -18,6 +40,7 @@ class LazyKernel:
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
         self._jitted: Any = None
+        self._compiled: dict = {}  # specialisation key -> (compiled kernel, constexpr values in order)
 
     def jitted(self) -> Any:
         """Return the `triton.jit` function (jitting it on first use)."""
@@ -31,6 +54,36 @@ class LazyKernel:
 
     def __getitem__(self, grid: Any) -> Any:
         return self.jitted()[grid]
+
+    def launch(self, grid: tuple, args: tuple, consts: dict, num_warps: int, num_stages: int, fast: bool) -> None:
+        """`self[grid](*args, **consts, num_warps=..., num_stages=...)`, the runtime args first.
+
+        fast (the caller's choice: on a CUDA device, not under the interpreter): after the first
+        launch of a specialisation, launch the compiled kernel directly, skipping Triton's per-call
+        binding (the compiled kernel takes every argument in signature order, constexprs included).
+        consts must be in the kernel's signature order, after the runtime args.
+        """
+        global FAST_LAUNCH
+        if not (fast and FAST_LAUNCH):
+            self.jitted()[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
+            return
+        key = (tuple(map(_spec, args)), *consts.values(), num_warps, num_stages, args[0].device.index)
+        hit = self._compiled.get(key)
+        if hit is not None:
+            try:
+                hit[0][grid](*args, *hit[1])
+            except TypeError:  # a Triton whose compiled kernels take other arguments: its own dispatch from now on
+                FAST_LAUNCH = False
+                self._compiled.clear()
+                self.jitted()[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
+            return
+        compiled = self.jitted()[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
+        names = list(self.jitted().arg_names)
+        if compiled is None or names[len(args):] != list(consts):
+            return  # not a compiled kernel (interpreter) or an unexpected signature: keep Triton's path
+        if len(self._compiled) >= _MAX_CACHED:
+            self._compiled.clear()
+        self._compiled[key] = (compiled, tuple(consts.values()))
 
 
 def lazy_jit(fn: Callable) -> LazyKernel:
@@ -48,16 +101,31 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+_SMS: dict = {}  # device index -> multiprocessor count
+
+
 def num_sms(device: Any) -> int:
-    """Multiprocessor count of a CUDA device; a small stand-in (8) for the CPU interpreter."""
-    import torch
+    """Multiprocessor count of a CUDA device (cached per device); 8 for the CPU interpreter."""
+    if device.type != "cuda":
+        return 8
+    n = _SMS.get(device.index)
+    if n is None:
+        import torch
 
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
+        n = _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
-def check(cond: bool, msg: str) -> None:
-    """Raise ValueError(msg) unless cond (launcher argument checks)."""
+def check(cond: bool, msg: str, *fmt: Any) -> None:
+    """Raise ValueError(msg.format(*fmt)) unless cond; the message is formatted only on failure."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg.format(*fmt) if fmt else msg)
+
+
+def bounded_put(cache: dict, key: Any, value: Any, limit: int = 1024) -> Any:
+    """cache[key] = value, clearing the cache first when it holds `limit` entries; returns value."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+    return value
+

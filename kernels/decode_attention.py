@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from kernels._triton import cdiv, check, lazy_jit, next_pow2, num_sms
-from kernels.prefill_attention import check_paged_inputs, paged_attention_ref
+from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
+from kernels.prefill_attention import check_paged_inputs, combine_splits, paged_attention_ref, split_partials
 
 
 def decode_attention_ref(
@@ -39,9 +39,10 @@ def _decode_partial_kernel(
     v_cache_ptr,  # v_cache: same shape and strides as k_cache
     bt_ptr,  # block_tables: [B, max_blocks] int32
     seq_lens_ptr,  # seq_lens: [B] int32; the query sits at position seq_lens[b] - 1
-    m_ptr,  # partial row max: [B, Hq, NUM_SPLITS] fp32 (exp2 domain)
-    l_ptr,  # partial row sum: [B, Hq, NUM_SPLITS] fp32
-    acc_ptr,  # partial unnormalised output: [B, Hq, NUM_SPLITS, D] fp32, contiguous
+    m_ptr,  # partial row max: [B * Hq, NUM_SPLITS] fp32 (exp2 domain); unused when NUM_SPLITS == 1
+    l_ptr,  # partial row sum: [B * Hq, NUM_SPLITS] fp32
+    acc_ptr,  # partial unnormalised output: [B * Hq, NUM_SPLITS, D] fp32 (rows with l = 0 unwritten)
+    out_ptr,  # out: [B, Hq, D] contiguous, written directly when NUM_SPLITS == 1
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window W (read only when HAS_WINDOW)
     num_q_heads,  # Hq
@@ -59,7 +60,7 @@ def _decode_partial_kernel(
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_D: tl.constexpr,  # power of two >= D
     BLOCK_SIZE: tl.constexpr,  # KV cache block size
-    NUM_SPLITS: tl.constexpr,  # context partitions per (sequence, kv head)
+    NUM_SPLITS: tl.constexpr,  # context partitions per (sequence, kv head); 1: normalise and write out, no combine
     HAS_WINDOW: tl.constexpr,  # apply the sliding window
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs and the interpreter, None (default) for 16 bit
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
@@ -118,39 +119,17 @@ def _decode_partial_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    # an empty split (short context) stores m = -1e30, l = 0, acc = 0 and drops out of the combine
     part = (b * num_q_heads + qh) * NUM_SPLITS + split  # [BLOCK_H]
-    tl.store(m_ptr + part, m_i, mask=row_ok)
-    tl.store(l_ptr + part, l_i, mask=row_ok)
-    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & dmask[None, :])
-
-
-@lazy_jit
-def _decode_combine_kernel(
-    m_ptr,  # partial row max: [B, Hq, NUM_SPLITS] fp32
-    l_ptr,  # partial row sum: [B, Hq, NUM_SPLITS] fp32
-    acc_ptr,  # partial unnormalised output: [B, Hq, NUM_SPLITS, D] fp32
-    out_ptr,  # out: [B, Hq, D], contiguous
-    NUM_SPLITS: tl.constexpr,  # partitions to combine
-    BLOCK_S: tl.constexpr,  # power of two >= NUM_SPLITS
-    HEAD_DIM: tl.constexpr,  # D
-    BLOCK_D: tl.constexpr,  # power of two >= D
-):
-    row = tl.program_id(0).to(tl.int64)  # b * Hq + h
-    s = tl.arange(0, BLOCK_S)
-    smask = s < NUM_SPLITS
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    m = tl.load(m_ptr + row * NUM_SPLITS + s, mask=smask, other=-1.0e30)  # [BLOCK_S]
-    lsum = tl.load(l_ptr + row * NUM_SPLITS + s, mask=smask, other=0.0)
-    acc = tl.load(acc_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
-                  mask=smask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    m_max = tl.max(m, 0)
-    w = tl.math.exp2(m - m_max)  # [BLOCK_S]
-    total = tl.sum(w * lsum, 0)
-    o = tl.sum(w[:, None] * acc, 0)  # [BLOCK_D]
-    o = o / tl.where(total > 0.0, total, 1.0)  # an empty context (seq_len 0, padding) gives zeros
-    tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # an empty context (seq_len 0, padding) gives zeros
+        tl.store(out_ptr + part[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dmask[None, :])
+    else:
+        # an empty split (short context) stores m = -1e30, l = 0 (and no acc) and drops out of the combine
+        tl.store(m_ptr + part, m_i, mask=row_ok)
+        tl.store(l_ptr + part, l_i, mask=row_ok)
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
+                 mask=(row_ok & (l_i > 0.0))[:, None] & dmask[None, :])
 
 
 def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: int) -> int:
@@ -165,6 +144,45 @@ def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: 
     progs = max(1, batch * num_kv_programs)
     want = cdiv(8 * sms, progs)
     return max(1, min(want, cdiv(max_context, 128), 64))
+
+
+# launch plans: static checks per (shapes but B, strides, dtypes, devices); tiles per (B, table width)
+_STATIC: dict = {}
+_TILES: dict = {}
+
+
+def _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window) -> tuple:
+    """All argument checks but the batch size (run once per key).
+
+    Returns (Hq, Hk, D, block_size, on_gpu, fp32, has_window).
+    """
+    hq, hk, d, bs = check_paged_inputs("decode_attention", q, k_cache, v_cache, block_tables)
+    check(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
+          "decode_attention: seq_lens must be contiguous [B] int32")
+    check(seq_lens.device == q.device, "decode_attention: seq_lens on another device than q")
+    check(sliding_window is None or sliding_window >= 1, "decode_attention: bad sliding_window {}", sliding_window)
+    return hq, hk, d, bs, q.device.type == "cuda", q.dtype == torch.float32, sliding_window is not None
+
+
+def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -> tuple:
+    """(grid, consts, num_warps, num_stages, num_splits) of the partial launch."""
+    hq, hk, d, bs, on_gpu, fp32, has_window = static
+    num_splits, block_n, num_warps, num_stages = over
+    group = hq // hk
+    g_pack = min(group, 64)
+    head_chunks = cdiv(group, g_pack)
+    if num_splits is None:
+        num_splits = default_num_splits(b, hk * head_chunks, max_context, sms)
+    check(1 <= num_splits <= 256, "decode_attention: num_splits {} not in [1, 256]", num_splits)
+    # 128-key tiles on the GPU: 3-10% over 64 at B=1..256 on H200 (kernels-2026-11-30.md, sweep)
+    bn = block_n or (32 if fp32 else 128 if on_gpu else 64)
+    check(bn >= 16 and bn & (bn - 1) == 0, "decode_attention: block_n must be a power of two >= 16")
+    consts = {
+        "GROUP": group, "G_PACK": g_pack, "HEAD_CHUNKS": head_chunks, "BLOCK_H": max(16, next_pow2(g_pack)),
+        "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "NUM_SPLITS": num_splits,
+        "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
+    }
+    return (b, hk * head_chunks, num_splits), consts, num_warps or 4, num_stages or 3, num_splits
 
 
 def decode_attention_triton(
@@ -184,51 +202,45 @@ def decode_attention_triton(
     """Triton `decode_attention_ref` (flash-decoding): q [B, Hq, D] -> [B, Hq, D].
 
     Grid (B, kv heads x head chunks, num_splits) computes partial (max, sum, acc) per split; a
-    second launch combines them. Nothing is read on the host and every shape depends on
+    second launch combines them (`combine_splits`); with one split the first launch writes the
+    output and there is no second. Nothing is read on the host and every shape depends on
     (B, num_splits) only, so the call can be captured in a CUDA graph. num_splits defaults to
     `default_num_splits` (B, heads, SM count); block_n / num_warps / num_stages override tiles.
     """
-    # q: [B, Hq, D]; partials: [B, Hq, S] and [B, Hq, S, D] fp32
-    hq, hk, d, bs = check_paged_inputs("decode_attention", q, k_cache, v_cache, block_tables)
+    # q: [B, Hq, D]; partials: [B * Hq, S] and [B * Hq, S, D] fp32
+    skey = (q.shape[1:], q.stride()[1:], q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
+            k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+            block_tables.stride()[1:], block_tables.dtype, block_tables.device, seq_lens.stride(), seq_lens.dtype,
+            seq_lens.device, sliding_window)
+    static = _STATIC.get(skey)
+    if static is None:
+        static = bounded_put(_STATIC, skey, _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window))
+    hq, _hk, d, bs, on_gpu = static[:5]
     b = q.shape[0]
-    check(block_tables.shape[0] == b, f"decode_attention: block_tables has {block_tables.shape[0]} rows, q {b}")
-    check(seq_lens.shape == (b,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
-          f"decode_attention: seq_lens must be contiguous [{b}] int32")
-    check(seq_lens.device == q.device, "decode_attention: seq_lens on another device than q")
-    check(sliding_window is None or sliding_window >= 1, f"decode_attention: bad sliding_window {sliding_window}")
+    check(block_tables.shape[0] == b and seq_lens.shape == (b,),
+          "decode_attention: block_tables ({} rows) and seq_lens {} must match q's batch {}",
+          block_tables.shape[0], seq_lens.shape, b)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    group = hq // hk
-    g_pack = min(group, 64)
-    head_chunks = cdiv(group, g_pack)
-    if num_splits is None:
-        num_splits = default_num_splits(b, hk * head_chunks, block_tables.shape[1] * bs, num_sms(q.device))
-    check(1 <= num_splits <= 256, f"decode_attention: num_splits {num_splits} not in [1, 256]")
-    on_gpu = q.device.type == "cuda"
-    # 128-key tiles on the GPU: 3-10% over 64 at B=1..256 on H200 (kernels-2026-11-30.md, sweep)
-    bn = block_n or (32 if q.dtype == torch.float32 else 128 if on_gpu else 64)
-    check(bn >= 16 and bn & (bn - 1) == 0, "decode_attention: block_n must be a power of two >= 16")
-    m_part = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
-    l_part = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
-    acc_part = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    _decode_partial_kernel[(b, hk * head_chunks, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, m_part, l_part, acc_part,
+    over = (num_splits, block_n, num_warps, num_stages)
+    tkey = (skey, b, block_tables.shape[1], over)
+    plan = _TILES.get(tkey)
+    if plan is None:
+        plan = bounded_put(_TILES, tkey, _tile_plan(static, b, block_tables.shape[1] * bs, num_sms(q.device), over))
+    grid, consts, warps, stages, splits = plan
+    if splits > 1:
+        m, lsum, acc = split_partials(b * hq, splits, d, q.device)
+    else:
+        m = lsum = acc = out
+    _decode_partial_kernel.launch(grid, (
+        q, k_cache, v_cache, block_tables, seq_lens, m, lsum, acc, out,
         scale * 1.4426950408889634,
         sliding_window or 0,
         hq,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, G_PACK=g_pack, HEAD_CHUNKS=head_chunks, BLOCK_H=max(16, next_pow2(g_pack)),
-        BLOCK_N=bn, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_SIZE=bs, NUM_SPLITS=num_splits,
-        HAS_WINDOW=sliding_window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else None,
-        DOT_FP32=not on_gpu,
-        num_warps=num_warps or 4, num_stages=num_stages or 3,  # 3 stages: +3% over 2 at B=64 and 256 on H200
-    )
-    _decode_combine_kernel[(b * hq,)](
-        m_part, l_part, acc_part, out,
-        NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=d, BLOCK_D=next_pow2(d),
-        num_warps=4,
-    )
+    ), consts, warps, stages, on_gpu)
+    if splits > 1:
+        combine_splits(m, lsum, acc, out, on_gpu)
     return out

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import cdiv, check, lazy_jit, next_pow2, num_sms
+from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
 
 
 def paged_attention_ref(
@@ -68,13 +68,18 @@ def _paged_attention_kernel(
     q_ptr,  # q: [T, Hq, D], last dim contiguous
     k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous
     v_cache_ptr,  # v_cache: same shape and strides as k_cache
-    out_ptr,  # out: [T, Hq, D], last dim contiguous
+    out_ptr,  # out: [T, Hq, D], last dim contiguous (written when not SPLIT)
+    m_ptr,  # SPLIT: partial row max [T, Hq, num_splits] fp32 (exp2 domain); else unused
+    l_ptr,  # SPLIT: partial row sum [T, Hq, num_splits] fp32; else unused
+    acc_ptr,  # SPLIT: partial unnormalised output [T, Hq, num_splits, D] fp32 (rows with l = 0 unwritten)
     bt_ptr,  # block_tables: [B, max_blocks] int32
     qsl_ptr,  # query_start_loc: [B + 1] int32
     seq_lens_ptr,  # seq_lens: [B] int32, context length including the new tokens
     qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
     window,  # sliding window W (read only when HAS_WINDOW)
-    num_m_tiles,  # grid size along axis 0 (query tiles per sequence, an upper bound)
+    num_m_tiles,  # query tiles per sequence (an upper bound); axis 0 of the grid is num_m_tiles * num_splits
+    num_splits,  # key-range parts per (query tile, head chunk, sequence); 1 unless SPLIT
+    num_q_heads,  # Hq (row index of the partials)
     stride_qt,  # q token stride (elements)
     stride_qh,  # q head stride
     stride_ot,  # out token stride
@@ -93,20 +98,22 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,  # power of two >= D
     BLOCK_SIZE: tl.constexpr,  # KV cache block size (tokens per block)
     HAS_WINDOW: tl.constexpr,  # apply the sliding window
+    SPLIT: tl.constexpr,  # write partials (m, l, acc) for `combine_splits` instead of the output
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no tf32) and the interpreter, None (default) for 16 bit
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
 ):
-    pid_m = tl.program_id(0)
+    pid0 = tl.program_id(0)
     pid_h = tl.program_id(1)
     b = tl.program_id(2)
     kvh = pid_h // HEAD_CHUNKS
     chunk = pid_h % HEAD_CHUNKS
+    split = pid0 % num_splits
 
     q_start = tl.load(qsl_ptr + b)
     n_new = tl.load(qsl_ptr + b + 1) - q_start
     ctx = tl.load(seq_lens_ptr + b)
     prefix = ctx - n_new  # cached tokens before the new ones
-    m_tile = num_m_tiles - 1 - pid_m  # the longest (last) tiles start first
+    m_tile = num_m_tiles - 1 - pid0 // num_splits  # the longest (last) tiles start first
     if m_tile * BLOCK_Q >= n_new:
         return
 
@@ -135,13 +142,21 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         k_begin = tl.maximum(q_lo - window + 1, 0)
         k_begin = (k_begin // BLOCK_N) * BLOCK_N  # tiles fully outside every row's window are skipped
+    k_stop = k_end
+    if SPLIT:
+        # this split's whole key tiles of the tile's range, spread evenly (sizes differ by at most one tile)
+        n_tiles = tl.cdiv(k_end - k_begin, BLOCK_N)
+        t_lo = split * n_tiles // num_splits
+        t_hi = (split + 1) * n_tiles // num_splits
+        k_stop = tl.minimum(k_begin + t_hi * BLOCK_N, k_end)
+        k_begin = k_begin + t_lo * BLOCK_N
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows give p = 0, not NaN
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kv_head_off = kvh.to(tl.int64) * stride_ch
-    for start in range(k_begin, k_end, BLOCK_N):
+    for start in range(k_begin, k_stop, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         k_ok = kpos < k_end
         blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
@@ -172,12 +187,70 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    tl.store(
-        out_ptr + row_t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
-        o.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dmask[None, :],
+    if SPLIT:
+        # a split with no key a row may see (empty range, or all masked) keeps m = -1e30, l = 0
+        part = (row_t * num_q_heads + qh) * num_splits + split  # [BLOCK_M]
+        tl.store(m_ptr + part, m_i, mask=row_ok)
+        tl.store(l_ptr + part, l_i, mask=row_ok)
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
+                 mask=(row_ok & (l_i > 0.0))[:, None] & dmask[None, :])
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + row_t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dmask[None, :],
+        )
+
+
+@lazy_jit
+def _combine_splits_kernel(
+    m_ptr,  # partial row max: [R, num_splits] fp32 (exp2 domain), -1e30 where a split saw no key
+    l_ptr,  # partial row sum: [R, num_splits] fp32
+    acc_ptr,  # partial unnormalised output: [R, num_splits, D] fp32, read only where l > 0
+    out_ptr,  # out: [R, D], contiguous
+    num_splits,  # partitions to combine
+    BLOCK_S: tl.constexpr,  # power of two >= num_splits
+    HEAD_DIM: tl.constexpr,  # D
+    BLOCK_D: tl.constexpr,  # power of two >= D
+):
+    row = tl.program_id(0).to(tl.int64)  # (token or sequence) * Hq + head
+    s = tl.arange(0, BLOCK_S)
+    smask = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    m = tl.load(m_ptr + row * num_splits + s, mask=smask, other=-1.0e30)  # [BLOCK_S]
+    lsum = tl.load(l_ptr + row * num_splits + s, mask=smask, other=0.0)
+    live = smask & (lsum > 0.0)  # empty splits wrote no acc (and their weight is 0 anyway)
+    acc = tl.load(acc_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                  mask=live[:, None] & dmask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    m_max = tl.max(m, 0)
+    w = tl.math.exp2(m - m_max)  # [BLOCK_S]
+    total = tl.sum(w * lsum, 0)
+    o = tl.sum(w[:, None] * acc, 0)  # [BLOCK_D]
+    o = o / tl.where(total > 0.0, total, 1.0)  # a row that saw no key (seq_len 0, padding) gives zeros
+    tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def split_partials(rows: int, num_splits: int, d: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Uninitialised partials (m, l, acc) for `rows` output rows: [rows, S], [rows, S], [rows, S, D] fp32."""
+    m = torch.empty((rows, num_splits), dtype=torch.float32, device=device)
+    lsum = torch.empty((rows, num_splits), dtype=torch.float32, device=device)
+    acc = torch.empty((rows, num_splits, d), dtype=torch.float32, device=device)
+    return m, lsum, acc
+
+
+def combine_splits(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, out: torch.Tensor, fast: bool) -> None:
+    """out[r] = sum_s 2^(m[r,s] - M) acc[r,s] / sum_s 2^(m[r,s] - M) l[r,s] (flash-decoding's combine).
+
+    m, lsum: [R, S]; acc: [R, S, D] fp32, contiguous (split_partials); out: contiguous, R * D
+    elements. Used by the split prefill and by decode. fast: see LazyKernel.launch.
+    """
+    rows, splits, d = acc.shape
+    _combine_splits_kernel.launch(
+        (rows,), (m, lsum, acc, out, splits),
+        {"BLOCK_S": next_pow2(splits), "HEAD_DIM": d, "BLOCK_D": next_pow2(d)}, 4, 1, fast,
     )
 
 
@@ -185,24 +258,105 @@ def check_paged_inputs(
     name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
 ) -> tuple[int, int, int, int]:
     """Shared launcher checks of the attention ops; returns (Hq, Hk, D, block_size)."""
-    check(q.dim() == 3, f"{name}: q must be [T, Hq, D], got {tuple(q.shape)}")
+    check(q.dim() == 3, "{}: q must be [T, Hq, D], got {}", name, tuple(q.shape))
     _, hq, d = q.shape
-    check(k_cache.dim() == 4, f"{name}: k_cache must be [num_blocks, block_size, Hk, D], got {tuple(k_cache.shape)}")
+    check(k_cache.dim() == 4, "{}: k_cache must be [num_blocks, block_size, Hk, D], got {}", name, tuple(k_cache.shape))
     _, bs, hk, dk = k_cache.shape
-    check(dk == d, f"{name}: head_dim of q ({d}) != cache ({dk})")
-    check(hq % hk == 0, f"{name}: Hq={hq} is not a multiple of Hk={hk}")
+    check(dk == d, "{}: head_dim of q ({}) != cache ({})", name, d, dk)
+    check(hq % hk == 0, "{}: Hq={} is not a multiple of Hk={}", name, hq, hk)
     check(v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
-          f"{name}: v_cache must have k_cache's shape and strides")
-    check(q.stride(2) == 1 and k_cache.stride(3) == 1, f"{name}: q and the caches need a contiguous last dim")
+          "{}: v_cache must have k_cache's shape and strides", name)
+    check(q.stride(2) == 1 and k_cache.stride(3) == 1, "{}: q and the caches need a contiguous last dim", name)
     check(q.dtype == k_cache.dtype == v_cache.dtype,
-          f"{name}: dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
-    check(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"{name}: unsupported dtype {q.dtype}")
+          "{}: dtypes differ: q {}, k_cache {}, v_cache {}", name, q.dtype, k_cache.dtype, v_cache.dtype)
+    check(q.dtype in (torch.float16, torch.bfloat16, torch.float32), "{}: unsupported dtype {}", name, q.dtype)
     check(block_tables.dim() == 2 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1,
-          f"{name}: block_tables must be [B, max_blocks] int32 with a contiguous last dim")
+          "{}: block_tables must be [B, max_blocks] int32 with a contiguous last dim", name)
     devs = {q.device, k_cache.device, v_cache.device, block_tables.device}
-    check(len(devs) == 1, f"{name}: tensors on several devices {devs}")
-    check(d <= 256, f"{name}: head_dim {d} > 256 is not supported")
+    check(len(devs) == 1, "{}: tensors on several devices {}", name, devs)
+    check(d <= 256, "{}: head_dim {} > 256 is not supported", name, d)
     return hq, hk, d, bs
+
+
+def prefill_splits(work_programs: int, sms: int, key_tiles: int) -> int:
+    """Key-range splits for a prefill grid of `work_programs` programs that do work (shapes only).
+
+    One split (one launch, no partials) once the programs fill the SMs; otherwise enough splits
+    for about two programs per SM, each split keeping at least 4 key tiles of the longest
+    possible range (key_tiles), at most 16.
+    """
+    if work_programs >= sms:
+        return 1
+    return max(1, min(cdiv(2 * sms, work_programs), key_tiles // 4, 16))
+
+
+# launch plans: static checks per (shapes but T, strides, dtypes, devices); tiles per dynamic shapes
+_STATIC: dict = {}
+_TILES: dict = {}
+
+
+def _static_plan(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sliding_window) -> tuple:
+    """All argument checks (run once per key); returns (Hq, Hk, D, block_size, B, on_gpu)."""
+    hq, hk, d, bs = check_paged_inputs("paged_attention", q, k_cache, v_cache, block_tables)
+    b = block_tables.shape[0]
+    check(query_start_loc.shape == (b + 1,) and query_start_loc.dtype == torch.int32,
+          "paged_attention: query_start_loc must be [{}] int32", b + 1)
+    check(seq_lens.shape == (b,) and seq_lens.dtype == torch.int32, "paged_attention: seq_lens must be [{}] int32", b)
+    check(query_start_loc.is_contiguous() and seq_lens.is_contiguous(),
+          "paged_attention: query_start_loc and seq_lens must be contiguous")
+    check(query_start_loc.device == q.device and seq_lens.device == q.device,
+          "paged_attention: metadata on another device than q")
+    check(sliding_window is None or sliding_window >= 1, "paged_attention: bad sliding_window {}", sliding_window)
+    return hq, hk, d, bs, b, q.device.type == "cuda"
+
+
+def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound: int, has_window: bool,
+               sms: int, over: tuple) -> tuple:
+    """(grid, consts, num_warps, num_stages, num_splits, num_m_tiles) of one launch."""
+    hq, hk, d, bs, b, on_gpu = static
+    block_m, block_n, num_warps, num_stages, num_splits = over
+    group = hq // hk
+    # Tiles from the H200 sweeps (bf16, Hq=32, Hk=8, D=128; bench/results/kernels-2026-11-30.md):
+    # M128 N128 w8 s3 ran 8192 / 32768 causal tokens at 390 / 414 TFLOP/s against 324 / 360 for
+    # M128 N64 w8 s3; with too few programs to fill the chip (2048 cached + 128 new) M64 N128 w4 s2
+    # gave 93 TFLOP/s against 56 with 3 stages and 65 for M128 N64 w8 s3.
+    if dtype == torch.float32:
+        bm, bn, warps, stages = 64, 32, 4, 2
+    elif on_gpu:
+        bm, bn, warps, stages = 128, 128, 8, 3
+    else:
+        bm, bn, warps, stages = 64, 64, 4, 2
+    g_pack = min(group, 16)
+    if block_m is None and on_gpu and bm == 128:
+        # fewer, fatter programs only when there are enough of them to fill the chip
+        progs = cdiv(max_q, bm // g_pack) * hk * cdiv(group, g_pack) * b
+        if progs < 2 * sms:
+            bm, warps, stages = 64, 4, 2
+    bm = block_m or bm
+    bn = block_n or bn
+    warps = num_warps or warps
+    stages = num_stages or stages
+    check(bm >= 16 and bm & (bm - 1) == 0 and bn >= 16 and bn & (bn - 1) == 0,
+          "paged_attention: block_m and block_n must be powers of two >= 16")
+    g_pack = min(g_pack, bm)
+    block_q = bm // g_pack
+    head_chunks = cdiv(group, g_pack)
+    num_m_tiles = cdiv(max_q, block_q)
+    if num_splits is None:
+        # programs that can do work: at least the T tokens' tiles (padded sequences of a captured
+        # graph have none, so B x tiles would overstate them)
+        work = min(num_m_tiles * b, cdiv(t, block_q)) * hk * head_chunks
+        num_splits = prefill_splits(work, sms, cdiv(ctx_bound, bn))
+    check(1 <= num_splits <= 256, "paged_attention: num_splits {} not in [1, 256]", num_splits)
+    grid = (num_m_tiles * num_splits, hk * head_chunks, b)
+    consts = {
+        "GROUP": group, "G_PACK": g_pack, "HEAD_CHUNKS": head_chunks, "BLOCK_Q": block_q,
+        "BLOCK_M": bm, "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs,
+        "HAS_WINDOW": has_window, "SPLIT": num_splits > 1,
+        "PRECISION": "ieee" if dtype == torch.float32 or not on_gpu else None,
+        "DOT_FP32": not on_gpu,
+    }
+    return grid, consts, warps, stages, num_splits, num_m_tiles
 
 
 def paged_attention_triton(
@@ -216,76 +370,63 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     max_query_len: int | None = None,
     *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Triton `paged_attention_ref`: the whole varlen batch in one launch, no host sync.
+    """Triton `paged_attention_ref`: the whole varlen batch in one launch (two when split), no host sync.
 
-    Grid (query tiles, kv heads x head chunks, sequences); each program packs G_PACK q heads of
-    one kv head's group times BLOCK_Q tokens into its M rows, so each K/V tile is loaded once for
-    the group. max_query_len (a Python int, the longest new-token run in the batch) sizes the
-    grid; without it T is the upper bound and tiles past a sequence's end exit at once.
-    block_m / block_n / num_warps / num_stages override the tile choice (benchmarks).
+    Grid (query tiles x splits, kv heads x head chunks, sequences); each program packs G_PACK q
+    heads of one kv head's group times BLOCK_Q tokens into its M rows, so each K/V tile is loaded
+    once for the group. max_query_len (a Python int, the longest new-token run in the batch) sizes
+    the grid; without it T is the upper bound and tiles past a sequence's end exit at once.
+    When the grid cannot fill the GPU, each tile's key range is split in `num_splits` parts
+    (`prefill_splits`; from shapes only: T, max_query_len, B, heads, SM count and the context
+    bound min(max_seq_len, block table width x block size)) whose partials a second launch
+    combines. block_m / block_n / num_warps / num_stages / num_splits override the choice.
     """
-    # q: [T, Hq, D]; out: [T, Hq, D]
-    hq, hk, d, bs = check_paged_inputs("paged_attention", q, k_cache, v_cache, block_tables)
-    b = block_tables.shape[0]
-    check(query_start_loc.shape == (b + 1,) and query_start_loc.dtype == torch.int32,
-          f"paged_attention: query_start_loc must be [{b + 1}] int32")
-    check(seq_lens.shape == (b,) and seq_lens.dtype == torch.int32, f"paged_attention: seq_lens must be [{b}] int32")
-    check(query_start_loc.is_contiguous() and seq_lens.is_contiguous(),
-          "paged_attention: query_start_loc and seq_lens must be contiguous")
-    check(query_start_loc.device == q.device and seq_lens.device == q.device,
-          "paged_attention: metadata on another device than q")
-    check(sliding_window is None or sliding_window >= 1, f"paged_attention: bad sliding_window {sliding_window}")
+    # q: [T, Hq, D]; out: [T, Hq, D]; split partials: [T * Hq, S] and [T * Hq, S, D] fp32
+    skey = (q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
+            k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, block_tables.shape[:1],
+            block_tables.stride()[1:], block_tables.dtype, block_tables.device, query_start_loc.shape,
+            query_start_loc.stride(), query_start_loc.dtype, query_start_loc.device, seq_lens.shape,
+            seq_lens.stride(), seq_lens.dtype, seq_lens.device, sliding_window)
+    static = _STATIC.get(skey)
+    if static is None:
+        static = bounded_put(_STATIC, skey, _static_plan(q, k_cache, v_cache, block_tables, query_start_loc,
+                                                         seq_lens, sliding_window))
+    hq, _hk, d, bs, b, on_gpu = static
     t = q.shape[0]
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     max_q = t if max_query_len is None else min(max_query_len, t)
     if t == 0 or b == 0 or max_q <= 0:
         return out
-    group = hq // hk
-    on_gpu = q.device.type == "cuda"
-    # Tiles from the H200 sweeps (bf16, Hq=32, Hk=8, D=128; bench/results/kernels-2026-11-30.md):
-    # M128 N128 w8 s3 ran 8192 / 32768 causal tokens at 390 / 414 TFLOP/s against 324 / 360 for
-    # M128 N64 w8 s3; with too few programs to fill the chip (2048 cached + 128 new tokens),
-    # M64 N128 w4 s2 gave 93 TFLOP/s against 56 with 3 stages and 65 for M128 N64 w8 s3.
-    if q.dtype == torch.float32:
-        bm, bn, warps, stages = 64, 32, 4, 2
-    elif on_gpu:
-        bm, bn, warps, stages = 128, 128, 8, 3
+    ctx_bound = block_tables.shape[1] * bs
+    if max_seq_len is not None:
+        ctx_bound = min(ctx_bound, max_seq_len)
+    over = (block_m, block_n, num_warps, num_stages, num_splits)
+    tkey = (skey, t, max_q, ctx_bound, over)
+    plan = _TILES.get(tkey)
+    if plan is None:
+        plan = bounded_put(_TILES, tkey, _tile_plan(static, q.dtype, t, max_q, ctx_bound, sliding_window is not None,
+                                                    num_sms(q.device), over))
+    grid, consts, warps, stages, splits, num_m_tiles = plan
+    if splits > 1:
+        m, lsum, acc = split_partials(t * hq, splits, d, q.device)
+        dst = (out, m, lsum, acc)
     else:
-        bm, bn, warps, stages = 64, 64, 4, 2
-    g_pack = min(group, 16)
-    if block_m is None and on_gpu and bm == 128:
-        # fewer, fatter programs only when there are enough of them to fill the chip
-        progs = cdiv(max_q, bm // g_pack) * hk * cdiv(group, g_pack) * b
-        if progs < 2 * num_sms(q.device):
-            bm, warps, stages = 64, 4, 2
-    bm = block_m or bm
-    bn = block_n or bn
-    warps = num_warps or warps
-    stages = num_stages or stages
-    check(bm >= 16 and bm & (bm - 1) == 0 and bn >= 16 and bn & (bn - 1) == 0,
-          "paged_attention: block_m and block_n must be powers of two >= 16")
-    g_pack = min(g_pack, bm)
-    block_q = bm // g_pack
-    head_chunks = cdiv(group, g_pack)
-    num_m_tiles = cdiv(max_q, block_q)
-    grid = (num_m_tiles, hk * head_chunks, b)
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        dst = (out, out, out, out)
+    _paged_attention_kernel.launch(grid, (
+        q, k_cache, v_cache, *dst, block_tables, query_start_loc, seq_lens,
         scale * 1.4426950408889634,
         sliding_window or 0,
-        num_m_tiles,
+        num_m_tiles, splits, hq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, G_PACK=g_pack, HEAD_CHUNKS=head_chunks, BLOCK_Q=block_q,
-        BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_SIZE=bs,
-        HAS_WINDOW=sliding_window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else None,
-        DOT_FP32=not on_gpu,
-        num_warps=warps, num_stages=stages,
-    )
+    ), consts, warps, stages, on_gpu)
+    if splits > 1:
+        combine_splits(m, lsum, acc, out, on_gpu)
     return out

@@ -68,16 +68,16 @@ def rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `rms_norm_ref`: one pass per row, residual add fused; same return convention."""
     # x, residual: [T, H]; weight: [H]
-    check(x.dim() == 2, f"rms_norm: x must be [T, H], got {tuple(x.shape)}")
+    check(x.dim() == 2, "rms_norm: x must be [T, H], got {}", tuple(x.shape))
     t, h = x.shape
-    check(weight.shape == (h,), f"rms_norm: weight must be [{h}], got {tuple(weight.shape)}")
+    check(weight.shape == (h,), "rms_norm: weight must be [{}], got {}", h, tuple(weight.shape))
     check(x.stride(1) == 1 or h == 1, "rms_norm: x's last dim must be contiguous")
     check(weight.is_contiguous(), "rms_norm: weight must be contiguous")
     check(weight.device == x.device, "rms_norm: weight and x on different devices")
-    check(h <= 65536, f"rms_norm: hidden size {h} > 65536 is not supported (one row per program)")
+    check(h <= 65536, "rms_norm: hidden size {} > 65536 is not supported (one row per program)", h)
     if residual is not None:
-        check(residual.shape == x.shape, f"rms_norm: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
-        check(residual.dtype == x.dtype, f"rms_norm: residual dtype {residual.dtype} != x dtype {x.dtype}")
+        check(residual.shape == x.shape, "rms_norm: residual {} != x {}", tuple(residual.shape), tuple(x.shape))
+        check(residual.dtype == x.dtype, "rms_norm: residual dtype {} != x dtype {}", residual.dtype, x.dtype)
         check(residual.stride(1) == 1 or h == 1, "rms_norm: residual's last dim must be contiguous")
         check(residual.device == x.device, "rms_norm: residual and x on different devices")
     out = torch.empty((t, h), dtype=torch.result_type(weight, x), device=x.device)
@@ -85,7 +85,7 @@ def rms_norm_triton(
     if t == 0:
         return out, new_res
     block_h = next_pow2(h)
-    _rms_norm_kernel[(t,)](
+    _rms_norm_kernel.launch((t,), (
         x,
         residual if residual is not None else x,
         weight,
@@ -95,8 +95,6 @@ def rms_norm_triton(
         residual.stride(0) if residual is not None else 0,
         h,
         eps,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK_H=block_h,
-        num_warps=min(16, max(1, block_h // 256)),
-    )
+    ), {"HAS_RESIDUAL": residual is not None, "BLOCK_H": block_h},
+        min(16, max(1, block_h // 256)), 3, x.device.type == "cuda")  # 3 stages: Triton's default
     return out, new_res

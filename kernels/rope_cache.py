@@ -145,18 +145,18 @@ def rope_and_cache_triton(
     t, hq, d = q.shape
     hk = k.shape[1]
     check(k.shape == (t, hk, d) and v.shape == (t, hk, d),
-          f"rope_and_cache: k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
-    check(d % 2 == 0, f"rope_and_cache: head_dim {d} must be even")
+          "rope_and_cache: k {} / v {} do not match q {}", tuple(k.shape), tuple(v.shape), tuple(q.shape))
+    check(d % 2 == 0, "rope_and_cache: head_dim {} must be even", d)
     check(q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1,
           "rope_and_cache: q, k, v need a contiguous last dim")
-    check(q.dtype == k.dtype == v.dtype, f"rope_and_cache: dtypes differ: q {q.dtype} k {k.dtype} v {v.dtype}")
+    check(q.dtype == k.dtype == v.dtype, "rope_and_cache: dtypes differ: q {} k {} v {}", q.dtype, k.dtype, v.dtype)
     check(k_cache.dim() == 4 and k_cache.shape[2:] == (hk, d),
-          f"rope_and_cache: k_cache must be [num_blocks, block_size, {hk}, {d}], got {tuple(k_cache.shape)}")
+          "rope_and_cache: k_cache must be [num_blocks, block_size, {}, {}], got {}", hk, d, tuple(k_cache.shape))
     check(v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
           "rope_and_cache: v_cache must have k_cache's shape and strides")
     check(k_cache.stride(3) == 1, "rope_and_cache: the cache's last dim must be contiguous")
     check(cos_sin.dim() == 2 and cos_sin.shape[1] == d and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous(),
-          f"rope_and_cache: cos_sin must be contiguous fp32 [max_pos, {d}]")
+          "rope_and_cache: cos_sin must be contiguous fp32 [max_pos, {}]", d)
     check(positions.shape == (t,) and slot_mapping.shape == (t,),
           "rope_and_cache: positions and slot_mapping must be [T]")
     check(not positions.is_floating_point() and not slot_mapping.is_floating_point(),
@@ -164,17 +164,17 @@ def rope_and_cache_triton(
     check(positions.is_contiguous() and slot_mapping.is_contiguous(),
           "rope_and_cache: positions and slot_mapping must be contiguous")
     devs = {x.device for x in (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)}
-    check(len(devs) == 1, f"rope_and_cache: tensors on several devices {devs}")
+    check(len(devs) == 1, "rope_and_cache: tensors on several devices {}", devs)
     if t == 0:
         return q, k
     half = d // 2
-    _rope_and_cache_kernel[(t,)](
+    _rope_and_cache_kernel.launch((t,), (
         q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HQ=hq, HK=hk, HALF=half,
-        BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_HALF=next_pow2(half),
-        BLOCK_SIZE=k_cache.shape[1],
-        num_warps=4,
-    )
+    ), {
+        "HQ": hq, "HK": hk, "HALF": half,
+        "BLOCK_HQ": next_pow2(hq), "BLOCK_HK": next_pow2(hk), "BLOCK_HALF": next_pow2(half),
+        "BLOCK_SIZE": k_cache.shape[1],
+    }, 4, 3, q.device.type == "cuda")
     return q, k

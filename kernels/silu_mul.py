@@ -45,14 +45,15 @@ def _silu_and_mul_kernel(
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     """Triton `silu_and_mul_ref`: x [T, 2 * I] -> [T, I]."""
-    check(x.dim() == 2, f"silu_and_mul: x must be [T, 2 * I], got {tuple(x.shape)}")
+    check(x.dim() == 2, "silu_and_mul: x must be [T, 2 * I], got {}", tuple(x.shape))
     t, two_i = x.shape
-    check(two_i % 2 == 0, f"silu_and_mul: last dim {two_i} is odd")
+    check(two_i % 2 == 0, "silu_and_mul: last dim {} is odd", two_i)
     check(x.stride(1) == 1, "silu_and_mul: x's last dim must be contiguous")
     inter = two_i // 2
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
     if t == 0 or inter == 0:
         return out
     block = min(1024, next_pow2(inter))
-    _silu_and_mul_kernel[(t, cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel.launch((t, cdiv(inter, block)), (x, out, x.stride(0), inter), {"BLOCK": block}, 4, 3,
+                                x.device.type == "cuda")
     return out

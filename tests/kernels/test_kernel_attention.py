@@ -7,7 +7,7 @@ import torch
 from kernel_testutil import TOL, dense_attention, make_paged_kv
 
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from kernels.prefill_attention import paged_attention_ref, paged_attention_triton
+from kernels.prefill_attention import paged_attention_ref, paged_attention_triton, prefill_splits
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -57,12 +57,12 @@ def test_paged_prefill_without_max_query_len() -> None:
     torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, 0.125), **TOL[F32])
 
 
-@pytest.mark.parametrize("window", [None, 9])
-def test_paged_prefill_catches_mask_and_paging_bugs(window: int | None) -> None:
+@pytest.mark.parametrize(("window", "splits"), [(None, 1), (9, 1), (9, 4)])
+def test_paged_prefill_catches_mask_and_paging_bugs(window: int | None, splits: int) -> None:
     """The tolerance fails an off-by-one causal mask, an off-by-one window, and a swapped block."""
     prefix, new = [20, 0], [13, 30]
     q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, 4, 1, 64, 16, F32)
-    out = paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, window, block_m=32, block_n=16)
+    out = paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, window, block_m=32, block_n=16, num_splits=splits)
     qsl_l, ctx = qsl.tolist(), sl.tolist()
     dense = dense_attention(q, kc, vc, bt, qsl_l, ctx, 0.125, window).float()
     torch.testing.assert_close(dense, paged_attention_ref(q, kc, vc, bt, qsl, sl, 0.125, window), **TOL[F32])
@@ -75,6 +75,75 @@ def test_paged_prefill_catches_mask_and_paging_bugs(window: int | None) -> None:
     bt_bad = bt.clone()
     bt_bad[0, [0, 1]] = bt_bad[0, [1, 0]]  # a paging bug: two blocks of sequence 0 swapped
     assert not torch.allclose(out, dense_attention(q, kc, vc, bt_bad, qsl_l, ctx, 0.125, window).float(), **tol)
+
+
+# Split-KV prefill, splits forced: (prefix lens, new lens, Hq, Hk, window, num_splits, dtype). Prefixes
+# that end mid-block and cross blocks, partly filled last blocks, GQA 1/4/8, windows that leave
+# whole splits outside some rows' range (those splits must combine to nothing, not NaN), more
+# splits than key tiles (empty splits), fp32 and bf16. block_m 32, block_n 16 keep several tiles.
+SPLIT_CASES = [
+    ([37, 0], [9, 12], 8, 2, None, 3, F32),
+    ([100], [5], 4, 4, None, 5, BF16),
+    ([19, 64], [13, 1], 8, 1, 11, 4, F32),
+    ([45], [17], 4, 4, 6, 6, BF16),
+    ([3], [2], 4, 1, None, 7, F32),
+    ([70, 16], [12, 17], 4, 1, 40, 2, BF16),
+]
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize(("prefix", "new", "hq", "hk", "window", "splits", "dtype"), SPLIT_CASES)
+def test_paged_prefill_split(prefix, new, hq, hk, window, splits, dtype) -> None:
+    q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, 64, 16, dtype)
+    out = paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, window, max_query_len=max(new),
+                                 block_m=32, block_n=16, num_splits=splits)
+    assert not out.isnan().any(), "unwritten (or NaN-polluted) output rows"
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, 0.125, window), **TOL[dtype])
+
+
+def test_prefill_split_choice_depends_on_shapes_only() -> None:
+    """Few programs on many SMs split (bounded by the context); a full grid keeps one launch."""
+    assert prefill_splits(64, 132, 17) == 4  # 2048 cached + 128 new, M64 tiles: 64 programs
+    assert prefill_splits(64, 132, 1000) == 5  # same, context bound unknown (wide block table)
+    assert prefill_splits(8, 132, 1000) == 16
+    assert prefill_splits(64, 132, 2) == 1  # short context: nothing worth splitting
+    assert prefill_splits(132, 132, 1000) == 1
+    assert prefill_splits(2048, 132, 1000) == 1
+
+
+def test_prefill_split_default_and_graph_safety(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the interpreter's 8 'SMs' a one-tile prompt over a long prefix splits by itself; the
+    intermediates depend on shapes only, max_seq_len bounds the splits, and seq_lens is never
+    read on the host (CUDA-graph capture)."""
+    q, kc, vc, bt, qsl, sl = make_prefill([150], [3], 4, 1, 64, 16, F32)
+    shapes = []
+    real_empty = torch.empty
+
+    def spy(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        shapes.append(tuple(t.shape))
+        return t
+
+    def no_host_read(*_a, **_k):
+        raise AssertionError("metadata read on the host")
+
+    monkeypatch.setattr(torch, "empty", spy)
+    monkeypatch.setattr(torch.Tensor, "tolist", no_host_read)
+    monkeypatch.setattr(torch.Tensor, "item", no_host_read)
+    out = paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, max_query_len=3, block_n=16)
+    first = list(shapes)
+    sl.fill_(40)  # a shorter context, same shapes: same launches
+    out_short = paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, max_query_len=3, block_n=16)
+    assert shapes[len(first):] == first
+    assert first[1][1] > 1, f"expected a split launch, intermediates {first}"
+    shapes.clear()
+    paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, max_query_len=3, block_n=16, max_seq_len=40)
+    assert shapes == [(3, 4, 64)], "40 keys (3 tiles of 16) are too few to split"
+    monkeypatch.undo()
+    sl.fill_(153)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, 0.125), **TOL[F32])
+    sl.fill_(40)
+    torch.testing.assert_close(out_short, paged_attention_ref(q, kc, vc, bt, qsl, sl, 0.125), **TOL[F32])
 
 
 # (context lens, Hq, Hk, D, window, num_splits, block_n)
