@@ -71,8 +71,9 @@ class LazyKernel:
         hit = self._compiled.get(key)
         if hit is not None:
             try:
-                hit[0][grid](*args, *hit[1])
-            except TypeError:  # a Triton whose compiled kernels take other arguments: its own dispatch from now on
+                # a compiled kernel's launcher reads grid[0], grid[1] and grid[2]: pad to three axes
+                hit[0][grid if len(grid) == 3 else (*grid, 1, 1)[:3]](*args, *hit[1])
+            except (TypeError, IndexError):  # a Triton whose compiled kernels differ: its own dispatch from now on
                 FAST_LAUNCH = False
                 self._compiled.clear()
                 self.jitted()[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)

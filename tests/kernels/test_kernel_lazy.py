@@ -35,3 +35,37 @@ def test_get_ops_triton() -> None:
     assert ops.rms_norm.__name__ == "rms_norm_triton"
     assert ops.decode_attention.__name__ == "decode_attention_triton"
     assert ops.prefill_attention.__name__ == "paged_attention_triton"
+
+
+def test_direct_launch_reuses_the_compiled_kernel(monkeypatch) -> None:
+    """After the first launch of a specialisation, `launch` calls the compiled kernel with every
+    argument in signature order and a three-axis grid (as Triton's own launcher does)."""
+    import kernels._triton as kt
+
+    calls = []
+
+    class Compiled:  # Triton's CompiledKernel: kernel[grid](*all_args), grid read as grid[0..2]
+        def __getitem__(self, grid):
+            return lambda *a: calls.append(("direct", (grid[0], grid[1], grid[2]), a))
+
+    class Jitted:
+        arg_names = ("x_ptr", "n", "BLOCK")
+
+        def __getitem__(self, grid):
+            def run(*a, **kw):
+                calls.append(("jit", grid, a, kw))
+                return Compiled()
+
+            return run
+
+    k = kt.LazyKernel(lambda: None)
+    k._jitted = Jitted()
+    x = torch.zeros(4)
+    k.launch((3,), (x, 5), {"BLOCK": 64}, 4, 3, True)
+    k.launch((7,), (x, 6), {"BLOCK": 64}, 4, 3, True)  # same specialisation (6 and 5: not 1, not %16)
+    k.launch((7,), (x, 16), {"BLOCK": 64}, 4, 3, True)  # 16 is specialised on: Triton's path again
+    assert [c[0] for c in calls] == ["jit", "direct", "jit"]
+    assert calls[1][1] == (7, 1, 1) and calls[1][2] == (x, 6, 64)
+    monkeypatch.setattr(kt, "FAST_LAUNCH", False)
+    k.launch((7,), (x, 6), {"BLOCK": 64}, 4, 3, True)
+    assert calls[-1][0] == "jit"
