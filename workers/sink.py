@@ -17,9 +17,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from sqlalchemy.exc import DataError, IntegrityError
+
 from pipeline.queue import Message
 from pipeline.store import ResultStore
-from schemas.job import JobRequest, JobResult
+from schemas.job import ErrorCode, JobRequest, JobResult
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,29 @@ class ResultSink:
                 self._cond.wait_for(lambda: False, timeout=wait)
             backoff = min(backoff * 2, self.config.backoff_max_s)
 
+    def _write_one(self, o: Outcome) -> int:
+        requests = {o.request.id: o.request} if o.request is not None else {}
+        try:
+            return self.store.upsert_results([o.result], requests)
+        except (DataError, IntegrityError) as exc:
+            log.warning(
+                "job %s: result refused by the store (%s); writing it as failed",
+                o.result.id,
+                type(exc.orig).__name__ if exc.orig is not None else type(exc).__name__,
+            )
+            r = o.result
+            failed = JobResult.failure(
+                r.id,
+                ErrorCode.INTERNAL_ERROR,
+                f"the result could not be stored: {type(exc).__name__}",
+                batch_id=r.batch_id,
+                submitted_at=r.timings.submitted_at,
+                finished_at=r.timings.finished_at,
+                worker=r.worker,
+                model=r.model,
+            )
+            return self.store.upsert_results([failed], {})
+
     def _write_batch(self) -> bool:
         with self._cond:
             batch = [self._buffer[i] for i in range(min(len(self._buffer), self.config.batch_rows))]
@@ -146,7 +171,11 @@ class ResultSink:
             return True
         requests = {o.request.id: o.request for o in batch if o.request is not None}
         try:
-            written = self.store.upsert_results([o.result for o in batch], requests)
+            try:
+                written = self.store.upsert_results([o.result for o in batch], requests)
+            except (DataError, IntegrityError):
+                # a row the database refuses: write the batch one by one, so it cannot block the rest
+                written = sum(self._write_one(o) for o in batch)
         except Exception as exc:  # the store is down or refused the write: keep everything, retry
             self.write_failures += 1
             self.last_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -362,7 +362,8 @@ class Worker:
             id=job.id,
             batch_id=job.batch_id,
             status=JobStatus.CANCELLED if cancelled else JobStatus.SUCCEEDED,
-            text=f.text,
+            # NUL is valid output but no Postgres text value may hold it
+            text=f.text.replace("\x00", "\ufffd"),
             finish_reason=FinishReason(f.finish_reason),
             usage=Usage(
                 prompt_tokens=f.usage.prompt_tokens,
