@@ -76,13 +76,17 @@ def ensure_topics(
 
 
 def _ready_partitions(admin: KafkaAdminClient, names: list[str]) -> dict[str, int]:
+    # describe_topics answers with the DescribeTopicPartitions/Metadata field names of the
+    # protocol version it used ("name"/"topic", "leader_id"/"leader"): accept both.
     out = {}
     for t in admin.describe_topics(names):
         if t.get("error_code", 0) != 0:
             continue
         parts = t.get("partitions") or []
-        if parts and all(p.get("error_code", 0) == 0 and p.get("leader", -1) >= 0 for p in parts):
-            out[t["topic"]] = len(parts)
+        if parts and all(
+            p.get("error_code", 0) == 0 and p.get("leader_id", p.get("leader", -1)) >= 0 for p in parts
+        ):
+            out[t.get("name") or t["topic"]] = len(parts)
     return out
 
 
@@ -205,14 +209,29 @@ class KafkaJobConsumer(JobConsumer):
             "heartbeat_interval_ms": max(1000, s.session_timeout_ms // 3),
             "max_poll_interval_ms": s.max_poll_interval_ms,
             "allow_auto_create_topics": False,
+            # A group leader whose metadata misses a partition assigns without it until the next
+            # refresh: keep that window short (kafka-python's default is 5 minutes).
+            "metadata_max_age_ms": 10_000,
         }
         config.update(overrides)
         self._consumer = KafkaConsumer(**config)
+        self._await_topic_metadata(timeout_s=30.0)
         self._consumer.subscribe([self.topic], listener=_Rebalance(self))
         self._dlq = make_producer(s, client_id=f"firsttoken-dlq-{group}", linger_ms=0)
         self._dlq_futures: list[Any] = []
         self._want_paused: set[int] = set()
         self._pause_all = False
+
+    def _await_topic_metadata(self, timeout_s: float) -> None:
+        # kafka-python can run the group's partition assignment before the subscribed topic's
+        # metadata has arrived, and then assigns nothing ("No partition metadata for topic")
+        # until the next metadata refresh. Knowing the topic's partitions before subscribing
+        # avoids that race.
+        deadline = time.monotonic() + timeout_s
+        while not self._consumer.partitions_for_topic(self.topic):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no metadata for topic {self.topic} after {timeout_s:.0f} s")
+            time.sleep(0.05)
 
     # --- rebalance (called inside poll, on this consumer's thread, with the lock held) ---
 

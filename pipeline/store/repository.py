@@ -108,6 +108,11 @@ def _result_row(result: JobResult, request: JobRequest | None, now: float) -> di
     return row
 
 
+def _count(conn: Connection, stmt: Any) -> int:
+    # Rows written, counted from RETURNING: DBAPI rowcount is -1 for some drivers' multi-row upserts.
+    return len(conn.execute(stmt).all())
+
+
 def _first_by_id(items: Iterable[Any], key: Callable[[Any], str]) -> list[Any]:
     seen: set[str] = set()
     out = []
@@ -204,7 +209,7 @@ class ResultStore:
         with self.engine.begin() as conn:
             for chunk in _chunks(rows, len(rows[0]), self.batch_rows):
                 stmt = self._insert(jobs).values(chunk).on_conflict_do_nothing(index_elements=["id"])
-                inserted += max(conn.execute(stmt).rowcount, 0)
+                inserted += _count(conn, stmt.returning(jobs.c.id))
         return inserted
 
     def mark_running(
@@ -245,7 +250,7 @@ class ResultStore:
                         },
                         where=jobs.c.status.in_(_NOT_TERMINAL),
                     )
-                    written += max(conn.execute(stmt).rowcount, 0)
+                    written += _count(conn, stmt.returning(jobs.c.id))
             if ids:
                 stmt = (
                     update(jobs)
@@ -254,7 +259,7 @@ class ResultStore:
                         status=JobStatus.RUNNING.value, worker=worker, admitted_at=admitted, updated_at=now
                     )
                 )
-                written += max(conn.execute(stmt).rowcount, 0)
+                written += _count(conn, stmt.returning(jobs.c.id))
         return written
 
     def upsert_results(
@@ -289,7 +294,7 @@ class ResultStore:
         stmt = stmt.on_conflict_do_update(
             index_elements=["id"], set_=set_, where=jobs.c.status.notin_(_TERMINAL)
         )
-        return max(conn.execute(stmt).rowcount, 0)
+        return _count(conn, stmt.returning(jobs.c.id))
 
     def cancel(
         self, *, job_ids: Sequence[str] = (), batch_id: str | None = None, reason: str = "cancelled"
@@ -315,7 +320,7 @@ class ResultStore:
             )
         )
         with self.engine.begin() as conn:
-            n = max(conn.execute(stmt).rowcount, 0)
+            n = _count(conn, stmt.returning(jobs.c.id))
             if batch_id is not None and not job_ids:
                 conn.execute(
                     update(batches)
@@ -354,7 +359,7 @@ class ResultStore:
             .on_conflict_do_nothing(index_elements=["id"])
         )
         with self.engine.begin() as conn:
-            return conn.execute(stmt).rowcount == 1
+            return _count(conn, stmt.returning(batches.c.id)) == 1
 
     def set_batch_total(self, batch_id: str, total_jobs: int) -> None:
         """Announce how many jobs a batch has (once its input is fully read)."""

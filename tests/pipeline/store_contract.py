@@ -84,7 +84,8 @@ class StoreContract:
         assert rec.usage == Usage(prompt_tokens=7, cached_prompt_tokens=3, completion_tokens=4)
         assert rec.timings.ttft_ms == 10.0 and rec.timings.first_token_at == 995.5
         assert rec.result() == ok("a", "first", batch_id="b")
-        count = store.engine.connect().execute(text("SELECT count(*) FROM jobs")).scalar()
+        with store.engine.connect() as conn:
+            count = conn.execute(text("SELECT count(*) FROM jobs")).scalar()
         assert count == 1
 
     def test_upsert_without_queued_row_inserts_with_request(self, store: ResultStore):
