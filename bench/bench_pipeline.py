@@ -1,0 +1,238 @@
+"""Pipeline benchmarks on loopback services, tiny model on CPU (the engine is not what is measured).
+
+1. overhead: jobs submitted to Kafka at a steady rate (default 100 jobs/s) and served by one
+   in-process worker; per job, TTFT from submission minus the engine's own TTFT (= the time from
+   `submitted_at` to admission: produce + ack + fetch + intake + hand-off). Targets: p50 <= 5 ms,
+   p99 <= 20 ms.
+2. submit: a 100k-line JSONL file parsed, validated and produced to Kafka (acks=all, idempotent).
+   Target >= 20k jobs/s.
+3. sink: results written into Postgres by the ResultSink (batched upserts). Target >= 5k rows/s.
+
+    scripts/services.sh start && eval "$(scripts/services.sh env)"
+    .venv/bin/python bench/bench_pipeline.py [--rate 100 --seconds 20 --lines 100000 --rows 50000]
+
+Prints a JSON summary; --markdown FILE appends a result section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.producer import Producer
+from pipeline.queue.kafka import KafkaQueue
+from pipeline.settings import Settings
+from pipeline.store import ResultStore, migrate
+from schemas.job import FinishReason, JobRequest, JobResult, JobStatus, JobTimings, Usage
+from schemas.sampling import SamplingParams
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def fresh_settings(base: Settings, db_url: str) -> Settings:
+    t = uuid.uuid4().hex[:8]
+    return base.model_copy(
+        update={
+            "jobs_topic": f"bench.jobs.{t}",
+            "dlq_topic": f"bench.jobs.{t}.dlq",
+            "consumer_group": f"bench-{t}",
+            "database_url": db_url,
+        }
+    )
+
+
+def fresh_database(server_url: str) -> str:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"firsttoken_bench_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(make_url(server_url).set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    migrate(url)
+    return url
+
+
+def bench_overhead(s: Settings, rate: float, seconds: float) -> dict:
+    from workers.engine import EngineConfig, LLMEngine
+    from workers.worker import WorkerSettings, build_worker
+
+    engine = LLMEngine("tiny", EngineConfig(device="cpu"))
+    worker = build_worker(s.model_copy(update={"worker_name": "bench"}), WorkerSettings(), engine=engine)
+    queue = KafkaQueue(s)
+    store = ResultStore.from_url(s.database_url)
+    n = int(rate * seconds)
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    jobs = [
+        JobRequest(id=f"o{i}", prompt=f"overhead probe {i}", sampling=sp, batch_id="ovh") for i in range(n)
+    ]
+    worker.start()
+    # warm up: the consumer joins the group and gets its partitions
+    Producer(queue).submit([JobRequest(id="warm", prompt="warm", sampling=sp, batch_id="warm")])
+    deadline = time.monotonic() + 60
+    while store.batch_progress("warm").done < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    producer = Producer(queue)
+    t0 = time.monotonic()
+    for i, job in enumerate(jobs):
+        wait = t0 + i / rate - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        producer.submit([job])
+    while store.batch_progress("ovh").done < n and time.monotonic() < t0 + seconds + 120:
+        time.sleep(0.1)
+    worker.stop()
+    queue.close()
+    rows = store.list_jobs(batch_id="ovh", limit=n + 10)
+    store.close()
+    over = [r.timings.ttft_ms - r.timings.engine_ttft_ms for r in rows if r.timings.ttft_ms is not None]
+    ttft = [r.timings.ttft_ms for r in rows if r.timings.ttft_ms is not None]
+    eng = [r.timings.engine_ttft_ms for r in rows if r.timings.engine_ttft_ms is not None]
+    return {
+        "rate_jobs_per_s": rate,
+        "jobs": n,
+        "rows": len(rows),
+        "overhead_ms": {
+            "p50": pct(over, 0.5),
+            "p90": pct(over, 0.9),
+            "p99": pct(over, 0.99),
+            "mean": statistics.fmean(over),
+        },
+        "ttft_ms": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
+        "engine_ttft_ms": {"p50": pct(eng, 0.5), "p99": pct(eng, 0.99)},
+    }
+
+
+def bench_submit(s: Settings, lines: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "bulk.jsonl"
+        with path.open("w") as f:
+            for i in range(lines):
+                f.write(
+                    json.dumps(
+                        {
+                            "id": f"bulk-{i}",
+                            "prompt": f"document {i}: summarise the following text about topic {i % 97}",
+                            "max_tokens": 16,
+                        }
+                    )
+                    + "\n"
+                )
+        queue = KafkaQueue(s)
+        try:
+            summary = Producer(queue).submit_file(path, batch_id="bulk")
+        finally:
+            queue.close()
+    return {
+        "lines": lines,
+        "submitted": summary.submitted,
+        "seconds": summary.seconds,
+        "jobs_per_s": summary.jobs_per_s,
+    }
+
+
+def bench_sink(db_url: str, rows: int) -> dict:
+    from workers.sink import Outcome, ResultSink, SinkConfig
+
+    store = ResultStore.from_url(db_url)
+    now = time.time()
+    results = [
+        JobResult(
+            id=f"sink-{i}",
+            batch_id="sink",
+            status=JobStatus.SUCCEEDED,
+            text="out " * 8,
+            finish_reason=FinishReason.LENGTH,
+            usage=Usage(prompt_tokens=20, cached_prompt_tokens=0, completion_tokens=16),
+            timings=JobTimings.from_instants(
+                submitted_at=now,
+                admitted_at=now + 0.001,
+                first_token_at=now + 0.01,
+                finished_at=now + 0.1,
+                completion_tokens=16,
+            ),
+            worker="bench",
+            model="tiny",
+        )
+        for i in range(rows)
+    ]
+    sink = ResultSink(store, lambda _msgs: None, SinkConfig(batch_rows=500, max_buffer=rows + 1))
+    t0 = time.perf_counter()
+    sink.start()
+    sink.put([Outcome(r) for r in results])
+    while sink.results_durable < rows:
+        time.sleep(0.005)
+    dt = time.perf_counter() - t0
+    sink.stop()
+    store.close()
+    return {"rows": rows, "rows_written": sink.rows_written, "seconds": dt, "rows_per_s": rows / dt}
+
+
+def machine() -> str:
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {platform.system()}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=100.0)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--lines", type=int, default=100_000)
+    ap.add_argument("--rows", type=int, default=50_000)
+    ap.add_argument("--only", choices=["overhead", "submit", "sink"], default=None)
+    ap.add_argument("--markdown", default=None)
+    args = ap.parse_args()
+
+    base = Settings()
+    db = fresh_database(base.database_url)
+    out: dict = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+    }
+    if args.only in (None, "submit"):
+        out["submit"] = bench_submit(fresh_settings(base, db), args.lines)
+        print(json.dumps({"submit": out["submit"]}), flush=True)
+    if args.only in (None, "sink"):
+        out["sink"] = bench_sink(db, args.rows)
+        print(json.dumps({"sink": out["sink"]}), flush=True)
+    if args.only in (None, "overhead"):
+        out["overhead"] = bench_overhead(fresh_settings(base, db), args.rate, args.seconds)
+        print(json.dumps({"overhead": out["overhead"]}), flush=True)
+    print(json.dumps(out, indent=2))
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(f"\n```json\n{json.dumps(out, indent=2)}\n```\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
