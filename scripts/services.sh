@@ -78,9 +78,10 @@ kafka_install() {
   say "fetching Apache Kafka $KAFKA_VERSION jars from Maven Central (once; cached in ~/.m2)"
   rm -rf "$KAFKA_JARS"
   mkdir -p "$KAFKA_JARS"
+  mkdir -p "$KAFKA_DIR"
   mvn -q -B -Dstyle.color=never -f "$ROOT/scripts/kafka/pom.xml" dependency:copy-dependencies \
-    -DoutputDirectory="$KAFKA_JARS" -DincludeScope=runtime >&2 \
-    || die "mvn could not fetch the Kafka jars (see the output above)"
+    -DoutputDirectory="$KAFKA_JARS" -DincludeScope=runtime > "$KAFKA_DIR/mvn.log" 2>&1 \
+    || { cat "$KAFKA_DIR/mvn.log" >&2; die "mvn could not fetch the Kafka jars (output above)"; }
   touch "$KAFKA_JARS/.complete"
 }
 
@@ -212,7 +213,7 @@ pg_install() {
 pg_as() {
   if [ "$(id -u)" = 0 ]; then
     id postgres >/dev/null 2>&1 || useradd --system --home-dir /var/lib/postgresql --shell /bin/bash postgres
-    runuser -u postgres -- "$@"
+    (cd / && runuser -u postgres -- "$@")  # from /: the postgres user may not reach the caller's cwd
   else
     "$@"
   fi

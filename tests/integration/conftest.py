@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,13 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from pipeline.settings import Settings, normalize_database_url
+
+# kafka-python 3.0 loads its protocol schemas with importlib.resources' deprecated API, once, at
+# import: import it here with those warnings off, so that they do not flood every report.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import kafka
+    import kafka.admin  # noqa: F401
 
 # The store's dialect-independent tests live beside the unit tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
