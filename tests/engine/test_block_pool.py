@@ -102,3 +102,35 @@ def test_allocation_failure_changes_nothing():
     free_before = kv.pool.free_block_ids()
     assert not kv.allocate_slots(b, 5)
     assert b.block_ids == [] and kv.pool.free_block_ids() == free_before
+
+
+def test_admission_batching_under_saturation():
+    from workers.engine.scheduler import Scheduler
+
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64, admission_batch=2)
+    reqs = [make_request([i + 1] * 3) for i in range(7)]
+    for r in reqs:
+        sched.add(r)
+    out = sched.schedule()
+    assert [e.request for e in out.scheduled] == reqs[:4]  # nothing running: fill every slot
+    for e in out.scheduled:
+        e.request.num_computed_tokens += e.num_new_tokens
+        e.request.token_ids.append(9)
+    sched.finish(reqs[0], "stop")
+    # one slot free, three waiting: wait for a second free slot
+    out = sched.schedule()
+    assert {e.request.request_id for e in out.scheduled} == {r.request_id for r in reqs[1:4]}
+    for e in out.scheduled:
+        e.request.num_computed_tokens += e.num_new_tokens
+        e.request.token_ids.append(9)
+    sched.finish(reqs[1], "stop")
+    out = sched.schedule()
+    assert [e.request for e in out.scheduled if e.num_computed_tokens == 0] == reqs[4:6]
+    # a single waiting request is admitted as soon as one slot frees
+    for e in out.scheduled:
+        e.request.num_computed_tokens += e.num_new_tokens
+        e.request.token_ids.append(9)
+    sched.finish(reqs[2], "stop")
+    out = sched.schedule()
+    assert reqs[6] in [e.request for e in out.scheduled]

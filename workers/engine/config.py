@@ -168,6 +168,9 @@ class EngineConfig:
     cpu_kv_cache_tokens: int = 65536  # KV capacity on CPU when num_blocks is None
     max_num_batched_tokens: int = 8192  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 256  # most requests running at once
+    # with a full batch, admit waiting requests only once this many slots are free
+    # (None: max_num_seqs // 8); 1 admits each request as soon as a slot frees
+    admission_batch: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     kernel_backend: str | None = None  # "triton" | "torch"; None: triton on CUDA, torch elsewhere

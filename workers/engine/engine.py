@@ -57,8 +57,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        c = self.config
         self.scheduler = Scheduler(
-            self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len
+            self.kv, c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len,
+            admission_batch=c.admission_batch if c.admission_batch is not None else max(1, c.max_num_seqs // 8),
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}

@@ -97,11 +97,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
+        admission_batch: int = 1,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.admission_batch = max(1, admission_batch)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -125,6 +127,16 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(victim)
+
+    def _may_admit(self) -> bool:
+        """Admission batching under saturation: with requests running, admit new ones only once
+        `admission_batch` sequence slots are free (or all that wait fit). Mixed steps that add
+        one prompt at a time to a full batch are small and bound by the CPU; fewer, larger
+        admissions leave the rest of the steps pure decodes, which replay CUDA graphs."""
+        if not self.running:
+            return True
+        free = self.max_num_seqs - len(self.running)
+        return free >= min(self.admission_batch, len(self.waiting))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -157,7 +169,7 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        if not preempted:
+        if not preempted and self._may_admit():
             now = time.monotonic()
             while budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
