@@ -248,6 +248,7 @@ def main() -> None:
         lens_in = [r.randint(100, 1024) for _ in range(args.num_prompts)]
         lens_out = [r.randint(100, 1024) for _ in range(args.num_prompts)]
         prompts = [[r.randrange(1000, vocab - 1000) for _ in range(n)] for n in lens_in]
+        engine.scheduler.max_num_batched_tokens = 8192  # the throughput budget, whatever TTFT used
         ours.update(ours_throughput(engine, prompts, lens_out))
         st = engine.stats()
         data["throughput_stats"] = {"preemptions": st.num_preemptions, "prefix_hit_rate": st.prefix_hit_rate}

@@ -53,6 +53,14 @@ class KVCacheManager:
         with known tokens are indexed in the prefix cache right away: the step that computes them
         writes their K/V before any attention reads them.
         """
+        bs = self.block_size
+        if not cached_blocks:
+            # fast path of a decode step: the new tokens fit the last block and no block filled up
+            total = req.num_computed_tokens + num_new_tokens
+            if total <= len(req.block_ids) * bs and (
+                not self.enable_prefix_caching or min(total, req.num_tokens) // bs <= req.num_indexed_blocks
+            ):
+                return True
         cached_blocks = cached_blocks or []
         num_computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
         total = num_computed + num_new_tokens
