@@ -212,6 +212,9 @@ class KafkaJobConsumer(JobConsumer):
             # A group leader whose metadata misses a partition assigns without it until the next
             # refresh: keep that window short (kafka-python's default is 5 minutes).
             "metadata_max_age_ms": 10_000,
+            # A lost SyncGroup/Heartbeat/Fetch is retried after this, not after the 30 s default
+            # (JoinGroup, which the broker may hold for the rebalance timeout, is exempt).
+            "request_timeout_ms": 10_000,
         }
         config.update(overrides)
         self._consumer = KafkaConsumer(**config)

@@ -24,7 +24,7 @@ from schemas.job import JobRequest
 pytestmark = pytest.mark.integration
 
 
-def drain(consumer: JobConsumer, n: int, timeout_s: float = 30.0) -> list[Message]:
+def drain(consumer: JobConsumer, n: int, timeout_s: float = 45.0) -> list[Message]:
     """Poll until n jobs arrived (fails after timeout_s)."""
     got: list[Message] = []
     deadline = time.monotonic() + timeout_s
