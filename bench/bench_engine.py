@@ -153,11 +153,23 @@ def ours_throughput(engine: LLMEngine, prompts: list[list[int]], outs: list[int]
         engine.add_request(f"tp{i}", prompt_token_ids=p,
                            sampling=SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
     n_out = 0
+    paths: dict[str, list[float]] = {}  # path -> [steps, seconds, tokens, sequences]
     while engine.has_unfinished():
-        for f in engine.step().finished:
+        ts = time.perf_counter()
+        out = engine.step()
+        for f in out.finished:
             n_out += f.usage.completion_tokens
+        p = paths.setdefault(engine.runner.last_path or "none", [0, 0.0, 0, 0])
+        p[0] += 1
+        p[1] += time.perf_counter() - ts
+        p[2] += out.num_batched_tokens
+        p[3] += out.num_scheduled
     dt = time.perf_counter() - t0
-    return {"throughput_tok_s": n_out / dt, "throughput_s": dt, "throughput_tokens": n_out}
+    for k, (n, sec, tok, seqs) in sorted(paths.items()):
+        print(f"# step path {k}: {n} steps, {sec:.1f} s, {1e3 * sec / max(n, 1):.1f} ms/step, "
+              f"{tok / max(n, 1):.0f} tokens/step, {seqs / max(n, 1):.0f} seqs/step", flush=True)
+    return {"throughput_tok_s": n_out / dt, "throughput_s": dt, "throughput_tokens": n_out,
+            "throughput_paths": {k: {"steps": v[0], "s": v[1], "tokens": v[2], "seqs": v[3]} for k, v in paths.items()}}
 
 
 @torch.no_grad()

@@ -58,6 +58,7 @@ class ModelRunner:
         self.dense_prefill_min_tokens = config.dense_prefill_min_tokens if self.device.type == "cuda" else None
         self.sampler = Sampler(self.device, config.seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.last_path = ""  # how the last step ran: decode_graph, prefill_graph or eager (diagnostics)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton":
@@ -218,10 +219,13 @@ class ModelRunner:
         sampling_reqs = [e.request for e in out.scheduled if e.samples]
         n_seq = len(out.scheduled)
         if self.graphs is not None and out.num_decodes == n_seq and self.graphs.fits(n_seq):
+            self.last_path = "decode_graph"
             logits = self.graphs.run(out)
         elif self.prefill_graphs is not None and self.prefill_graphs.fits(out.num_batched_tokens, n_seq):
+            self.last_path = "prefill_graph"
             logits = self.prefill_graphs.run(out)
         else:
+            self.last_path = "eager"
             input_ids, positions, meta, logit_rows = self.prepare(out)
             hidden, residual = self.model(input_ids, positions, self.cos_sin, self.kv_caches, meta)
             if len(logit_rows) == 0:
