@@ -1,0 +1,109 @@
+"""Helpers of the pipeline integration tests: jobs, in-process and subprocess workers, waiting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline.settings import Settings
+from pipeline.store import ResultStore
+from schemas.job import JobRequest
+from schemas.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tag() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def make_jobs(
+    n: int, prefix: str, *, batch_id: str | None = None, max_tokens: int = 4, keys: int | None = None
+) -> list[JobRequest]:
+    """n jobs that run exactly max_tokens tokens: greedy, and every third one seeded sampling."""
+    out = []
+    for i in range(n):
+        if i % 3 == 2:
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+        else:
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        out.append(
+            JobRequest(
+                id=f"{prefix}-{i}",
+                batch_id=batch_id,
+                prompt=f"job {i}: tell me about number {i * 7}",
+                sampling=sp,
+                prefix_key=None if keys is None else f"key-{i % keys}",
+            )
+        )
+    return out
+
+
+def settings_for(kafka_settings: Settings, postgres_url: str, **kw) -> Settings:
+    return kafka_settings.model_copy(update={"database_url": postgres_url, **kw})
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(every_s)
+
+
+def terminal_count(store: ResultStore, batch_id: str) -> int:
+    return store.batch_progress(batch_id).done
+
+
+def in_process_worker(settings: Settings, engine, name: str):
+    from workers.sink import SinkConfig
+    from workers.worker import WorkerSettings, build_worker
+
+    w = build_worker(
+        settings.model_copy(update={"worker_name": name}),
+        WorkerSettings(model="tiny", drain_timeout_s=10),
+        engine=engine,
+    )
+    w.sink.config = SinkConfig(batch_rows=w.sink.config.batch_rows, backoff_initial_s=0.1, backoff_max_s=1.0)
+    return w
+
+
+def worker_env(settings: Settings, name: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "FIRSTTOKEN_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+            "FIRSTTOKEN_JOBS_TOPIC": settings.jobs_topic,
+            "FIRSTTOKEN_DLQ_TOPIC": settings.dlq_topic,
+            "FIRSTTOKEN_CONSUMER_GROUP": settings.consumer_group,
+            "FIRSTTOKEN_JOBS_PARTITIONS": str(settings.jobs_partitions),
+            "FIRSTTOKEN_SESSION_TIMEOUT_MS": str(settings.session_timeout_ms),
+            "FIRSTTOKEN_DATABASE_URL": settings.database_url,
+            "FIRSTTOKEN_WORKER_NAME": name,
+            "FIRSTTOKEN_DEVICE": "cpu",
+            "FIRSTTOKEN_MODEL": "tiny",
+        }
+    )
+    return env
+
+
+def start_worker_process(settings: Settings, name: str, log_dir: Path) -> subprocess.Popen:
+    """`firsttoken worker` in a subprocess (its own session, so the test can kill it alone)."""
+    log = (log_dir / f"{name}.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "worker"],
+        cwd=ROOT,
+        env=worker_env(settings, name),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def services(*args: str) -> None:
+    subprocess.run([str(ROOT / "scripts" / "services.sh"), *args], check=True, cwd=ROOT)

@@ -1,0 +1,127 @@
+"""Faults: a worker killed with SIGKILL mid-run, Kafka stopped and restarted, Postgres stopped for
+20 s. Every job ends up with exactly one row; the worker recovers by itself.
+
+These stop and start the suite's shared Kafka and Postgres (scripts/services.sh stop/start NAME).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from pipeline_util import (
+    in_process_worker,
+    make_jobs,
+    services,
+    settings_for,
+    start_worker_process,
+    tag,
+    terminal_count,
+    wait_until,
+)
+from sqlalchemy import func, select
+
+from pipeline.producer import Producer
+from pipeline.queue.kafka import KafkaQueue
+from pipeline.store import ResultStore, make_engine
+from pipeline.store.tables import jobs as jobs_table
+from schemas.job import JobStatus
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def store(postgres_url):
+    s = ResultStore(make_engine(postgres_url))
+    yield s
+    s.close()
+
+
+def rows_of(store: ResultStore, batch: str) -> list:
+    return store.list_jobs(batch_id=batch, limit=10_000)
+
+
+def assert_exactly_once(store: ResultStore, batch: str, n: int) -> None:
+    with store.engine.connect() as conn:
+        count = conn.execute(select(func.count()).where(jobs_table.c.batch_id == batch)).scalar()
+    rows = rows_of(store, batch)
+    assert count == n == len({r.id for r in rows})
+    assert all(r.status is JobStatus.SUCCEEDED for r in rows)
+
+
+@pytest.mark.flaky_kafka
+def test_kill_9_a_worker_and_start_another(kafka_settings, postgres_url, store, tmp_path):
+    s = settings_for(kafka_settings, postgres_url)
+    batch = f"kill-{tag()}"
+    queue = KafkaQueue(s)
+    store.create_batch(batch)
+    Producer(queue, store).submit(make_jobs(300, batch, batch_id=batch, max_tokens=24))
+    queue.close()
+    first = start_worker_process(s, "victim", tmp_path)
+    second = None
+    try:
+        wait_until(lambda: terminal_count(store, batch) >= 30, 120, "the first worker to make progress")
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        done_at_kill = terminal_count(store, batch)
+        assert done_at_kill < 300, "the first worker finished everything before the kill"
+        second = start_worker_process(s, "rescuer", tmp_path)
+        wait_until(lambda: terminal_count(store, batch) == 300, 240, "all 300 jobs after the restart")
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(60)
+    assert_exactly_once(store, batch, 300)
+    assert {r.worker for r in rows_of(store, batch)} == {"victim", "rescuer"}
+
+
+@pytest.mark.flaky_kafka
+def test_kafka_restart_and_postgres_outage(kafka_settings, postgres_url, store, engines_one):
+    s = settings_for(kafka_settings, postgres_url)
+    batch = f"chaos-{tag()}"
+    store.create_batch(batch)
+    jobs = make_jobs(300, batch, batch_id=batch, max_tokens=8)
+    queue = KafkaQueue(s)
+    Producer(queue, store).submit(jobs[:100])
+    queue.close()
+    worker = in_process_worker(s, engines_one, "w-chaos").start()
+    try:
+        wait_until(lambda: terminal_count(store, batch) >= 20, 60, "progress before the faults")
+        # --- Kafka down and up again, then more jobs
+        services("stop", "kafka")
+        time.sleep(3)
+        services("start", "kafka")
+        queue = KafkaQueue(s)
+        Producer(queue).submit(jobs[100:200])
+        wait_until(lambda: terminal_count(store, batch) == 200, 180, "200 rows after the Kafka restart")
+        # --- Postgres down for 20 s while jobs keep coming
+        services("stop", "postgres")
+        t0 = time.monotonic()
+        feeder = threading.Thread(target=lambda: Producer(queue).submit(jobs[200:]))
+        feeder.start()
+        feeder.join(60)
+        wait_until(lambda: not worker.sink.store_ok, 30, "the sink to notice the outage")
+        time.sleep(max(0.0, 20 - (time.monotonic() - t0)))
+        held = worker.sink.buffered
+        services("start", "postgres")
+        wait_until(lambda: terminal_count(store, batch) == 300, 180, "all 300 rows after Postgres is back")
+        wait_until(
+            lambda: sum(worker.intake.consumer.in_flight().values()) == 0, 60, "every offset committed"
+        )
+        assert held > 0 and worker.sink.store_ok and worker.sink.write_failures > 0
+        queue.close()
+    finally:
+        services("start", "kafka", "postgres")
+        worker.stop()
+    assert_exactly_once(store, batch, 300)
+
+
+@pytest.fixture(scope="module")
+def engines_one():
+    from workers.engine import EngineConfig, LLMEngine
+
+    return LLMEngine("tiny", EngineConfig(device="cpu"))

@@ -1,0 +1,157 @@
+"""The distributed pipeline on real Kafka and Postgres, tiny model on CPU: 500 jobs, outputs equal
+to the embedded mode's, poison messages to the DLQ, failed rows, duplicates, two workers sharing
+the partitions by prefix key."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import time
+from collections import defaultdict
+
+import pytest
+from pipeline_util import (
+    in_process_worker,
+    make_jobs,
+    settings_for,
+    start_worker_process,
+    tag,
+    terminal_count,
+    wait_until,
+)
+
+from pipeline.embedded import run_file
+from pipeline.producer import Producer
+from pipeline.queue import DLQ_ERROR, DLQ_ERROR_CODE, DLQ_ORIGIN_OFFSET, encode_job, routing_key
+from pipeline.queue.kafka import KafkaQueue
+from pipeline.store import ResultStore, make_engine
+from schemas.job import ErrorCode, JobRequest, JobStatus
+from schemas.sampling import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from workers.engine import EngineConfig, LLMEngine
+
+    return [LLMEngine("tiny", EngineConfig(device="cpu")) for _ in range(2)]
+
+
+@pytest.fixture
+def store(postgres_url):
+    s = ResultStore(make_engine(postgres_url))
+    yield s
+    s.close()
+
+
+def dlq_messages(settings, n: int, timeout_s: float = 20.0) -> list:
+    from kafka import KafkaConsumer
+
+    c = KafkaConsumer(
+        settings.dlq_topic,
+        bootstrap_servers=settings.kafka_bootstrap_servers,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        consumer_timeout_ms=2000,
+    )
+    got = []
+    try:
+        wait_until(
+            lambda: (
+                got.extend(c.poll(timeout_ms=500, max_records=100).values()) or sum(len(x) for x in got) >= n
+            ),
+            timeout_s,
+            "dead letters",
+        )
+    finally:
+        c.close()
+    return [m for batch in got for m in batch]
+
+
+def test_500_jobs_one_worker_equal_to_embedded(kafka_settings, postgres_url, store, engines, tmp_path):
+    s = settings_for(kafka_settings, postgres_url)
+    batch = f"b500-{tag()}"
+    jobs = make_jobs(500, batch, batch_id=batch)
+    bad = [
+        JobRequest(
+            id=f"{batch}-long", batch_id=batch, prompt="z" * 3000, sampling=SamplingParams(max_tokens=4)
+        ),
+        JobRequest(id=f"{batch}-ctx", batch_id=batch, prompt="p", sampling=SamplingParams(max_tokens=10**6)),
+    ]
+    queue = KafkaQueue(s)
+    worker = in_process_worker(s, engines[0], "w-one").start()
+    try:
+        store.create_batch(batch)
+        Producer(queue, store).submit(jobs + bad)
+        dup = jobs[0].submitted(1.0e9)
+        queue.publish_raw(
+            [
+                (routing_key(dup), encode_job(dup)),  # the same job once more
+                (b"poison", b"\xff\xfe not json"),
+                (b"poison", b'{"id": "x", "prompt": "p", "sampling": {"temperature": -1}}'),
+            ]
+        )
+        wait_until(lambda: terminal_count(store, batch) == 502, 240, "502 terminal rows")
+        wait_until(lambda: sum(worker.intake.consumer.in_flight().values()) == 0, 30, "nothing in flight")
+    finally:
+        worker.stop()
+        queue.close()
+    rows = {r.id: r for r in store.list_jobs(batch_id=batch, limit=1000)}
+    assert len(rows) == 502
+    assert rows[f"{batch}-long"].error_code is ErrorCode.PROMPT_TOO_LONG
+    assert (
+        rows[f"{batch}-ctx"].status is JobStatus.FAILED
+        and rows[f"{batch}-ctx"].error_code is ErrorCode.PROMPT_TOO_LONG
+    )
+    for j in jobs:
+        r = rows[j.id]
+        assert r.status is JobStatus.SUCCEEDED and r.usage.completion_tokens == 4 and r.worker == "w-one"
+        t = r.timings
+        assert all(v is not None for v in t.model_dump().values()), (j.id, t)
+        assert t.submitted_at <= t.admitted_at <= t.first_token_at <= t.finished_at
+        assert t.ttft_ms >= t.engine_ttft_ms >= t.prefill_ms
+    dead = dlq_messages(s, 2)
+    headers = [dict(m.headers) for m in dead]
+    assert sorted(h[DLQ_ERROR_CODE].decode() for h in headers) == ["invalid_sampling", "undecodable_json"]
+    assert all(DLQ_ERROR in h and DLQ_ORIGIN_OFFSET in h for h in headers)
+
+    # the embedded mode, same jobs and seeds: the same outputs
+    path = tmp_path / "same.jsonl"
+    path.write_text("".join(j.model_dump_json(exclude={"batch_id", "submitted_at"}) + "\n" for j in jobs))
+    out = io.StringIO()
+    run_file(path, db_url=f"sqlite:///{tmp_path / 'e.db'}", output=out, batch_id="emb")
+    embedded = {o["id"]: o["text"] for o in map(json.loads, out.getvalue().splitlines())}
+    assert embedded == {j.id: rows[j.id].text for j in jobs}
+
+
+@pytest.mark.flaky_kafka
+def test_two_workers_share_partitions_by_prefix_key(kafka_settings, postgres_url, store, tmp_path):
+    s = settings_for(kafka_settings, postgres_url)
+    batch = f"b2w-{tag()}"
+    queue = KafkaQueue(s)
+    procs = [start_worker_process(s, f"w{i}", tmp_path) for i in range(2)]
+    try:
+        # both members joined (they write their logs once assigned); then a steady group
+        wait_until(
+            lambda: all("assigned" in (tmp_path / f"w{i}.log").read_text() for i in range(2)),
+            120,
+            "both assigned",
+        )
+        time.sleep(2)
+        Producer(queue, store).submit(make_jobs(200, batch, batch_id=batch, keys=16))
+        wait_until(lambda: terminal_count(store, batch) == 200, 180, "200 terminal rows")
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(60)
+        queue.close()
+    by_key: dict[str, set[str]] = defaultdict(set)
+    for r in store.list_jobs(batch_id=batch, limit=1000):
+        assert r.status is JobStatus.SUCCEEDED
+        by_key[r.prefix_key].add(r.worker)
+    assert len(by_key) == 16
+    assert all(len(ws) == 1 for ws in by_key.values()), by_key
+    assert {w for ws in by_key.values() for w in ws} == {"w0", "w1"}
