@@ -206,7 +206,7 @@ class KafkaJobConsumer(JobConsumer):
             "fetch_min_bytes": 1,
             "max_poll_records": s.max_poll_records,
             "session_timeout_ms": s.session_timeout_ms,
-            "heartbeat_interval_ms": max(1000, s.session_timeout_ms // 3),
+            "heartbeat_interval_ms": max(500, s.session_timeout_ms // 5),
             "max_poll_interval_ms": s.max_poll_interval_ms,
             "allow_auto_create_topics": False,
             # A group leader whose metadata misses a partition assigns without it until the next
