@@ -217,13 +217,42 @@ class KafkaJobConsumer(JobConsumer):
             "request_timeout_ms": 10_000,
         }
         config.update(overrides)
-        self._consumer = KafkaConsumer(**config)
-        self._await_topic_metadata(timeout_s=30.0)
-        self._consumer.subscribe([self.topic], listener=_Rebalance(self))
+        self._config = config
+        # a revocation starts a rejoin; when no assignment follows within this long, the client is
+        # stuck outside the group (seen with kafka-python 3.0.12 on Kafka 4.1 after quick rejoins:
+        # the broker drops the member and the client neither heartbeats nor rejoins) and is rebuilt
+        self.stuck_after_s = 2.0 * s.session_timeout_ms / 1000.0 + 5.0
+        self._revoked_at: float | None = None
+        self.recreated = 0
+        self._consumer = self._new_client()
         self._dlq = make_producer(s, client_id=f"firsttoken-dlq-{group}", linger_ms=0)
         self._dlq_futures: list[Any] = []
         self._want_paused: set[int] = set()
         self._pause_all = False
+
+    def _new_client(self) -> KafkaConsumer:
+        consumer = KafkaConsumer(**self._config)
+        self._consumer = consumer
+        self._await_topic_metadata(timeout_s=30.0)
+        consumer.subscribe([self.topic], listener=_Rebalance(self))
+        self._revoked_at = None
+        return consumer
+
+    def _recreate_if_stuck(self) -> None:
+        """Rebuild the client when a rejoin never completed (see stuck_after_s). Messages in flight
+        from the lost partitions are redelivered to their next owner; the store's idempotent
+        upsert keeps one row per job."""
+        if self._revoked_at is None or time.monotonic() - self._revoked_at < self.stuck_after_s:
+            return
+        log.warning("consumer of %s got no assignment %.0f s after a revocation: rejoining with a new client",
+                    self.group, time.monotonic() - self._revoked_at)
+        for p in list(self._tracker.partitions()):
+            self._tracker.revoke(p)
+        self._want_paused.clear()
+        with contextlib.suppress(Exception):
+            self._consumer.close(autocommit=False)
+        self._new_client()
+        self.recreated += 1
 
     def _await_topic_metadata(self, timeout_s: float) -> None:
         # kafka-python can run the group's partition assignment before the subscribed topic's
@@ -239,6 +268,7 @@ class KafkaJobConsumer(JobConsumer):
     # --- rebalance (called inside poll, on this consumer's thread, with the lock held) ---
 
     def _on_revoked(self, partitions: set[int]) -> None:
+        self._revoked_at = time.monotonic()
         try:
             offsets = self._commit_tracked(partitions)
             if offsets:
@@ -254,6 +284,7 @@ class KafkaJobConsumer(JobConsumer):
             self._want_paused.discard(p)
 
     def _on_assigned(self, partitions: set[int]) -> None:
+        self._revoked_at = None
         for p in partitions:
             if p not in self._tracker.partitions():
                 self._tracker.assign(p)
@@ -266,6 +297,7 @@ class KafkaJobConsumer(JobConsumer):
     # --- JobConsumer ---
 
     def _fetch(self, timeout_s: float, max_messages: int) -> list[RawMessage]:
+        self._recreate_if_stuck()
         records = self._consumer.poll(
             timeout_ms=int(timeout_s * 1000), max_records=max_messages, update_offsets=True
         )
