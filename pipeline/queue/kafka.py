@@ -218,10 +218,11 @@ class KafkaJobConsumer(JobConsumer):
         }
         config.update(overrides)
         self._config = config
-        # a revocation starts a rejoin; when no assignment follows within this long, the client is
-        # stuck outside the group (seen with kafka-python 3.0.12 on Kafka 4.1 after quick rejoins:
-        # the broker drops the member and the client neither heartbeats nor rejoins) and is rebuilt
-        self.stuck_after_s = 2.0 * s.session_timeout_ms / 1000.0 + 5.0
+        # Seen with kafka-python 3.0.12 on Kafka 4.1: after a quick leader rejoin the client stops
+        # heartbeating and fetching; the broker drops it after the session timeout and it never
+        # rejoins. When no heartbeat answer came for longer than the session timeout (the broker has
+        # dropped us by then), or a revocation got no assignment, the client is rebuilt.
+        self.stuck_after_s = s.session_timeout_ms / 1000.0 + 5.0
         self._revoked_at: float | None = None
         self.recreated = 0
         self._consumer = self._new_client()
@@ -242,10 +243,16 @@ class KafkaJobConsumer(JobConsumer):
         """Rebuild the client when a rejoin never completed (see stuck_after_s). Messages in flight
         from the lost partitions are redelivered to their next owner; the store's idempotent
         upsert keeps one row per job."""
-        if self._revoked_at is None or time.monotonic() - self._revoked_at < self.stuck_after_s:
+        now = time.monotonic()
+        hb = getattr(getattr(self._consumer, "_coordinator", None), "heartbeat", None)
+        silent = now - max(hb.last_receive, hb.last_reset) if hb is not None else 0.0
+        unassigned = 0.0 if self._revoked_at is None else now - self._revoked_at
+        if max(silent, unassigned) < self.stuck_after_s:
             return
-        log.warning("consumer of %s got no assignment %.0f s after a revocation: rejoining with a new client",
-                    self.group, time.monotonic() - self._revoked_at)
+        log.warning(
+            "consumer of %s is out of its group (%.0f s without a heartbeat answer, %.0f s revoked "
+            "without an assignment): rejoining with a new client", self.group, silent, unassigned,
+        )
         for p in list(self._tracker.partitions()):
             self._tracker.revoke(p)
         self._want_paused.clear()
