@@ -14,7 +14,6 @@ from pipeline.api import create_app
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.flaky_kafka
 def test_api_jobs_batches_results_cancel_latency(kafka_settings, postgres_url):
     from workers.engine import EngineConfig, LLMEngine
 

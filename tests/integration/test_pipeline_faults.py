@@ -52,7 +52,6 @@ def assert_exactly_once(store: ResultStore, batch: str, n: int) -> None:
     assert all(r.status is JobStatus.SUCCEEDED for r in rows)
 
 
-@pytest.mark.flaky_kafka
 def test_kill_9_a_worker_and_start_another(kafka_settings, postgres_url, store, tmp_path):
     s = settings_for(kafka_settings, postgres_url)
     batch = f"kill-{tag()}"
@@ -79,7 +78,6 @@ def test_kill_9_a_worker_and_start_another(kafka_settings, postgres_url, store, 
     assert {r.worker for r in rows_of(store, batch)} == {"victim", "rescuer"}
 
 
-@pytest.mark.flaky_kafka
 def test_kafka_restart_and_postgres_outage(kafka_settings, postgres_url, store, engines_one):
     s = settings_for(kafka_settings, postgres_url)
     batch = f"chaos-{tag()}"
