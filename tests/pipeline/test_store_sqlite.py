@@ -2,48 +2,30 @@
 
 from __future__ import annotations
 
-import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect, text
+from sqlalchemy import inspect
 from store_contract import StoreContract
 
 from pipeline.store import ResultStore, make_engine, migrate
 from pipeline.store.tables import metadata
 
 
-@pytest.fixture(scope="module")
-def migrated_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    url = f"sqlite:///{tmp_path_factory.mktemp('store') / 'results.db'}"
-    migrate(url)
-    return url
-
-
-@pytest.fixture
-def store(migrated_url: str):
-    s = ResultStore(make_engine(migrated_url))
-    yield s
-    with s.engine.begin() as conn:
-        conn.execute(text("DELETE FROM jobs"))
-        conn.execute(text("DELETE FROM batches"))
-    s.close()
-
-
 class TestSQLiteStore(StoreContract):
     pass
 
 
-def test_migrations_match_the_tables(migrated_url: str):
-    engine = make_engine(migrated_url)
+def test_migrations_match_the_tables(sqlite_url: str):
+    engine = make_engine(sqlite_url)
     with engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), metadata)
     engine.dispose()
     assert diff == []
 
 
-def test_migrate_is_idempotent_and_creates_the_view(migrated_url: str):
-    migrate(migrated_url)
-    engine = make_engine(migrated_url)
+def test_migrate_is_idempotent_and_creates_the_view(sqlite_url: str):
+    migrate(sqlite_url)
+    engine = make_engine(sqlite_url)
     insp = inspect(engine)
     assert {"jobs", "batches", "alembic_version"} <= set(insp.get_table_names())
     assert "job_latency" in insp.get_view_names()

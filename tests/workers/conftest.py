@@ -6,10 +6,8 @@ import time
 from collections.abc import Callable
 
 import pytest
-from sqlalchemy import text
 
 from pipeline.queue import LocalQueue
-from pipeline.store import ResultStore, make_engine, migrate
 from schemas.job import JobRequest
 from schemas.sampling import SamplingParams
 
@@ -20,21 +18,6 @@ def make_engine_tiny(**kw):
     return LLMEngine("tiny", EngineConfig(device="cpu", **kw))
 
 
-@pytest.fixture(scope="session")
-def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    url = f"sqlite:///{tmp_path_factory.mktemp('worker') / 'results.db'}"
-    migrate(url)
-    return url
-
-
-@pytest.fixture
-def store(sqlite_url: str):
-    s = ResultStore(make_engine(sqlite_url))
-    yield s
-    with s.engine.begin() as conn:
-        conn.execute(text("DELETE FROM jobs"))
-        conn.execute(text("DELETE FROM batches"))
-    s.close()
 
 
 @pytest.fixture
