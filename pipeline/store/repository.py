@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, and_, func, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Row,
+    Text,
+    and_,
+    bindparam,
+    cast,
+    column,
+    func,
+    literal_column,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.types import JSON
 
 from pipeline.store.engine import make_engine
 from pipeline.store.records import BatchProgress, BatchRecord, JobRecord, LatencyStats
@@ -35,6 +51,9 @@ _MAX_PARAMS = 30_000
 # recorded at submission, admitted_at and worker recorded by mark_running).
 _KEEP_IF_NULL = ("submitted_at", "admitted_at", "first_token_at", "worker", "model")
 _REQUEST_COLUMNS = ("prompt", "messages", "sampling", "prefix_key", "metadata")
+# JSON on SQLite, JSONB on Postgres.
+_JSON_COLUMNS = frozenset(c.name for c in jobs.columns if isinstance(c.type, JSON))
+_JSON_NULL = literal_column("'null'::jsonb")
 
 BATCH_OPEN = "open"
 BATCH_COMPLETED = "completed"
@@ -106,6 +125,36 @@ def _result_row(result: JobResult, request: JobRequest | None, now: float) -> di
         if row["submitted_at"] is None:
             row["submitted_at"] = req["submitted_at"]
     return row
+
+
+def _status_in(statuses: Iterable[str]) -> Any:
+    """`jobs.status IN (...)` with the statuses as SQL literals: an expanding IN parameter cannot
+    be used with executemany."""
+    return or_(*(jobs.c.status == literal_column(f"'{JobStatus(s).value}'") for s in statuses))
+
+
+def _on_conflict(kind: str, stmt: Any) -> Any:
+    """The upsert of `kind` on top of an INSERT of jobs rows. Every kind is idempotent by id and
+    leaves a terminal row (succeeded, failed, cancelled) as it is."""
+    if kind == "queued":  # a row that exists (in any state) is left alone
+        return stmt.on_conflict_do_nothing(index_elements=["id"])
+    ex = stmt.excluded
+    if kind == "running":
+        set_: dict[str, Any] = {
+            "status": literal_column(f"'{JobStatus.RUNNING.value}'"),
+            "worker": ex.worker,
+            "admitted_at": ex.admitted_at,
+            "updated_at": ex.updated_at,
+        }
+        return stmt.on_conflict_do_update(index_elements=["id"], set_=set_, where=_status_in(_NOT_TERMINAL))
+    assert kind == "result", kind
+    set_ = {c: ex[c] for c in RESULT_COLUMNS}
+    for c in _KEEP_IF_NULL:
+        set_[c] = func.coalesce(ex[c], jobs.c[c])
+    for c in (*_REQUEST_COLUMNS, "batch_id"):
+        set_[c] = func.coalesce(jobs.c[c], ex[c])
+    set_["updated_at"] = ex.updated_at
+    return stmt.on_conflict_do_update(index_elements=["id"], set_=set_, where=~_status_in(_TERMINAL))
 
 
 def _count(conn: Connection, stmt: Any) -> int:
@@ -187,6 +236,7 @@ class ResultStore:
         else:
             raise ValueError(f"unsupported database dialect {dialect!r}")
         self.dialect = dialect
+        self._stmts: dict[tuple[str, tuple[str, ...]], Any] = {}
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> ResultStore:
@@ -205,12 +255,8 @@ class ResultStore:
         rows = [_request_row(j, JobStatus.QUEUED, now) for j in _first_by_id(requests, lambda j: j.id)]
         if not rows:
             return 0
-        inserted = 0
         with self.engine.begin() as conn:
-            for chunk in _chunks(rows, len(rows[0]), self.batch_rows):
-                stmt = self._insert(jobs).values(chunk).on_conflict_do_nothing(index_elements=["id"])
-                inserted += _count(conn, stmt.returning(jobs.c.id))
-        return inserted
+            return self._execute_many(conn, "queued", rows)
 
     def mark_running(
         self,
@@ -238,19 +284,7 @@ class ResultStore:
                     row = _request_row(j, JobStatus.RUNNING, now)
                     row.update(worker=worker, admitted_at=admitted)
                     rows.append(row)
-                for chunk in _chunks(rows, len(rows[0]), self.batch_rows):
-                    stmt = self._insert(jobs).values(chunk)
-                    stmt = stmt.on_conflict_do_update(
-                        index_elements=["id"],
-                        set_={
-                            "status": JobStatus.RUNNING.value,
-                            "worker": stmt.excluded.worker,
-                            "admitted_at": stmt.excluded.admitted_at,
-                            "updated_at": stmt.excluded.updated_at,
-                        },
-                        where=jobs.c.status.in_(_NOT_TERMINAL),
-                    )
-                    written += _count(conn, stmt.returning(jobs.c.id))
+                written += self._execute_many(conn, "running", rows)
             if ids:
                 stmt = (
                     update(jobs)
@@ -276,25 +310,57 @@ class ResultStore:
         rows = [_result_row(r, requests.get(r.id), now) for r in _first_by_id(results, lambda r: r.id)]
         if not rows:
             return 0
-        written = 0
         with self.engine.begin() as conn:
-            for chunk in _chunks(rows, len(rows[0]), self.batch_rows):
-                written += self._upsert_chunk(conn, chunk)
+            return self._execute_many(conn, "result", rows)
+
+    # --- bulk statements -------------------------------------------------------------------------
+
+    def _execute_many(self, conn: Connection, kind: str, rows: list[dict[str, Any]]) -> int:
+        """Run the `kind` statement ("queued", "running", "result") over many rows, in chunks of
+        `batch_rows`; returns the rows it wrote.
+
+        Postgres: one `INSERT ... SELECT ... FROM jsonb_to_recordset(<the chunk as one JSON
+        array>) ON CONFLICT ...` per chunk: the statement text does not depend on the row count
+        (compiled and prepared once) and the rows travel as one JSON document, encoded in C. A
+        multi-row VALUES clause cost ~1 ms a row in psycopg's placeholder handling, and one array
+        per column (unnest) ~0.2 ms a row in its pure-Python array dumper. SQLite: the same
+        upsert with VALUES, run as executemany. The statements are built once per store and
+        column set, so SQLAlchemy's compiled cache holds them.
+        """
+        names = tuple(rows[0])
+        stmt = self._bulk_stmt(kind, names)
+        written = 0
+        if self.dialect == "postgresql":
+            for chunk in _chunks(rows, 1, self.batch_rows):
+                written += conn.execute(stmt, {"rows": json.dumps(chunk)}).rowcount
+        else:
+            for chunk in _chunks(rows, len(names), self.batch_rows):
+                written += len(conn.execute(stmt, chunk).all())
         return written
 
-    def _upsert_chunk(self, conn: Connection, chunk: list[dict[str, Any]]) -> int:
-        stmt = self._insert(jobs).values(chunk)
-        ex = stmt.excluded
-        set_: dict[str, Any] = {c: ex[c] for c in RESULT_COLUMNS}
-        for c in _KEEP_IF_NULL:
-            set_[c] = func.coalesce(ex[c], jobs.c[c])
-        for c in (*_REQUEST_COLUMNS, "batch_id"):
-            set_[c] = func.coalesce(jobs.c[c], ex[c])
-        set_["updated_at"] = ex.updated_at
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["id"], set_=set_, where=jobs.c.status.notin_(_TERMINAL)
-        )
-        return _count(conn, stmt.returning(jobs.c.id))
+    def _bulk_stmt(self, kind: str, names: tuple[str, ...]) -> Any:
+        key = (kind, names)
+        stmt = self._stmts.get(key)
+        if stmt is None:
+            stmt = _on_conflict(kind, self._bulk_insert(names))
+            if self.dialect != "postgresql":  # executemany's rowcount is not reliable: count RETURNING
+                stmt = stmt.returning(jobs.c.id)
+            self._stmts[key] = stmt
+        return stmt
+
+    def _bulk_insert(self, names: tuple[str, ...]) -> Any:
+        if self.dialect != "postgresql":
+            return self._insert(jobs)
+        # the record's columns as Postgres reads them from each JSON object
+        fields = [column(n, postgresql.JSONB() if n in _JSON_COLUMNS else jobs.c[n].type) for n in names]
+        doc = cast(bindparam("rows", type_=Text()), postgresql.JSONB)
+        src = func.jsonb_to_recordset(doc).table_valued(*fields).render_derived(name="src", with_types=True)
+        # jsonb_to_recordset reads a JSON null as SQL NULL; SQLAlchemy's JSON type (the SQLite
+        # path, and every write before) stores None as JSON null: keep one representation.
+        cols = [func.coalesce(src.c[n], _JSON_NULL) if n in _JSON_COLUMNS else src.c[n] for n in names]
+        stmt = postgresql.insert(jobs).from_select(list(names), select(*cols))
+        # rows written = the INSERT's rowcount (conflicting rows the WHERE skips are not counted)
+        return stmt.execution_options(preserve_rowcount=True)
 
     def cancel(
         self, *, job_ids: Sequence[str] = (), batch_id: str | None = None, reason: str = "cancelled"

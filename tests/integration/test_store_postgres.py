@@ -96,3 +96,39 @@ def test_percentiles_computed_in_sql_match_python(store: ResultStore):
     assert sql.p50 == pytest.approx(percentile_cont(values, 0.5))
     assert sql.p90 == pytest.approx(percentile_cont(values, 0.9))
     assert sql.p99 == pytest.approx(percentile_cont(values, 0.99))
+
+
+def test_a_row_postgres_refuses_raises_data_error_and_the_sink_writes_it_as_failed(store: ResultStore):
+    # NUL cannot be stored in a Postgres text value: the batch is refused as a DataError, which the
+    # sink answers by writing the batch row by row, the refused row as a failed result.
+    from sqlalchemy.exc import DataError
+
+    from workers.sink import Outcome, ResultSink, SinkConfig
+
+    with pytest.raises(DataError):
+        store.upsert_results([ok("n0"), ok("n1", "bad \x00 text")])
+    assert store.list_jobs(limit=10) == []  # one transaction: nothing of the refused batch
+    durable: list[object] = []
+    sink = ResultSink(store, durable.extend, SinkConfig(flush_interval_s=0.0))
+    sink.put([Outcome(ok("n0")), Outcome(ok("n1", "bad \x00 text")), Outcome(ok("n2"))])
+    assert sink.flush_once()
+    rows = {r.id: r for r in store.list_jobs(limit=10)}
+    assert rows["n0"].status is JobStatus.SUCCEEDED and rows["n2"].status is JobStatus.SUCCEEDED
+    assert rows["n1"].status is JobStatus.FAILED and rows["n1"].error_code is not None
+    assert sink.results_durable == 3
+
+
+def test_json_columns_keep_one_null_representation(store: ResultStore):
+    # A None request field is stored as JSON null (what SQLAlchemy's JSON type writes), by the bulk
+    # statements too.
+    from schemas.job import JobRequest
+
+    store.insert_queued([JobRequest(id="jn", prompt="x")])
+    store.upsert_results([ok("jr")])
+    with store.engine.connect() as conn:
+        got = dict(
+            conn.execute(
+                text("SELECT id, jsonb_typeof(messages) || '/' || jsonb_typeof(sampling) FROM jobs")
+            ).all()
+        )
+    assert got == {"jn": "null/object", "jr": "null/null"}

@@ -108,6 +108,30 @@ class StoreContract:
         assert store.upsert_results(results) == 0
         assert len(store.list_jobs(limit=5000)) == 1234
 
+    def test_awkward_values_round_trip_exactly(self, store: ResultStore):
+        # quotes, backslashes, non-ASCII, emoji, JSON-looking text; floats that need all 17 digits
+        text_ = 'a "quoted" \\ back\\slash, naïve 日本語 🚀 {"json": [1]} \n\ttabs'
+        t = 1796026886.2279642
+        res = ok("aw", text_)
+        res = res.model_copy(update={"timings": res.timings.model_copy(update={"submitted_at": t})})
+        req = JobRequest(
+            id="aw",
+            prompt="p\u00e9 \"x\"",
+            metadata={"nested": {"k": [1, 2.5, None, "v"]}, "none": None},
+            sampling={"max_tokens": 3, "stop": ["\n"]},
+        )
+        assert store.upsert_results([res, ok("plain")], requests={"aw": req}) == 2
+        rec = store.get_job("aw")
+        assert rec is not None and rec.text == text_ and rec.timings.submitted_at == t
+        assert rec.prompt == req.prompt and rec.metadata == req.metadata and rec.sampling == req.sampling
+        assert rec.messages is None and store.get_job("plain").sampling is None  # type: ignore[union-attr]
+        # a request column that was never given reads back as None, and a later result without
+        # a request keeps what the row has
+        store.insert_queued([JobRequest(id="q", prompt="queued", metadata={"a": 1})])
+        assert store.upsert_results([ok("q")]) == 1
+        q = store.get_job("q")
+        assert q is not None and q.prompt == "queued" and q.metadata == {"a": 1} and q.messages is None
+
     def test_mark_running_then_result(self, store: ResultStore):
         store.insert_queued([JobRequest(id="r1", prompt="x", submitted_at=990.0)])
         assert store.mark_running(["r1", "missing"], worker="gpu0", admitted_at=995.0) == 1
