@@ -32,6 +32,7 @@ from bench.common import (
     write_report,
 )
 from schemas.sampling import SamplingParams
+from kernels._triton import kernel_compiles
 from workers.engine import EngineConfig, LLMEngine
 from workers.engine.presets import get_preset
 
@@ -154,6 +155,7 @@ def ours_throughput(engine: LLMEngine, prompts: list[list[int]], outs: list[int]
                            sampling=SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
     n_out = 0
     paths: dict[str, list[float]] = {}  # path -> [steps, seconds, tokens, sequences]
+    step_log: list[tuple] = []  # (path, ms, tokens, sequences) per step
     while engine.has_unfinished():
         ts = time.perf_counter()
         out = engine.step()
@@ -164,12 +166,15 @@ def ours_throughput(engine: LLMEngine, prompts: list[list[int]], outs: list[int]
         p[1] += time.perf_counter() - ts
         p[2] += out.num_batched_tokens
         p[3] += out.num_scheduled
+        step_log.append((engine.runner.last_path, round((time.perf_counter() - ts) * 1e3, 2),
+                         out.num_batched_tokens, out.num_scheduled))
     dt = time.perf_counter() - t0
     for k, (n, sec, tok, seqs) in sorted(paths.items()):
         print(f"# step path {k}: {n} steps, {sec:.1f} s, {1e3 * sec / max(n, 1):.1f} ms/step, "
               f"{tok / max(n, 1):.0f} tokens/step, {seqs / max(n, 1):.0f} seqs/step", flush=True)
     return {"throughput_tok_s": n_out / dt, "throughput_s": dt, "throughput_tokens": n_out,
-            "throughput_paths": {k: {"steps": v[0], "s": v[1], "tokens": v[2], "seqs": v[3]} for k, v in paths.items()}}
+            "throughput_paths": {k: {"steps": v[0], "s": v[1], "tokens": v[2], "seqs": v[3]} for k, v in paths.items()},
+            "throughput_step_log": step_log}
 
 
 @torch.no_grad()
@@ -261,9 +266,14 @@ def main() -> None:
         lens_out = [r.randint(100, 1024) for _ in range(args.num_prompts)]
         prompts = [[r.randrange(1000, vocab - 1000) for _ in range(n)] for n in lens_in]
         engine.scheduler.max_num_batched_tokens = 8192  # the throughput budget, whatever TTFT used
+        compiles = kernel_compiles()
         ours.update(ours_throughput(engine, prompts, lens_out))
+        ours["throughput_kernel_compiles"] = kernel_compiles() - compiles
         st = engine.stats()
-        data["throughput_stats"] = {"preemptions": st.num_preemptions, "prefix_hit_rate": st.prefix_hit_rate}
+        mem = torch.cuda.memory_stats()
+        data["throughput_stats"] = {"preemptions": st.num_preemptions, "prefix_hit_rate": st.prefix_hit_rate,
+                                    "alloc_retries": mem.get("num_alloc_retries"),
+                                    "device_allocs": mem.get("num_device_alloc")}
         print(f"# ours throughput {ours['throughput_tok_s']:.0f} tok/s ({time.perf_counter() - t_start:.0f}s)",
               flush=True)
         if not args.no_hf:

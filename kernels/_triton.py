@@ -9,6 +9,13 @@ kernel's module and applies `triton.jit`. Because `triton.jit` runs at that mome
 and specialises every argument in Python on each call; `launch` keys the compiled kernel by the
 few facts Triton specialises on (int value classes, tensor dtype and 16-byte alignment, the
 constexprs and launch options) and calls it directly after the first launch.
+
+Runtime ints that change from step to step (tile counts, split counts) are named in
+`lazy_jit(do_not_specialize=...)`: Triton would otherwise compile a variant per value class
+(== 1, divisible by 16, other), and a compile costs about a second on an H200 in the middle of
+serving (the offline throughput run hit ~25 of them before this). Metadata pointers that the
+engine slices at any offset (a mixed step's prefill half of seq_lens) are named in
+`do_not_specialize_on_alignment` for the same reason.
 """
 
 from __future__ import annotations
@@ -34,13 +41,42 @@ def _spec(a: Any) -> Any:
     return (a.dtype, data_ptr() % 16 == 0)
 
 
+_KERNELS: list[LazyKernel] = []  # every kernel defined, for kernel_compiles()
+
+
+def _spec_unspecialised(a: Any) -> Any:
+    """The key of a `do_not_specialize` int: only its width."""
+    return -(1 << 31) <= a < (1 << 31) if type(a) is int else _spec(a)
+
+
+def _spec_any_alignment(a: Any) -> Any:
+    """The key of a `do_not_specialize_on_alignment` tensor: only its dtype."""
+    return (a.dtype,) if hasattr(a, "data_ptr") else _spec(a)
+
+
 class LazyKernel:
     """A Triton kernel jitted at its first launch; `kernel[grid](...)` as with `triton.jit`."""
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Callable, do_not_specialize: tuple[str, ...] = (),
+                 do_not_specialize_on_alignment: tuple[str, ...] = ()) -> None:
         self.fn = fn
+        self.do_not_specialize = do_not_specialize
+        self.do_not_specialize_on_alignment = do_not_specialize_on_alignment
+        names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+        unknown = (set(do_not_specialize) | set(do_not_specialize_on_alignment)) - set(names)
+        if unknown:
+            raise ValueError(f"{fn.__name__}: do_not_specialize names no argument {sorted(unknown)}")
+        # per positional argument: the function that keys its specialisation
+        self._spec_fns = tuple(
+            _spec_unspecialised if n in do_not_specialize
+            else _spec_any_alignment if n in do_not_specialize_on_alignment else _spec
+            for n in names
+        )
+        self._custom_spec = bool(do_not_specialize or do_not_specialize_on_alignment)
         self._jitted: Any = None
         self._compiled: dict = {}  # specialisation key -> (compiled kernel, constexpr values in order)
+        self.num_compiles = 0  # specialisations launched through Triton's dispatch (a compile or a cache load)
+        _KERNELS.append(self)
 
     def jitted(self) -> Any:
         """Return the `triton.jit` function (jitting it on first use)."""
@@ -49,7 +85,10 @@ class LazyKernel:
             import triton.language as tl
 
             self.fn.__globals__["tl"] = tl
-            self._jitted = triton.jit(self.fn)
+            self._jitted = triton.jit(
+                self.fn, do_not_specialize=list(self.do_not_specialize) or None,
+                do_not_specialize_on_alignment=list(self.do_not_specialize_on_alignment) or None,
+            )
         return self._jitted
 
     def __getitem__(self, grid: Any) -> Any:
@@ -67,7 +106,11 @@ class LazyKernel:
         if not (fast and FAST_LAUNCH):
             self.jitted()[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
             return
-        key = (tuple(map(_spec, args)), *consts.values(), num_warps, num_stages, args[0].device.index)
+        if self._custom_spec:
+            spec = tuple(f(a) for f, a in zip(self._spec_fns, args))
+        else:
+            spec = tuple(map(_spec, args))
+        key = (spec, *consts.values(), num_warps, num_stages, args[0].device.index)
         hit = self._compiled.get(key)
         if hit is not None:
             try:
@@ -79,6 +122,7 @@ class LazyKernel:
                 self.jitted()[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
             return
         compiled = self.jitted()[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
+        self.num_compiles += 1
         names = list(self.jitted().arg_names)
         if compiled is None or names[len(args):] != list(consts):
             return  # not a compiled kernel (interpreter) or an unexpected signature: keep Triton's path
@@ -87,9 +131,23 @@ class LazyKernel:
         self._compiled[key] = (compiled, tuple(consts.values()))
 
 
-def lazy_jit(fn: Callable) -> LazyKernel:
-    """Decorator: `triton.jit` deferred to the first launch (see the module docstring)."""
-    return LazyKernel(fn)
+def lazy_jit(fn: Callable | None = None, *, do_not_specialize: tuple[str, ...] = (),
+             do_not_specialize_on_alignment: tuple[str, ...] = ()) -> Any:
+    """Decorator: `triton.jit` deferred to the first launch (see the module docstring).
+
+    `@lazy_jit` or `@lazy_jit(do_not_specialize=("n",), do_not_specialize_on_alignment=("p",))`:
+    the named int arguments are not specialised on their value, the named pointers not on their
+    16-byte alignment (metadata read one scalar at a time, sliced at any offset).
+    """
+    def wrap(f: Callable) -> LazyKernel:
+        return LazyKernel(f, tuple(do_not_specialize), tuple(do_not_specialize_on_alignment))
+
+    return wrap if fn is None else wrap(fn)
+
+
+def kernel_compiles() -> int:
+    """Specialisations launched through Triton's dispatch so far, over every lazy kernel loaded."""
+    return sum(k.num_compiles for k in _KERNELS)
 
 
 def cdiv(a: int, b: int) -> int:

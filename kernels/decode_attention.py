@@ -32,19 +32,20 @@ def decode_attention_ref(
 tl: Any = None  # triton.language, bound at the first launch by kernels._triton.lazy_jit
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("window", "num_splits"), do_not_specialize_on_alignment=("bt_ptr", "seq_lens_ptr"))
 def _decode_partial_kernel(
     q_ptr,  # q: [B, Hq, D], last dim contiguous
     k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous
     v_cache_ptr,  # v_cache: same shape and strides as k_cache
     bt_ptr,  # block_tables: [B, max_blocks] int32
     seq_lens_ptr,  # seq_lens: [B] int32; the query sits at position seq_lens[b] - 1
-    m_ptr,  # partial row max: [B * Hq, NUM_SPLITS] fp32 (exp2 domain); unused when NUM_SPLITS == 1
-    l_ptr,  # partial row sum: [B * Hq, NUM_SPLITS] fp32
-    acc_ptr,  # partial unnormalised output: [B * Hq, NUM_SPLITS, D] fp32 (rows with l = 0 unwritten)
-    out_ptr,  # out: [B, Hq, D] contiguous, written directly when NUM_SPLITS == 1
+    m_ptr,  # partial row max: [B * Hq, num_splits] fp32 (exp2 domain); unused unless SPLIT
+    l_ptr,  # partial row sum: [B * Hq, num_splits] fp32
+    acc_ptr,  # partial unnormalised output: [B * Hq, num_splits, D] fp32 (rows with l = 0 unwritten)
+    out_ptr,  # out: [B, Hq, D] contiguous, written directly unless SPLIT
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window W (read only when HAS_WINDOW)
+    num_splits,  # context partitions per (sequence, kv head) = grid axis 2
     num_q_heads,  # Hq
     stride_qb,  # q batch stride (elements)
     stride_qh,  # q head stride
@@ -60,7 +61,7 @@ def _decode_partial_kernel(
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_D: tl.constexpr,  # power of two >= D
     BLOCK_SIZE: tl.constexpr,  # KV cache block size
-    NUM_SPLITS: tl.constexpr,  # context partitions per (sequence, kv head); 1: normalise and write out, no combine
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for the combine; else normalise and write out
     HAS_WINDOW: tl.constexpr,  # apply the sliding window
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs and the interpreter, None (default) for 16 bit
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
@@ -76,7 +77,7 @@ def _decode_partial_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)  # the query at ctx - 1 sees keys > ctx - 1 - W
-    per_split = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
     k_start = lo + split * per_split
     k_stop = tl.minimum(k_start + per_split, ctx)
 
@@ -119,8 +120,8 @@ def _decode_partial_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    part = (b * num_q_heads + qh) * NUM_SPLITS + split  # [BLOCK_H]
-    if NUM_SPLITS == 1:
+    part = (b * num_q_heads + qh) * num_splits + split  # [BLOCK_H]
+    if not SPLIT:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # an empty context (seq_len 0, padding) gives zeros
         tl.store(out_ptr + part[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & dmask[None, :])
@@ -179,7 +180,7 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
     check(bn >= 16 and bn & (bn - 1) == 0, "decode_attention: block_n must be a power of two >= 16")
     consts = {
         "GROUP": group, "G_PACK": g_pack, "HEAD_CHUNKS": head_chunks, "BLOCK_H": max(16, next_pow2(g_pack)),
-        "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "NUM_SPLITS": num_splits,
+        "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
     }
     return (b, hk * head_chunks, num_splits), consts, num_warps or 4, num_stages or 3, num_splits
@@ -237,6 +238,7 @@ def decode_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, m, lsum, acc, out,
         scale * 1.4426950408889634,
         sliding_window or 0,
+        splits,
         hq,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -244,3 +246,18 @@ def decode_attention_triton(
     if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
+
+
+def warm_up_decode(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
+                   sliding_window: int | None) -> None:
+    """Compile every variant `decode_attention_triton` can pick here (split or not), and the
+    combine kernel for every split count it can use (up to 64), so serving never compiles.
+    Reads block 0 of the caches; writes nothing there."""
+    if k_cache.device.type != "cuda":
+        return
+    dev = k_cache.device
+    q = torch.zeros((2, num_heads, k_cache.shape[-1]), dtype=k_cache.dtype, device=dev)
+    tables = torch.zeros((2, 1), dtype=torch.int32, device=dev)
+    lens = torch.ones(2, dtype=torch.int32, device=dev)
+    for splits in (1, 2, 4, 8, 16, 32, 64):
+        decode_attention_triton(q, k_cache, v_cache, tables, lens, scale, sliding_window, splits)

@@ -63,7 +63,8 @@ def paged_attention_ref(
 tl: Any = None  # triton.language, bound at the first launch by kernels._triton.lazy_jit
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("window", "num_m_tiles", "num_splits"),
+          do_not_specialize_on_alignment=("bt_ptr", "qsl_ptr", "seq_lens_ptr"))
 def _paged_attention_kernel(
     q_ptr,  # q: [T, Hq, D], last dim contiguous
     k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous
@@ -204,7 +205,7 @@ def _paged_attention_kernel(
         )
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("num_splits",))
 def _combine_splits_kernel(
     m_ptr,  # partial row max: [R, num_splits] fp32 (exp2 domain), -1e30 where a split saw no key
     l_ptr,  # partial row sum: [R, num_splits] fp32
@@ -310,6 +311,12 @@ def _static_plan(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, s
     return hq, hk, d, bs, b, q.device.type == "cuda"
 
 
+# 16-bit tiles on the GPU (block_m, block_n, num_warps, num_stages): large grids, and grids too
+# small to fill the chip with the large tiles (see _tile_plan)
+GPU_TILES_LARGE = (128, 128, 8, 3)
+GPU_TILES_SMALL = (64, 128, 4, 2)
+
+
 def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound: int, has_window: bool,
                sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits, num_m_tiles) of one launch."""
@@ -323,7 +330,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
     if dtype == torch.float32:
         bm, bn, warps, stages = 64, 32, 4, 2
     elif on_gpu:
-        bm, bn, warps, stages = 128, 128, 8, 3
+        bm, bn, warps, stages = GPU_TILES_LARGE
     else:
         bm, bn, warps, stages = 64, 64, 4, 2
     g_pack = min(group, 16)
@@ -331,7 +338,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
         # fewer, fatter programs only when there are enough of them to fill the chip
         progs = cdiv(max_q, bm // g_pack) * hk * cdiv(group, g_pack) * b
         if progs < 2 * sms:
-            bm, warps, stages = 64, 4, 2
+            bm, bn, warps, stages = GPU_TILES_SMALL
     bm = block_m or bm
     bn = block_n or bn
     warps = num_warps or warps
@@ -430,3 +437,26 @@ def paged_attention_triton(
     if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
+
+
+def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
+                    sliding_window: int | None) -> None:
+    """Compile every variant `paged_attention_triton` can pick on this GPU for these caches.
+
+    A variant is a tile configuration times split-or-not; the runtime ints are not specialised
+    on (see _triton), so serving never stops for a compile (about a second each on an H200).
+    Reads block 0 of the caches; writes nothing there.
+    """
+    if k_cache.device.type != "cuda" or k_cache.dtype == torch.float32:
+        return
+    dev = k_cache.device
+    d = k_cache.shape[-1]
+    t = 64
+    q = torch.zeros((t, num_heads, d), dtype=k_cache.dtype, device=dev)
+    tables = torch.zeros((1, 4), dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0, t], dtype=torch.int32, device=dev)
+    lens = torch.tensor([t], dtype=torch.int32, device=dev)
+    for bm, bn, warps, stages in (GPU_TILES_LARGE, GPU_TILES_SMALL):
+        for splits in (1, 2):
+            paged_attention_triton(q, k_cache, v_cache, tables, qsl, lens, scale, sliding_window, t,
+                                   num_splits=splits, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)

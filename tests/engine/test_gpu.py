@@ -73,3 +73,29 @@ def test_cuda_dense_prefill_path(llama_dir):
     _, got = run(llama_dir, prompts, dense_prefill_min_tokens=64, prefill_graph_max_tokens=32,
                    max_num_batched_tokens=512, max_num_seqs=1)
     assert got == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_serving_never_compiles_after_start(graphs):
+    """Every Triton variant is compiled at start-up: a mixed workload (decodes, chunked and
+    split prefills, batch sizes from 1 to 48) launches no new specialisation."""
+    import random
+
+    from kernels._triton import kernel_compiles
+
+    eng = LLMEngine("tiny", EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton", num_blocks=512,
+                                         max_model_len=1024, max_num_seqs=48, max_num_batched_tokens=384,
+                                         cuda_graphs=graphs, prefill_graph_max_tokens=64, prefill_graph_max_seqs=4))
+    before = kernel_compiles()
+    rng = random.Random(5)
+    for i in range(120):
+        n = rng.choice([1, 2, 15, 16, 17, 63, 100, 333, 700])
+        sp = SamplingParams(max_tokens=rng.randint(1, 40), temperature=0.0, ignore_eos=True)
+        eng.add_request(f"r{i}", prompt_token_ids=[rng.randrange(5, 250) for _ in range(n)], sampling=sp)
+    paths = set()
+    while eng.has_unfinished():
+        eng.step()
+        paths.add(eng.runner.last_path)
+    assert paths >= ({"eager", "decode_graph", "prefill_graph"} if graphs else {"eager"})
+    assert kernel_compiles() == before

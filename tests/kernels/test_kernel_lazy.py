@@ -69,3 +69,56 @@ def test_direct_launch_reuses_the_compiled_kernel(monkeypatch) -> None:
     monkeypatch.setattr(kt, "FAST_LAUNCH", False)
     k.launch((7,), (x, 6), {"BLOCK": 64}, 4, 3, True)
     assert calls[-1][0] == "jit"
+
+
+def test_do_not_specialize_keys_ints_by_width_only() -> None:
+    """A `do_not_specialize` int (a tile or split count) never makes a second specialisation:
+    5, 16 and 1 all reuse the first compiled kernel (a compile stalls serving for ~1 s)."""
+    import pytest
+
+    import kernels._triton as kt
+
+    calls = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *a: calls.append(("direct", a))
+
+    class Jitted:
+        arg_names = ("x_ptr", "n", "BLOCK")
+
+        def __getitem__(self, grid):
+            def run(*a, **kw):
+                calls.append(("jit", a))
+                return Compiled()
+
+            return run
+
+    def kernel(x_ptr, n, BLOCK):  # noqa: N803 - the constexpr naming of the kernels
+        pass
+
+    k = kt.LazyKernel(kernel, ("n",))
+    k._jitted = Jitted()
+    x = torch.zeros(4)
+    for n in (5, 16, 1, 7):
+        k.launch((1,), (x, n), {"BLOCK": 64}, 4, 3, True)
+    assert [c[0] for c in calls] == ["jit", "direct", "direct", "direct"]
+    assert k.num_compiles == 1
+    k.launch((1,), (x, 1 << 40), {"BLOCK": 64}, 4, 3, True)  # a 64-bit value is another signature
+    assert calls[-1][0] == "jit" and k.num_compiles == 2
+    with pytest.raises(ValueError, match="no argument"):
+        kt.LazyKernel(kernel, ("m",))
+
+    # a pointer named in do_not_specialize_on_alignment: a slice at an odd offset reuses the kernel
+    calls.clear()
+    k = kt.LazyKernel(kernel, (), ("x_ptr",))
+    k._jitted = Jitted()
+    y = torch.zeros(8, dtype=torch.int32)
+    k.launch((1,), (y, 3), {"BLOCK": 64}, 4, 3, True)
+    k.launch((1,), (y[1:], 3), {"BLOCK": 64}, 4, 3, True)
+    assert [c[0] for c in calls] == ["jit", "direct"]
+    k2 = kt.LazyKernel(kernel)
+    k2._jitted = Jitted()
+    k2.launch((1,), (y, 3), {"BLOCK": 64}, 4, 3, True)
+    k2.launch((1,), (y[1:], 3), {"BLOCK": 64}, 4, 3, True)  # specialised on alignment: Triton's path
+    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit"]

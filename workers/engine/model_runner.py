@@ -61,6 +61,8 @@ class ModelRunner:
         self.last_path = ""  # how the last step ran: decode_graph, prefill_graph or eager (diagnostics)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        if self.device.type == "cuda":
+            self._warm_up()
         if config.cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton":
             max_bs = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
             self.graphs = DecodeGraphs(self, max_bs)
@@ -69,6 +71,33 @@ class ModelRunner:
             capture_graphs(self.graphs, self.prefill_graphs)
         if self.dense_prefill_min_tokens is not None:
             self._warm_dense_attention()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Compile every kernel variant serving can use, and run one eager mixed forward on the
+        scratch block, before the first request: a compile mid-serving stalls a step ~1 s."""
+        mc = self.model_config
+        for window in sorted(set(mc.sliding_windows), key=lambda w: w or 0):
+            self.ops.warm_up(*self.kv_caches[0], mc.num_heads, mc.head_dim**-0.5, window)
+        dev = self.device
+        n = 17  # one decode, then a 16-token prefill
+        i32 = {"dtype": torch.int32, "device": dev}
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), self.pad_slot, dtype=torch.int64, device=dev),
+            num_decodes=1,
+            num_decode_tokens=1,
+            decode_block_tables=torch.full((1, 1), self.num_blocks, **i32),
+            decode_seq_lens=torch.ones(1, **i32),
+            prefill_block_tables=torch.full((1, 1), self.num_blocks, **i32),
+            prefill_query_start_loc=torch.tensor([0, n - 1], **i32),
+            prefill_seq_lens=torch.tensor([n - 1], **i32),
+            prefill_max_query_len=n - 1,
+        )
+        positions = torch.cat([torch.zeros(1, dtype=torch.int64), torch.arange(n - 1)]).to(dev)
+        ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        hidden, residual = self.model(ids, positions, self.cos_sin, self.kv_caches, meta)
+        self.model.compute_logits(hidden[-1:], residual[-1:])
+        torch.cuda.synchronize(dev)
 
     def _warm_dense_attention(self) -> None:
         """Load the dense attention library (cuDNN) now: its first call costs about a second."""
