@@ -31,8 +31,8 @@ from bench.common import (
     weight_bytes,
     write_report,
 )
-from schemas.sampling import SamplingParams
 from kernels._triton import kernel_compiles
+from schemas.sampling import SamplingParams
 from workers.engine import EngineConfig, LLMEngine
 from workers.engine.presets import get_preset
 

@@ -94,7 +94,7 @@ def test_do_not_specialize_keys_ints_by_width_only() -> None:
 
             return run
 
-    def kernel(x_ptr, n, BLOCK):  # noqa: N803 - the constexpr naming of the kernels
+    def kernel(x_ptr, n, BLOCK):
         pass
 
     k = kt.LazyKernel(kernel, ("n",))
