@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -57,8 +58,17 @@ class Settings(BaseSettings):
     prefix_key_chars: int = Field(
         default=256, ge=1, description="prompt characters hashed into a derived routing key"
     )
-    producer_linger_ms: int = Field(default=5, ge=0, le=10_000)
+    producer_linger_ms: int = Field(
+        default=5,
+        ge=0,
+        le=10_000,
+        description="how long a partial batch waits for more messages (publish() flushes at its end, "
+        "so this never delays a submission; it only shapes the batches of a large one)",
+    )
     producer_batch_bytes: int = Field(default=256 * 1024, ge=1024)
+    producer_compression: Literal["none", "gzip"] = Field(
+        default="none", description="compression of produced batches (gzip: stdlib zlib)"
+    )
     fetch_max_wait_ms: int = Field(
         default=5, ge=0, le=10_000, description="how long a fetch may wait for data"
     )

@@ -235,7 +235,6 @@ def parse_line(
         return BatchLineError(line_no, None, ErrorCode.INVALID_REQUEST, "a line must be a JSON object", None)
 
     fmt = LineFormat.PLAIN
-    hint = job_id_hint(obj)
     try:
         if "custom_id" in obj:
             fmt = OPENAI_URLS.get(obj.get("url"), LineFormat.OPENAI_CHAT)  # type: ignore[arg-type]
@@ -248,9 +247,9 @@ def parse_line(
             request["batch_id"] = batch_id
         job = JobRequest.model_validate(request)
     except _LineError as exc:
-        return BatchLineError(line_no, fmt, exc.code, exc.message, hint)
+        return BatchLineError(line_no, fmt, exc.code, exc.message, job_id_hint(obj))
     except ValidationError as exc:
-        return BatchLineError(line_no, fmt, error_code_for(exc), _describe(exc, fmt), hint)
+        return BatchLineError(line_no, fmt, error_code_for(exc), _describe(exc, fmt), job_id_hint(obj))
     return ParsedLine(line_no, fmt, job)
 
 

@@ -36,7 +36,7 @@ def routing_key(job: JobRequest, prefix_chars: int = 256) -> bytes:
 
 def encode_job(job: JobRequest) -> bytes:
     """A job as a message value (JSON)."""
-    return job.model_dump_json(exclude_defaults=True).encode("utf-8")
+    return job.model_dump_json(exclude_none=True).encode("utf-8")
 
 
 @dataclass(frozen=True)

@@ -127,10 +127,9 @@ class KafkaQueue(JobQueue):
         re-publishing is safe, the store dedupes by job id)."""
         producer = self._get_producer()
         stamped = list(self._stamp(jobs))
-        futures = [
-            producer.send(self.topic, key=routing_key(j, self.settings.prefix_key_chars), value=encode_job(j))
-            for j in stamped
-        ]
+        prefix_chars = self.settings.prefix_key_chars
+        send, topic = producer.send, self.topic
+        futures = [send(topic, key=routing_key(j, prefix_chars), value=encode_job(j)) for j in stamped]
         producer.flush()
         for f in futures:
             if f.failed():
@@ -168,6 +167,7 @@ def make_producer(settings: Settings, *, client_id: str, **overrides: Any) -> Ka
         "enable_idempotence": True,
         "linger_ms": settings.producer_linger_ms,
         "batch_size": settings.producer_batch_bytes,
+        "compression_type": None if settings.producer_compression == "none" else settings.producer_compression,
         "max_in_flight_requests_per_connection": 5,
         "allow_auto_create_topics": False,
     }
