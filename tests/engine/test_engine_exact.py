@@ -34,8 +34,19 @@ def want_shared(llama_dir, shared_prompts):
     return hf_greedy(llama_dir, shared_prompts, MAX_NEW)
 
 
+_MODE = {"async": False}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
+def scheduling_mode(request):
+    """Every test runs with synchronous and with async scheduling (the default on CUDA)."""
+    _MODE["async"] = request.param
+    return request.param
+
+
 def make_engine(path, **cfg) -> LLMEngine:
     cfg.setdefault("block_size", 4)
+    cfg.setdefault("async_scheduling", _MODE["async"])
     return LLMEngine(str(path), EngineConfig(device="cpu", dtype="float32", **cfg))
 
 
@@ -84,17 +95,21 @@ def test_shared_prefix_in_one_batch(llama_dir, shared_prompts, want_shared):
 def test_chunked_prefill(llama_dir, prompts, want, budget):
     eng = make_engine(llama_dir, max_num_batched_tokens=budget)
     steps_with_partial = 0
+    steps_in_flight = 0
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", prompt_token_ids=p, sampling=GREEDY)
     done = {}
     while eng.has_unfinished():
         out = eng.step()
+        steps_in_flight += eng._in_flight is not None
         assert out.num_batched_tokens <= budget
         if any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
             steps_with_partial += 1
         for f in out.finished:
             done[f.request_id] = f
     assert steps_with_partial > 0
+    # async: decode steps stay in flight while the next is scheduled (their inputs read on the device)
+    assert (steps_in_flight > 0) == eng.async_scheduling
     assert [done[f"r{i}"].output_token_ids for i in range(len(prompts))] == want
     assert_pool_clean(eng)
 

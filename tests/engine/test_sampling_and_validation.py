@@ -10,9 +10,11 @@ from workers.engine import EngineConfig, InvalidRequestError, LLMEngine
 from workers.engine.sampler import _top_k_top_p
 
 
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine("tiny", EngineConfig(device="cpu", max_model_len=256, block_size=8))
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engine(request) -> LLMEngine:
+    """The tiny engine with synchronous and with async scheduling (the default on CUDA)."""
+    return LLMEngine("tiny", EngineConfig(device="cpu", max_model_len=256, block_size=8,
+                                          async_scheduling=request.param))
 
 
 def drain(eng: LLMEngine) -> dict:
@@ -70,9 +72,10 @@ def test_stop_token_and_length(engine):
     assert st.output_token_ids == free.output_token_ids[: first + 1]
 
 
-def test_stop_string_is_cut_from_text(llama_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_string_is_cut_from_text(llama_dir, async_scheduling):
     # a trained BPE tokenizer, so the output is real text pieces
-    eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu"))
+    eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu", async_scheduling=async_scheduling))
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     eng.add_request("free", prompt="The quick brown", sampling=sp)
     text = drain(eng)["free"].text

@@ -182,6 +182,10 @@ class EngineConfig:
     prefill_graph_max_seqs: int = 16
     # one uncached prompt of at least this many tokens uses dense causal attention (CUDA); None: never
     dense_prefill_min_tokens: int | None = 1025
+    # overlap the host's work for the next step (schedule, inputs, post-processing) with the
+    # device running this one; the next step's decodes read the sampled tokens on the device.
+    # None: on for CUDA, off elsewhere (the CPU computes synchronously: nothing to overlap)
+    async_scheduling: bool | None = None
     dtype: str | None = None  # None: the checkpoint's dtype (bf16 on CUDA, fp32 on CPU if it can't)
     device: str | None = None  # None: cuda when available, else cpu
     seed: int = 0  # seed of the engine-wide RNG used by unseeded sampling

@@ -12,7 +12,7 @@ import torch
 from workers.engine.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from workers.engine.model_runner import ModelRunner
+    from workers.engine.model_runner import ModelRunner, PendingInputs
     from workers.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class DecodeGraphs:
                 logits = self._forward(bs)
             self.graphs[bs] = (g, logits)
 
-    def run(self, out: SchedulerOutput) -> torch.Tensor:
+    def run(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> torch.Tensor:
         """Replay the smallest graph that holds the step's decodes; returns logits [B, V]."""
         r = self.runner
         entries = out.scheduled
@@ -120,6 +120,7 @@ class DecodeGraphs:
         self.slot_mapping[:bs].copy_(torch.from_numpy(slots), non_blocking=True)
         self.seq_lens[:bs].copy_(torch.from_numpy(seq), non_blocking=True)
         self.block_tables[:bs, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        r.fill_pending(self.input_ids, pending)
         g, logits = self.graphs[bs]
         g.replay()
         return logits[:b]
@@ -197,7 +198,7 @@ class PrefillGraphs:
                 logits = self._forward(t)
             self.graphs[t] = (g, logits)
 
-    def run(self, out: SchedulerOutput) -> torch.Tensor:
+    def run(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> torch.Tensor:
         """Replay the smallest graph that holds the step; returns logits of the sampling rows."""
         r = self.runner
         input_ids, positions, slots, tables, qsl, seq_lens, logit_rows = r.host_inputs(out)
@@ -205,6 +206,7 @@ class PrefillGraphs:
         s = len(seq_lens)
         t = next(x for x in self.buckets if x >= n)
         self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        r.fill_pending(self.input_ids, pending)
         self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
         pad_slots = np.full(t, r.pad_slot, dtype=np.int64)
         pad_slots[:n] = slots

@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from schemas.sampling import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.errors import InvalidRequestError
 from workers.engine.kv_cache_manager import KVCacheManager
-from workers.engine.model_runner import ModelRunner
+from workers.engine.model_runner import ModelRunner, SampledTokens
 from workers.engine.outputs import (
     EngineStats,
     EngineTimings,
@@ -26,13 +27,22 @@ from workers.engine.outputs import (
     Usage,
 )
 from workers.engine.presets import PRESETS
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Request, RequestTimes
+from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.engine.sequence import PENDING_TOKEN, Request, RequestStatus, RequestTimes
 from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
 STATS_WINDOW_S = 10.0
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    sampled: SampledTokens
+    rows: list[tuple[Request, int]]  # per sampled row: the request and the token_ids index it fills
+    has_first_tokens: bool  # some row is a request's first token
 
 
 class LLMEngine:
@@ -68,6 +78,10 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._pending_finished: list[FinishedRequest] = []
         self._steps = 0
+        self.async_scheduling = (
+            c.async_scheduling if c.async_scheduling is not None else self.runner.device.type == "cuda"
+        )
+        self._in_flight: InFlightStep | None = None  # launched, not read back (async scheduling)
         self._history: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
 
     # ---- requests ---------------------------------------------------------------------
@@ -165,42 +179,82 @@ class LLMEngine:
 
     # ---- one iteration ----------------------------------------------------------------
     def step(self) -> StepOutput:
-        """Schedule and run one step; return the first-token and finished events it produced."""
+        """Schedule and launch one step; return the first-token and finished events read back.
+
+        Synchronous: the events are this step's. Async scheduling: the step is launched, then the
+        previous one is read back, so the host's work (reading back, scheduling, inputs) overlaps
+        the device's; this step's events come with the next call. A step that samples some
+        request's first token is read back at once, so first tokens are never late by a step.
+        """
         result = StepOutput(finished=self._pending_finished)
         self._pending_finished = []
+        prev = self._in_flight
+        self._in_flight = None
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return result
-        tokens = self.runner.execute(out)
-        now = time.monotonic()
+        launched = None
+        if not out.is_empty:
+            sampled = self.runner.execute(out, prev.sampled if prev is not None else None)
+            launched = self._launched(out, sampled)
+            result.num_scheduled = len(out.scheduled)
+            result.num_batched_tokens = out.num_batched_tokens
+        if prev is not None:
+            self._read_back(prev, result)
+        if launched is not None:
+            if self.async_scheduling and not launched.has_first_tokens:
+                self._in_flight = launched
+            else:
+                self._read_back(launched, result)
+        return result
+
+    def _launched(self, out: SchedulerOutput, sampled: SampledTokens) -> InFlightStep:
+        """Advance the scheduled requests past the launched step; sampled tokens become placeholders."""
         self._steps += 1
-        result.num_scheduled = len(out.scheduled)
-        result.num_batched_tokens = out.num_batched_tokens
         prompt_tokens = 0
-        it = iter(tokens)
+        rows: list[tuple[Request, int]] = []
+        first = False
         for e in out.scheduled:
             req = e.request
             req.num_computed_tokens += e.num_new_tokens
             prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - e.num_computed_tokens)
             if not e.samples:
                 continue
-            tok = next(it)
-            req.token_ids.append(tok)
+            req.pending_row = len(rows)
+            req.num_pending += 1
+            rows.append((req, len(req.token_ids)))
+            req.token_ids.append(PENDING_TOKEN)
+            first = first or req.times.first_token is None
+        now = time.monotonic()
+        self._history.append((now, prompt_tokens, len(rows)))
+        while self._history and now - self._history[0][0] > STATS_WINDOW_S:
+            self._history.popleft()
+        return InFlightStep(sampled, rows, first)
+
+    def _read_back(self, step: InFlightStep, result: StepOutput) -> None:
+        """Wait for a launched step's tokens; put them in place, report first tokens, check stops."""
+        tokens = step.sampled.tolist()
+        now = time.monotonic()
+        for (req, pos), tok in zip(step.rows, tokens):
+            if req.status is RequestStatus.FINISHED:
+                continue  # aborted, or stopped by an earlier token: this one is dropped
+            req.token_ids[pos] = tok
+            req.num_pending -= 1
+            if req.num_pending == 0:
+                req.pending_row = None
             if req.times.first_token is None:
                 req.times.first_token = now
                 result.first_tokens.append(
                     FirstTokenEvent(req.request_id, tok, now, (now - req.times.arrival) * 1e3)
                 )
-            reason = self._check_stop(req, tok)
+            reason = self._check_stop(req, tok, pos + 1)
             if reason is not None:
+                del req.token_ids[pos + 1 :]  # tokens launched after the stop are dropped
+                req.num_pending = 0
+                req.pending_row = None
                 self.scheduler.finish(req, reason)
                 result.finished.append(self._finish(req, now))
-        self._history.append((now, prompt_tokens, len(tokens)))
-        while self._history and now - self._history[0][0] > STATS_WINDOW_S:
-            self._history.popleft()
-        return result
 
-    def _check_stop(self, req: Request, tok: int) -> str | None:
+    def _check_stop(self, req: Request, tok: int, num_tokens: int) -> str | None:
+        """Why the request stops at `tok`, its token number `num_tokens` (prompt included), if it does."""
         sp = req.sampling
         if tok in sp.stop_token_ids or tok in req.eos_token_ids:
             req.stop_reason = tok
@@ -217,7 +271,7 @@ class LLMEngine:
                         req.text = req.text[:pos]
                         req.stop_reason = s
                         return "stop"
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_tokens - req.num_prompt_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 

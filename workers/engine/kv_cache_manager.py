@@ -20,7 +20,7 @@ class KVCacheManager:
     def _update_hashes(self, req: Request, upto: int) -> None:
         """Extend req.block_hashes over every full block among its first `upto` known tokens."""
         bs = self.block_size
-        n_full = min(upto, req.num_tokens) // bs
+        n_full = min(upto, req.num_known_tokens) // bs
         hashes = req.block_hashes
         while len(hashes) < n_full:
             i = len(hashes)
@@ -51,14 +51,15 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool lacks free blocks. Blocks that become full
         with known tokens are indexed in the prefix cache right away: the step that computes them
-        writes their K/V before any attention reads them.
+        writes their K/V before any attention reads them (steps run in order on one stream). A
+        block holding a pending sampled token is indexed by a later call, once the token is known.
         """
         bs = self.block_size
         if not cached_blocks:
             # fast path of a decode step: the new tokens fit the last block and no block filled up
             total = req.num_computed_tokens + num_new_tokens
             if total <= len(req.block_ids) * bs and (
-                not self.enable_prefix_caching or min(total, req.num_tokens) // bs <= req.num_indexed_blocks
+                not self.enable_prefix_caching or min(total, req.num_known_tokens) // bs <= req.num_indexed_blocks
             ):
                 return True
         cached_blocks = cached_blocks or []
@@ -76,7 +77,7 @@ class KVCacheManager:
         if num_new_blocks > 0:
             req.block_ids.extend(b.block_id for b in self.pool.allocate(num_new_blocks))
         if self.enable_prefix_caching:
-            n_full = min(total, req.num_tokens) // self.block_size
+            n_full = min(total, req.num_known_tokens) // self.block_size
             self._update_hashes(req, n_full * self.block_size)
             for i in range(req.num_indexed_blocks, n_full):
                 self.pool.cache(self.pool.blocks[req.block_ids[i]], req.block_hashes[i])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,47 @@ from workers.engine.scheduler import SchedulerOutput
 from workers.engine.sequence import Request
 
 log = logging.getLogger(__name__)
+
+
+class SampledTokens:
+    """One launched step's sampled token ids: on the device, with their copy to the host in flight."""
+
+    def __init__(self, tokens: torch.Tensor | None) -> None:
+        # tokens: [N] int64 on the device, one per entry that samples
+        self.device_tokens = tokens
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        if tokens is not None and tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens
+
+    @classmethod
+    def empty(cls) -> SampledTokens:
+        return cls(None)
+
+    def __len__(self) -> int:
+        return 0 if self.device_tokens is None else self.device_tokens.shape[0]
+
+    def tolist(self) -> list[int]:
+        """Wait for the step (only it, not the steps launched after it) and return its tokens."""
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+@dataclass
+class PendingInputs:
+    """Decode rows whose input token is still on the device: input_ids[dst[i]] = tokens[src[i]]."""
+
+    tokens: torch.Tensor  # [N] int64: the previous step's sampled tokens, on the device
+    dst: list[int]  # token rows of this step (decodes come first: row = entry index)
+    src: list[int]  # rows of `tokens`
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -242,29 +284,52 @@ class ModelRunner:
         """Forget per-request state (its RNG) once it has finished."""
         self._generators.pop(request_id, None)
 
+    def pending_inputs(self, out: SchedulerOutput, prev: SampledTokens | None) -> PendingInputs | None:
+        """Decode inputs that are tokens the previous step sampled but the host has not read yet."""
+        if prev is None:
+            return None
+        dst = [i for i, e in enumerate(out.scheduled[: out.num_decodes]) if e.request.pending_row is not None]
+        if not dst:
+            return None
+        src = [out.scheduled[i].request.pending_row for i in dst]
+        return PendingInputs(prev.device_tokens, dst, src)
+
+    def fill_pending(self, input_ids: torch.Tensor, pending: PendingInputs | None) -> None:
+        """input_ids[dst] = previous step's tokens[src], on the device (decodes are the first rows)."""
+        if pending is None:
+            return
+        dst = torch.tensor(pending.dst, dtype=torch.int64).to(self.device, non_blocking=True)
+        src = torch.tensor(pending.src, dtype=torch.int64).to(self.device, non_blocking=True)
+        input_ids.index_copy_(0, dst, pending.tokens.index_select(0, src))
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int]:
-        """Run the step; return one sampled token id per scheduled entry that samples, in order."""
+    def execute(self, out: SchedulerOutput, prev: SampledTokens | None = None) -> SampledTokens:
+        """Launch the step; return its sampled tokens (one per entry that samples, in order).
+
+        Nothing here waits for the device: `SampledTokens.tolist()` does. Decode inputs still
+        pending on `prev` (async scheduling) are read from its tokens on the device.
+        """
         sampling_reqs = [e.request for e in out.scheduled if e.samples]
         n_seq = len(out.scheduled)
+        pending = self.pending_inputs(out, prev)
         if self.graphs is not None and out.num_decodes == n_seq and self.graphs.fits(n_seq):
             self.last_path = "decode_graph"
-            logits = self.graphs.run(out)
+            logits = self.graphs.run(out, pending)
         elif self.prefill_graphs is not None and self.prefill_graphs.fits(out.num_batched_tokens, n_seq):
             self.last_path = "prefill_graph"
-            logits = self.prefill_graphs.run(out)
+            logits = self.prefill_graphs.run(out, pending)
         else:
             self.last_path = "eager"
             input_ids, positions, meta, logit_rows = self.prepare(out)
+            self.fill_pending(input_ids, pending)
             hidden, residual = self.model(input_ids, positions, self.cos_sin, self.kv_caches, meta)
             if len(logit_rows) == 0:
-                return []
+                return SampledTokens.empty()
             rows = torch.from_numpy(logit_rows).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows], residual[rows])
         if not sampling_reqs:
-            return []
-        tokens = self.sampler(logits, self.sampling_batch(sampling_reqs))
-        return tokens.tolist()
+            return SampledTokens.empty()
+        return SampledTokens(self.sampler(logits, self.sampling_batch(sampling_reqs)))
 
     def decode_num_splits(self, batch: int) -> int:
         """Flash-decoding splits for a graph-captured batch: enough programs to fill the GPU."""

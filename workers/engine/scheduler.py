@@ -128,6 +128,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push(victim)
 
+    def _ends_with_pending(self, req: Request) -> bool:
+        """The pending sampled token is the request's last by length: nothing more to compute."""
+        return req.num_output_tokens >= req.sampling.max_tokens or req.num_tokens >= self.max_model_len
+
     def _may_admit(self) -> bool:
         """Admission batching under saturation: with requests running, admit new ones only once
         `admission_batch` sequence slots are free (or all that wait fit). Mixed steps that add
@@ -147,7 +151,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:
+            if n <= 0 or (req.pending_row is not None and self._ends_with_pending(req)):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, n):

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from schemas.sampling import SamplingParams
 
 
+PENDING_TOKEN = -1  # token_ids placeholder for a token sampled on the device, not yet read back
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -53,10 +56,20 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the token id or stop string that ended it
     text: str = ""  # output text so far (kept only when stop strings need it)
+    # async scheduling: sampled tokens not read back yet sit at the end of token_ids as
+    # PENDING_TOKEN (at most two: the step in flight and the one launched after it); the last
+    # one's value is at row `pending_row` of its step's sampled tokens on the device
+    num_pending: int = 0
+    pending_row: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host (all but a pending sampled token)."""
+        return len(self.token_ids) - self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
@@ -68,7 +81,8 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """Generated tokens known on the host (pending ones left out)."""
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_pending]
 
     @property
     def is_finished(self) -> bool:
