@@ -6,8 +6,8 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

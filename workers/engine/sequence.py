@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from schemas.sampling import SamplingParams
 
-
 PENDING_TOKEN = -1  # token_ids placeholder for a token sampled on the device, not yet read back
 
 
