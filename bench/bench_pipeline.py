@@ -3,7 +3,7 @@
 1. overhead: jobs submitted to Kafka at a steady rate (default 100 jobs/s) and served by one
    in-process worker; per job, TTFT from submission minus the engine's own TTFT (= the time from
    `submitted_at` to admission: produce + ack + fetch + intake + hand-off). Targets: p50 <= 5 ms,
-   p99 <= 20 ms.
+   p99 <= 20 ms. Beside it ("kafka_floor"): the Kafka round trip alone, publish -> ack -> polled.
 2. submit: a 100k-line JSONL file parsed, validated and produced to Kafka (acks=all, idempotent).
    Target >= 20k jobs/s.
 3. sink: results written into Postgres by the ResultSink (batched upserts). Target >= 5k rows/s.
@@ -72,10 +72,51 @@ def fresh_database(server_url: str) -> str:
     return url
 
 
-def bench_overhead(s: Settings, rate: float, seconds: float) -> dict:
+def bench_kafka_floor(s: Settings, n: int = 300) -> dict:
+    """The Kafka round trip alone, one job at a time: publish (acks=all, returns on the ack) and
+    publish -> the job polled by a consumer of the group. No worker, engine or store: the part
+    of the overhead that no worker code can remove."""
+    queue = KafkaQueue(s)
+    producer = Producer(queue)
+    consumer = queue.consumer(f"{s.consumer_group}-floor")
+    sp = SamplingParams(max_tokens=1)
+    ack, seen = [], []
+    try:
+        for i in range(-20, n):  # the first 20 warm up the connections and the group join
+            t0 = time.perf_counter()
+            producer.submit([JobRequest(id=f"floor{i}", prompt="floor probe", sampling=sp)])
+            t1 = time.perf_counter()
+            got: list = []
+            deadline = time.monotonic() + 60
+            while not got and time.monotonic() < deadline:
+                got = consumer.poll(0.05)
+            t2 = time.perf_counter()
+            consumer.commit(got)
+            if i >= 0:
+                ack.append((t1 - t0) * 1e3)
+                seen.append((t2 - t0) * 1e3)
+            time.sleep(0.01)
+    finally:
+        consumer.close()
+        queue.close()
+    return {
+        "jobs": n,
+        "publish_ack_ms": {"p50": pct(ack, 0.5), "p99": pct(ack, 0.99)},
+        "publish_to_polled_ms": {"p50": pct(seen, 0.5), "p99": pct(seen, 0.99)},
+    }
+
+
+def bench_overhead(s: Settings, rate: float, seconds: float, torch_threads: int | None) -> dict:
+    import torch
+
     from workers.engine import EngineConfig, LLMEngine
     from workers.worker import WorkerSettings, build_worker
 
+    if torch_threads:
+        # The tiny model stands in for a GPU engine: intra-op threads only make its steps slower
+        # on 2 cores shared with Kafka, Postgres and the worker's own threads (OpenMP workers
+        # spin against them), and a longer step is a longer wait for the next admission.
+        torch.set_num_threads(torch_threads)
     engine = LLMEngine("tiny", EngineConfig(device="cpu"))
     worker = build_worker(s.model_copy(update={"worker_name": "bench"}), WorkerSettings(), engine=engine)
     queue = KafkaQueue(s)
@@ -104,7 +145,10 @@ def bench_overhead(s: Settings, rate: float, seconds: float) -> dict:
     queue.close()
     rows = store.list_jobs(batch_id="ovh", limit=n + 10)
     store.close()
+    # overhead = TTFT from submission - engine TTFT = admitted_at - submitted_at: produce, ack,
+    # fetch, intake, hand-off, and the wait for the engine loop to reach its next admission
     over = [r.timings.ttft_ms - r.timings.engine_ttft_ms for r in rows if r.timings.ttft_ms is not None]
+    queue_ms = [r.timings.queue_ms for r in rows if r.timings.queue_ms is not None]
     ttft = [r.timings.ttft_ms for r in rows if r.timings.ttft_ms is not None]
     eng = [r.timings.engine_ttft_ms for r in rows if r.timings.engine_ttft_ms is not None]
     return {
@@ -117,6 +161,8 @@ def bench_overhead(s: Settings, rate: float, seconds: float) -> dict:
             "p99": pct(over, 0.99),
             "mean": statistics.fmean(over),
         },
+        "queue_ms": {"p50": pct(queue_ms, 0.5), "p99": pct(queue_ms, 0.99)},  # the same, as stored
+        "torch_threads": torch.get_num_threads(),
         "ttft_ms": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
         "engine_ttft_ms": {"p50": pct(eng, 0.5), "p99": pct(eng, 0.99)},
     }
@@ -187,6 +233,12 @@ def bench_sink(db_url: str, rows: int) -> dict:
     return {"rows": rows, "rows_written": sink.rows_written, "seconds": dt, "rows_per_s": rows / dt}
 
 
+def _crc32c_in_c() -> bool:
+    from kafka.record import util
+
+    return getattr(util, "crc32c_c", None) is not None
+
+
 def machine() -> str:
     cpu = platform.processor() or "?"
     try:
@@ -205,7 +257,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--lines", type=int, default=100_000)
     ap.add_argument("--rows", type=int, default=50_000)
-    ap.add_argument("--only", choices=["overhead", "submit", "sink"], default=None)
+    ap.add_argument("--only", choices=["overhead", "floor", "submit", "sink"], default=None)
+    ap.add_argument(
+        "--torch-threads", type=int, default=1, help="torch intra-op threads of the tiny engine (0: torch's default)"
+    )
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
 
@@ -213,6 +268,10 @@ def main() -> int:
     db = fresh_database(base.database_url)
     out: dict = {
         "machine": machine(),
+        "load_average": os.getloadavg(),
+        # kafka-python checksums record batches with CRC32C: in C with the `crc32c` package,
+        # in pure Python (~3.5 MB/s here) without it
+        "kafka_crc32c_in_c": _crc32c_in_c(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "commit": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -224,8 +283,11 @@ def main() -> int:
     if args.only in (None, "sink"):
         out["sink"] = bench_sink(db, args.rows)
         print(json.dumps({"sink": out["sink"]}), flush=True)
+    if args.only in (None, "floor"):
+        out["kafka_floor"] = bench_kafka_floor(fresh_settings(base, db))
+        print(json.dumps({"kafka_floor": out["kafka_floor"]}), flush=True)
     if args.only in (None, "overhead"):
-        out["overhead"] = bench_overhead(fresh_settings(base, db), args.rate, args.seconds)
+        out["overhead"] = bench_overhead(fresh_settings(base, db), args.rate, args.seconds, args.torch_threads)
         print(json.dumps({"overhead": out["overhead"]}), flush=True)
     print(json.dumps(out, indent=2))
     if args.markdown:
