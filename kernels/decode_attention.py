@@ -32,7 +32,9 @@ def decode_attention_ref(
 tl: Any = None  # triton.language, bound at the first launch by kernels._triton.lazy_jit
 
 
-@lazy_jit(do_not_specialize=("window", "num_splits"), do_not_specialize_on_alignment=("bt_ptr", "seq_lens_ptr"))
+# block tables are as wide as the step's longest sequence: their row stride changes every step
+@lazy_jit(do_not_specialize=("window", "num_splits", "stride_bt"),
+          do_not_specialize_on_alignment=("bt_ptr", "seq_lens_ptr"))
 def _decode_partial_kernel(
     q_ptr,  # q: [B, Hq, D], last dim contiguous
     k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous

@@ -63,7 +63,7 @@ def paged_attention_ref(
 tl: Any = None  # triton.language, bound at the first launch by kernels._triton.lazy_jit
 
 
-@lazy_jit(do_not_specialize=("window", "num_m_tiles", "num_splits"),
+@lazy_jit(do_not_specialize=("window", "num_m_tiles", "num_splits", "stride_bt"),
           do_not_specialize_on_alignment=("bt_ptr", "qsl_ptr", "seq_lens_ptr"))
 def _paged_attention_kernel(
     q_ptr,  # q: [T, Hq, D], last dim contiguous

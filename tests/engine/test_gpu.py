@@ -82,20 +82,28 @@ def test_cuda_serving_never_compiles_after_start(graphs):
     split prefills, batch sizes from 1 to 48) launches no new specialisation."""
     import random
 
-    from kernels._triton import kernel_compiles
+    from kernels._triton import _KERNELS, kernel_compiles
 
     eng = LLMEngine("tiny", EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton", num_blocks=512,
                                          max_model_len=1024, max_num_seqs=48, max_num_batched_tokens=384,
                                          cuda_graphs=graphs, prefill_graph_max_tokens=64, prefill_graph_max_seqs=4))
     before = kernel_compiles()
+    keys = {k.fn.__name__: set(k._compiled) for k in _KERNELS}
     rng = random.Random(5)
+    paths = set()
+    for i in range(3):  # a few short prompts alone: steps that replay a prefill graph
+        sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        eng.add_request(f"s{i}", prompt_token_ids=[rng.randrange(5, 250) for _ in range(9 + i)], sampling=sp)
+    while eng.has_unfinished():
+        eng.step()
+        paths.add(eng.runner.last_path)
     for i in range(120):
         n = rng.choice([1, 2, 15, 16, 17, 63, 100, 333, 700])
         sp = SamplingParams(max_tokens=rng.randint(1, 40), temperature=0.0, ignore_eos=True)
         eng.add_request(f"r{i}", prompt_token_ids=[rng.randrange(5, 250) for _ in range(n)], sampling=sp)
-    paths = set()
     while eng.has_unfinished():
         eng.step()
         paths.add(eng.runner.last_path)
     assert paths >= ({"eager", "decode_graph", "prefill_graph"} if graphs else {"eager"})
-    assert kernel_compiles() == before
+    new = {k.fn.__name__: set(k._compiled) - keys.get(k.fn.__name__, set()) for k in _KERNELS}
+    assert kernel_compiles() == before, {n: v for n, v in new.items() if v}
