@@ -106,7 +106,27 @@ def bench_kafka_floor(s: Settings, n: int = 300) -> dict:
     }
 
 
-def bench_overhead(s: Settings, rate: float, seconds: float, torch_threads: int | None) -> dict:
+def _submit_paced(producer: Producer, jobs: list[JobRequest], rate: float) -> None:
+    t0 = time.monotonic()
+    for i, job in enumerate(jobs):
+        wait = t0 + i / rate - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        producer.submit([job])
+
+
+def _paced_producer(settings: dict, jobs: list[dict], rate: float) -> None:
+    """Child process: submit `jobs` one at a time at `rate` jobs/s."""
+    queue = KafkaQueue(Settings(**settings), create_topics=False)
+    try:
+        _submit_paced(Producer(queue), [JobRequest.model_validate(j) for j in jobs], rate)
+    finally:
+        queue.close()
+
+
+def bench_overhead(
+    s: Settings, rate: float, seconds: float, torch_threads: int | None, producer_process: bool = True
+) -> dict:
     import torch
 
     from workers.engine import EngineConfig, LLMEngine
@@ -132,13 +152,20 @@ def bench_overhead(s: Settings, rate: float, seconds: float, torch_threads: int 
     deadline = time.monotonic() + 60
     while store.batch_progress("warm").done < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    producer = Producer(queue)
     t0 = time.monotonic()
-    for i, job in enumerate(jobs):
-        wait = t0 + i / rate - time.monotonic()
-        if wait > 0:
-            time.sleep(wait)
-        producer.submit([job])
+    if producer_process:
+        # Producers are other processes in a deployment (API, CLI): this one must not hold the
+        # worker's GIL. (It still shares the 2 cores.)
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        proc = ctx.Process(
+            target=_paced_producer, args=(s.model_dump(), [j.model_dump() for j in jobs], rate)
+        )
+        proc.start()
+        proc.join(seconds + 120)
+    else:
+        _submit_paced(Producer(queue), jobs, rate)
     while store.batch_progress("ovh").done < n and time.monotonic() < t0 + seconds + 120:
         time.sleep(0.1)
     worker.stop()
@@ -163,6 +190,7 @@ def bench_overhead(s: Settings, rate: float, seconds: float, torch_threads: int 
         },
         "queue_ms": {"p50": pct(queue_ms, 0.5), "p99": pct(queue_ms, 0.99)},  # the same, as stored
         "torch_threads": torch.get_num_threads(),
+        "producer": "process" if producer_process else "thread",
         "ttft_ms": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
         "engine_ttft_ms": {"p50": pct(eng, 0.5), "p99": pct(eng, 0.99)},
     }
@@ -259,7 +287,15 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=50_000)
     ap.add_argument("--only", choices=["overhead", "floor", "submit", "sink"], default=None)
     ap.add_argument(
-        "--torch-threads", type=int, default=1, help="torch intra-op threads of the tiny engine (0: torch's default)"
+        "--producer-thread",
+        action="store_true",
+        help="overhead: submit from the worker's process (as run 1 did) instead of a child process",
+    )
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of the tiny engine (0: torch's default)",
     )
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
@@ -287,7 +323,9 @@ def main() -> int:
         out["kafka_floor"] = bench_kafka_floor(fresh_settings(base, db))
         print(json.dumps({"kafka_floor": out["kafka_floor"]}), flush=True)
     if args.only in (None, "overhead"):
-        out["overhead"] = bench_overhead(fresh_settings(base, db), args.rate, args.seconds, args.torch_threads)
+        out["overhead"] = bench_overhead(
+            fresh_settings(base, db), args.rate, args.seconds, args.torch_threads, not args.producer_thread
+        )
         print(json.dumps({"overhead": out["overhead"]}), flush=True)
     print(json.dumps(out, indent=2))
     if args.markdown:

@@ -60,6 +60,24 @@ def kv_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 2) -> float:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * tokens * dtype_bytes
 
 
+def throughput_floor_s(cfg: ModelConfig, lens_in: list[int], lens_out: list[int], rate: float, bw: float) -> float:
+    """Seconds an offline run cannot beat: every token's matmul and attention FLOPs at `rate`,
+    plus every decode step's KV read at `bw` (each output token after the first reads its
+    request's whole context once). Weight reads are left out (hidden under compute at large
+    batch), so this is a lower bound.
+    """
+    flops = 0.0
+    kv_tokens = 0
+    for n_in, n_out in zip(lens_in, lens_out):
+        flops += prefill_flops(cfg, n_in)  # the prompt and the first token's logits
+        for i in range(1, n_out):  # decodes: one token at context n_in + i
+            kv_tokens += n_in + i
+        flops += (n_out - 1) * (2 * linear_params(cfg) + 2 * cfg.hidden_size * cfg.vocab_size)
+        ctx = (n_out - 1) * n_in + (n_out - 1) * n_out / 2
+        flops += 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * ctx
+    return flops / rate + kv_bytes(cfg, kv_tokens) / bw
+
+
 def git_commit() -> str:
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
