@@ -57,7 +57,10 @@ class WorkerConfig:
     kv_high_watermark: float = 0.95  # pause intake when this share of KV blocks is in use
     poll_timeout_s: float = 0.02
     max_poll_messages: int = 256
-    commit_interval_s: float = 0.05
+    # Offsets are committed on the intake thread, synchronously: while it commits it does not
+    # poll, so frequent commits delay deliveries. A later commit only means more re-deliveries
+    # after a crash (written once each, by job id).
+    commit_interval_s: float = 0.25
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight jobs may run before being handed back
     sink: SinkConfig = field(default_factory=SinkConfig)
 
@@ -118,7 +121,7 @@ class Worker:
         self._draining = threading.Event()
         self._stopped = threading.Event()
         self._engine_error: BaseException | None = None
-        self._stats: dict[str, Any] = {}
+        self._stats: Any = None  # the engine's latest EngineStats (a dataclass)
         self._stats_at = 0.0
         self._waiting = 0
         self._kv_used = 0.0
@@ -190,7 +193,7 @@ class Worker:
         return {
             "worker": self.name,
             "model": self.model_name,
-            "engine": dict(self._stats),
+            "engine": {} if self._stats is None else asdict(self._stats),
             "in_flight": len(self._inflight),
             "inbox": len(self._inbox),
             "sink_buffered": self.sink.buffered,
@@ -250,7 +253,7 @@ class Worker:
             return
         self._stats_at = now
         st = self.engine.stats()
-        self._stats = asdict(st)
+        self._stats = st  # converted for stats() only: asdict on every refresh cost GIL time
         self._waiting = st.waiting
         self._kv_used = st.kv_blocks_used / st.kv_blocks_total if st.kv_blocks_total else 0.0
 
