@@ -208,6 +208,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--hf-prompts", type=int, default=64)
     ap.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = ap.parse_args()
     sections = set(args.sections.split(","))
     cfg = get_preset(args.preset)
@@ -226,12 +227,13 @@ def main() -> None:
 
     big = max(TTFT_LENGTHS) if "ttft" in sections else 8192
     ecfg = EngineConfig(max_model_len=big + 256, max_num_batched_tokens=big if "ttft" in sections else 8192,
-                        max_num_seqs=256, gpu_memory_utilization=0.90)
+                        max_num_seqs=256, gpu_memory_utilization=0.90, kv_cache_dtype=args.kv_cache_dtype)
     t0 = time.perf_counter()
     engine = LLMEngine(args.preset, ecfg)
     data["engine_start_s"] = time.perf_counter() - t0
     st = engine.stats()
-    data["engine"] = {"kv_blocks": st.kv_blocks_total, "kernels": st.kernel_backend, "cuda_graphs": st.cuda_graphs}
+    data["engine"] = {"kv_blocks": st.kv_blocks_total, "kernels": st.kernel_backend, "cuda_graphs": st.cuda_graphs,
+                      "kv_cache_dtype": args.kv_cache_dtype}
     print(f"# engine up in {data['engine_start_s']:.1f}s: {data['engine']}", flush=True)
     ours: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
@@ -288,7 +290,8 @@ def main() -> None:
             except Exception as e:  # keep our numbers when the reference cannot run
                 hf["hf_throughput_error"] = repr(e)[:500]
                 print(f"# transformers throughput failed: {e!r}"[:600], flush=True)
-        ceiling = sum(lens_out) / throughput_floor_s(cfg, lens_in, lens_out, rate, bw)
+        kvb = 1 if args.kv_cache_dtype == "fp8" else 2
+        ceiling = sum(lens_out) / throughput_floor_s(cfg, lens_in, lens_out, rate, bw, kvb)
         rows.append({"metric": "offline throughput, output tok/s (floor column: the ceiling)",
                      "floor_ms": ceiling, "transformers_ms": hf.get("hf_throughput_tok_s"),
                      "firsttoken_ms": ours["throughput_tok_s"], "x_floor": ceiling / ours["throughput_tok_s"]})
@@ -301,7 +304,8 @@ def main() -> None:
           f"triton {h['triton']}\n\nceilings: bf16 matmul {ceil['bf16_matmul_tflops']:.0f} TFLOP/s, copy "
           f"{ceil['copy_gbps']:.0f} GB/s. Columns are ms except the throughput row (output tokens/s).\n\n")
     md += md_table(rows, ["metric", "floor_ms", "transformers_ms", "firsttoken_ms", "x_floor", "no_graphs_ms"])
-    write_report("bench_engine_" + "_".join(sorted(sections)), data, md)
+    kv_tag = "" if args.kv_cache_dtype == "auto" else f"_kv{args.kv_cache_dtype}"
+    write_report("bench_engine_" + "_".join(sorted(sections)) + kv_tag, data, md)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def kv_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 2) -> float:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * tokens * dtype_bytes
 
 
-def throughput_floor_s(cfg: ModelConfig, lens_in: list[int], lens_out: list[int], rate: float, bw: float) -> float:
+def throughput_floor_s(cfg: ModelConfig, lens_in: list[int], lens_out: list[int], rate: float, bw: float,
+                       kv_dtype_bytes: int = 2) -> float:
     """Seconds an offline run cannot beat: every token's matmul and attention FLOPs at `rate`,
     plus every decode step's KV read at `bw` (each output token after the first reads its
     request's whole context once). Weight reads are left out (hidden under compute at large
@@ -75,7 +76,7 @@ def throughput_floor_s(cfg: ModelConfig, lens_in: list[int], lens_out: list[int]
         flops += (n_out - 1) * (2 * linear_params(cfg) + 2 * cfg.hidden_size * cfg.vocab_size)
         ctx = (n_out - 1) * n_in + (n_out - 1) * n_out / 2
         flops += 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * ctx
-    return flops / rate + kv_bytes(cfg, kv_tokens) / bw
+    return flops / rate + kv_bytes(cfg, kv_tokens, kv_dtype_bytes) / bw
 
 
 def git_commit() -> str:

@@ -37,8 +37,8 @@ tl: Any = None  # triton.language, bound at the first launch by kernels._triton.
           do_not_specialize_on_alignment=("bt_ptr", "seq_lens_ptr"))
 def _decode_partial_kernel(
     q_ptr,  # q: [B, Hq, D], last dim contiguous
-    k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous
-    v_cache_ptr,  # v_cache: same shape and strides as k_cache
+    k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous; q's dtype or fp8 e4m3
+    v_cache_ptr,  # v_cache: same shape, strides and dtype as k_cache
     bt_ptr,  # block_tables: [B, max_blocks] int32
     seq_lens_ptr,  # seq_lens: [B] int32; the query sits at position seq_lens[b] - 1
     m_ptr,  # partial row max: [B * Hq, num_splits] fp32 (exp2 domain); unused unless SPLIT
@@ -107,6 +107,8 @@ def _decode_partial_kernel(
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(q_ptr.dtype.element_ty)  # an fp8 cache widens exactly to q's dtype (else a no-op)
+        v = v.to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]

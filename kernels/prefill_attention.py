@@ -67,8 +67,8 @@ tl: Any = None  # triton.language, bound at the first launch by kernels._triton.
           do_not_specialize_on_alignment=("bt_ptr", "qsl_ptr", "seq_lens_ptr"))
 def _paged_attention_kernel(
     q_ptr,  # q: [T, Hq, D], last dim contiguous
-    k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous
-    v_cache_ptr,  # v_cache: same shape and strides as k_cache
+    k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous; q's dtype or fp8 e4m3
+    v_cache_ptr,  # v_cache: same shape, strides and dtype as k_cache
     out_ptr,  # out: [T, Hq, D], last dim contiguous (written when not SPLIT)
     m_ptr,  # SPLIT: partial row max [T, Hq, num_splits] fp32 (exp2 domain); else unused
     l_ptr,  # SPLIT: partial row sum [T, Hq, num_splits] fp32; else unused
@@ -164,6 +164,7 @@ def _paged_attention_kernel(
         c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = k.to(q_ptr.dtype.element_ty)  # an fp8 cache widens exactly to q's dtype (else a no-op)
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
@@ -181,6 +182,7 @@ def _paged_attention_kernel(
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = v.to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
         else:
@@ -268,8 +270,9 @@ def check_paged_inputs(
     check(v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
           "{}: v_cache must have k_cache's shape and strides", name)
     check(q.stride(2) == 1 and k_cache.stride(3) == 1, "{}: q and the caches need a contiguous last dim", name)
-    check(q.dtype == k_cache.dtype == v_cache.dtype,
-          "{}: dtypes differ: q {}, k_cache {}, v_cache {}", name, q.dtype, k_cache.dtype, v_cache.dtype)
+    check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn),
+          "{}: the caches must both be q's dtype or float8_e4m3fn: q {}, k_cache {}, v_cache {}",
+          name, q.dtype, k_cache.dtype, v_cache.dtype)
     check(q.dtype in (torch.float16, torch.bfloat16, torch.float32), "{}: unsupported dtype {}", name, q.dtype)
     check(block_tables.dim() == 2 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1,
           "{}: block_tables must be [B, max_blocks] int32 with a contiguous last dim", name)

@@ -217,5 +217,48 @@ def test_attention_rejects_bad_inputs() -> None:
         decode_attention_triton(torch.randn(1, 3, 64), kc, vc, bt, sl, 0.125)
     with pytest.raises(ValueError, match="int32"):
         decode_attention_triton(torch.randn(1, 4, 64), kc, vc, bt, sl.long(), 0.125)
-    with pytest.raises(ValueError, match="dtypes differ"):
+    with pytest.raises(ValueError, match="the caches must both be"):
         paged_attention_triton(torch.randn(1, 4, 64).half(), kc, vc, bt, torch.tensor([0, 1], dtype=torch.int32), sl, 0.1)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize(("prefix", "new", "hq", "hk", "d", "window", "tiles"), PREFILL_CASES[:4])
+def test_paged_prefill_fp8_cache(dtype, prefix, new, hq, hk, d, window, tiles) -> None:
+    """An fp8 (e4m3) KV cache: the kernel widens each loaded tile to q's dtype; same answer as
+    the reference reading the same fp8 cache (NaN poison survives the cast, so unowned slots
+    still fail the test if read)."""
+    q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, d, 16, dtype)
+    kc8, vc8 = kc.to(FP8), vc.to(FP8)
+    assert kc8.float().isnan().any(), "the poison must survive the fp8 cast"
+    out = paged_attention_triton(q, kc8, vc8, bt, qsl, sl, d**-0.5, window, max_query_len=max(new), **tiles)
+    assert not out.isnan().any()
+    ref = paged_attention_ref(q, kc8, vc8, bt, qsl, sl, d**-0.5, window)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    # and it is the quantized cache that is read: the unquantized answer differs by far more than TOL
+    if dtype == F32:
+        assert not torch.allclose(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, d**-0.5, window), **TOL[F32])
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits", "block_n"), DECODE_CASES[:4])
+def test_decode_fp8_cache(dtype, ctx, hq, hk, d, window, splits, block_n) -> None:
+    kc, vc, bt = make_paged_kv(ctx, hk, d, 16, dtype)
+    kc8, vc8 = kc.to(FP8), vc.to(FP8)
+    q = torch.randn(len(ctx), hq + 2 * hk, d).to(dtype)[:, :hq]
+    sl = torch.tensor(ctx, dtype=torch.int32)
+    out = decode_attention_triton(q, kc8, vc8, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, decode_attention_ref(q, kc8, vc8, bt, sl, d**-0.5, window), **TOL[dtype])
+
+
+def test_fp8_cache_rules() -> None:
+    q, kc, vc, bt, qsl, sl = make_prefill([0], [5], 4, 1, 64, 16, F32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        paged_attention_triton(q, kc.to(FP8), vc, bt, qsl, sl, 0.125)  # k and v caches differ
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        paged_attention_triton(q, kc.half(), vc.half(), bt, qsl, sl, 0.125)  # 16-bit cache, fp32 q

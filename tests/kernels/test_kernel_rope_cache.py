@@ -79,3 +79,29 @@ def test_rope_and_cache_rejects_bad_cache() -> None:
     _, q, k, v, pos, slots, kc, vc = make_inputs(4, 4, 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="k_cache"):
         rope_and_cache_triton(q, k, v, pos, cos_sin_table(64, 64), kc[..., :32], vc[..., :32], slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache_fp8_cache(dtype: torch.dtype) -> None:
+    """Writing into an fp8 (e4m3) cache. The CPU interpreter's fp8 rounding is wrong where a
+    carry crosses a power of two (1.97 -> 1.0; the GPU converts in hardware, to nearest even), so
+    the inputs here need no rounding: position 0 (no rotation) and k, v already fp8 values. Then
+    the cache must hold them exactly, in the mapped slots only."""
+    t, hq, hk, d, bs = 37, 8, 2, 64, 16
+    _qkv, q, k, v, pos, slots, kc, vc = make_inputs(t, hq, hk, d, bs, dtype)
+    k.copy_(k.to(torch.float8_e4m3fn).to(dtype))
+    v.copy_(v.to(torch.float8_e4m3fn).to(dtype))
+    pos.zero_()
+    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    cs = cos_sin_table(4096, d)
+    kc_ref, vc_ref = kc8.clone(), vc8.clone()
+    q_ref, _ = rope_and_cache_ref(q.clone(), k.clone(), v.clone(), pos, cs, kc_ref, vc_ref, slots)
+    rope_and_cache_triton(q, k, v, pos, cs, kc8, vc8, slots)
+    torch.testing.assert_close(q, q_ref, **TOL[dtype])
+    written = torch.zeros(kc8.shape[0] * bs, dtype=torch.bool)
+    written[slots] = True
+    for got, want, src in ((kc8, kc_ref, k), (vc8, vc_ref, v)):
+        g = got.view(-1, hk, d).float()
+        torch.testing.assert_close(g[slots], src.float(), atol=0, rtol=0)
+        torch.testing.assert_close(g[slots], want.view(-1, hk, d)[slots].float(), atol=0, rtol=0)
+        assert g[~written].isnan().all()

@@ -82,6 +82,7 @@ class ModelRunner:
         self.ops: KernelOps = get_ops(backend)
         self.model, self.model_config = self._load(model)
         self.dtype = next(self.model.parameters()).dtype
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.block_size = config.block_size
@@ -91,8 +92,8 @@ class ModelRunner:
         # one extra block at index num_blocks: scratch slots for padded (graph) rows
         shape = (self.num_blocks + 1, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(mc.num_layers)
         ]
         self.pad_slot = self.num_blocks * self.block_size
@@ -168,7 +169,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         mc = self.model_config
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * self.kv_dtype.itemsize
 
     def _auto_num_blocks(self) -> int:
         c = self.config
