@@ -253,14 +253,14 @@ def decode_attention_triton(
 
 
 def warm_up_decode(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
-                   sliding_window: int | None) -> None:
+                   sliding_window: int | None, q_dtype: torch.dtype) -> None:
     """Compile every variant `decode_attention_triton` can pick here (split or not), and the
     combine kernel for every split count it can use (up to 64), so serving never compiles.
     Reads block 0 of the caches; writes nothing there."""
     if k_cache.device.type != "cuda":
         return
     dev = k_cache.device
-    q = torch.zeros((2, num_heads, k_cache.shape[-1]), dtype=k_cache.dtype, device=dev)
+    q = torch.zeros((2, num_heads, k_cache.shape[-1]), dtype=q_dtype, device=dev)
     tables = torch.zeros((2, 1), dtype=torch.int32, device=dev)
     lens = torch.ones(2, dtype=torch.int32, device=dev)
     for splits in (1, 2, 4, 8, 16, 32, 64):

@@ -16,7 +16,7 @@ class KernelOps:
     rope_and_cache: Callable  # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
     prefill_attention: Callable  # (q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, window) -> out
     decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, window) -> out
-    # (k_cache, v_cache, num_heads, scale, window) -> None: compile every kernel variant the attention
+    # (k_cache, v_cache, num_heads, scale, window, q_dtype) -> None: compile every kernel variant the attention
     # ops can pick, so that no step of serving waits for a compile; a no-op for the references
     warm_up: Callable = lambda *args: None
 
@@ -62,9 +62,9 @@ def get_ops(backend: str) -> KernelOps:
     raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
 
 
-def _warm_up_triton(k_cache, v_cache, num_heads: int, scale: float, sliding_window: int | None) -> None:
+def _warm_up_triton(k_cache, v_cache, num_heads: int, scale: float, sliding_window: int | None, q_dtype) -> None:
     from kernels.decode_attention import warm_up_decode
     from kernels.prefill_attention import warm_up_prefill
 
-    warm_up_prefill(k_cache, v_cache, num_heads, scale, sliding_window)
-    warm_up_decode(k_cache, v_cache, num_heads, scale, sliding_window)
+    warm_up_prefill(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype)
+    warm_up_decode(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype)

@@ -443,19 +443,19 @@ def paged_attention_triton(
 
 
 def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
-                    sliding_window: int | None) -> None:
+                    sliding_window: int | None, q_dtype: torch.dtype) -> None:
     """Compile every variant `paged_attention_triton` can pick on this GPU for these caches.
 
     A variant is a tile configuration times split-or-not; the runtime ints are not specialised
     on (see _triton), so serving never stops for a compile (about a second each on an H200).
     Reads block 0 of the caches; writes nothing there.
     """
-    if k_cache.device.type != "cuda" or k_cache.dtype == torch.float32:
+    if k_cache.device.type != "cuda" or q_dtype == torch.float32:
         return
     dev = k_cache.device
     d = k_cache.shape[-1]
     t = 64
-    q = torch.zeros((t, num_heads, d), dtype=k_cache.dtype, device=dev)
+    q = torch.zeros((t, num_heads, d), dtype=q_dtype, device=dev)
     tables = torch.zeros((1, 4), dtype=torch.int32, device=dev)
     qsl = torch.tensor([0, t], dtype=torch.int32, device=dev)
     lens = torch.tensor([t], dtype=torch.int32, device=dev)

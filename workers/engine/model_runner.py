@@ -121,7 +121,7 @@ class ModelRunner:
         scratch block, before the first request: a compile mid-serving stalls a step ~1 s."""
         mc = self.model_config
         for window in sorted(set(mc.sliding_windows), key=lambda w: w or 0):
-            self.ops.warm_up(*self.kv_caches[0], mc.num_heads, mc.head_dim**-0.5, window)
+            self.ops.warm_up(*self.kv_caches[0], mc.num_heads, mc.head_dim**-0.5, window, self.dtype)
         dev = self.device
         n = 17  # one decode, then a 16-token prefill
         i32 = {"dtype": torch.int32, "device": dev}
