@@ -134,3 +134,20 @@ def test_admission_batching_under_saturation():
     sched.finish(reqs[2], "stop")
     out = sched.schedule()
     assert reqs[6] in [e.request for e in out.scheduled]
+
+
+def test_manager_hashes_equal_hash_block_chain():
+    """The manager hashes runs of blocks at once; the digests are hash_block's chain."""
+    from schemas.sampling import SamplingParams
+    from workers.engine.kv_cache_manager import KVCacheManager
+    from workers.engine.sequence import Request, RequestTimes
+
+    kv = KVCacheManager(64, 4)
+    toks = [7, 1, 99, 3, 100000, 5, 6, 2, 2, 2, 9, 8, 4]
+    req = Request("r", list(toks), len(toks), SamplingParams(max_tokens=1), 0, 0, RequestTimes(0.0))
+    kv.find_cached_prefix(req)  # hashes the first (13 - 1) // 4 = 3 blocks
+    want, parent = [], None
+    for i in range(3):
+        parent = hash_block(parent, toks[4 * i : 4 * i + 4])
+        want.append(parent)
+    assert req.block_hashes == want

@@ -9,9 +9,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
+HASH_BYTES = 16  # blake2b digest size of a block hash
+
+
 def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Chained hash of a full block: covers the parent block's hash and this block's token ids."""
-    h = hashlib.blake2b(digest_size=16)
+    """Chained hash of a full block: covers the parent block's hash and this block's token ids
+    (as int64). KVCacheManager computes the same digests over runs of blocks at once."""
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
     if parent is not None:
         h.update(parent)
     h.update(array("q", token_ids).tobytes())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from array import array
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -103,7 +104,10 @@ class LLMEngine:
                 raise InvalidRequestError("empty_prompt", "give a prompt or prompt_token_ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt_token_ids]
+            try:
+                ids = array("q", prompt_token_ids).tolist()  # ints checked and converted in C
+            except (TypeError, OverflowError, ValueError) as e:
+                raise InvalidRequestError("invalid_prompt", f"prompt_token_ids must be integers ({e})") from None
         if not ids:
             raise InvalidRequestError("empty_prompt", "the prompt has no tokens")
         vocab = self.model_config.vocab_size
