@@ -8,7 +8,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-
 HASH_BYTES = 16  # blake2b digest size of a block hash
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from array import array
 import time
+from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
