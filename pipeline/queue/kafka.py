@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka import AsyncConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata, TopicPartition
@@ -178,15 +178,23 @@ def make_producer(settings: Settings, *, client_id: str, **overrides: Any) -> Ka
     return KafkaProducer(**config)
 
 
-class _Rebalance(ConsumerRebalanceListener):
+class _Rebalance(AsyncConsumerRebalanceListener):
+    """kafka-python 3 calls the rebalance listener on its IO thread, where a blocking call (a
+    synchronous commit) is refused: the listener is async and awaits the revocation commit, so it
+    completes before the consumer rejoins, while the IO loop (heartbeats) keeps running."""
+
     def __init__(self, owner: KafkaJobConsumer) -> None:
         self.owner = owner
 
-    def on_partitions_revoked(self, revoked: Any) -> None:
-        self.owner._on_revoked({tp.partition for tp in revoked if tp.topic == self.owner.topic})
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        await self.owner._on_revoked({tp.partition for tp in revoked if tp.topic == self.owner.topic})
 
-    def on_partitions_assigned(self, assigned: Any) -> None:
+    async def on_partitions_assigned(self, assigned: Any) -> None:
         self.owner._on_assigned({tp.partition for tp in assigned if tp.topic == self.owner.topic})
+
+    async def on_partitions_lost(self, lost: Any) -> None:
+        # no longer the owner (evicted): nothing can be committed, only forgotten
+        self.owner._forget({tp.partition for tp in lost if tp.topic == self.owner.topic})
 
 
 class KafkaJobConsumer(JobConsumer):
@@ -276,13 +284,18 @@ class KafkaJobConsumer(JobConsumer):
                 raise TimeoutError(f"no metadata for topic {self.topic} after {timeout_s:.0f} s")
             time.sleep(0.05)
 
-    # --- rebalance (called inside poll, on this consumer's thread, with the lock held) ---
+    # --- rebalance (kafka-python 3 runs these on its IO thread while the polling thread waits in
+    # poll(), which holds the lock) ---
 
-    def _on_revoked(self, partitions: set[int]) -> None:
+    async def _on_revoked(self, partitions: set[int]) -> None:
         self._revoked_at = time.monotonic()
         try:
-            offsets = self._commit_tracked(partitions)
+            offsets = self._tracker.committable(partitions)
             if offsets:
+                self._flush_dead_letters()
+                # the coroutine behind KafkaConsumer.commit(), awaited on the IO thread
+                await self._consumer._coordinator._commit_offsets_sync_async(self._offset_map(offsets))
+                self._tracker.committed(offsets)
                 log.info("revoked %s: committed %s", sorted(partitions), offsets)
         except KafkaError as exc:
             log.warning(
@@ -290,6 +303,10 @@ class KafkaJobConsumer(JobConsumer):
                 sorted(partitions),
                 exc,
             )
+        self._forget(partitions)
+
+    def _forget(self, partitions: set[int]) -> None:
+        self._revoked_at = time.monotonic()
         for p in partitions:
             self._tracker.revoke(p)
             self._want_paused.discard(p)
@@ -318,10 +335,11 @@ class KafkaJobConsumer(JobConsumer):
                 out.append(RawMessage(tp.topic, tp.partition, r.offset, r.key, r.value, r.timestamp))
         return out
 
+    def _offset_map(self, offsets: dict[int, int]) -> dict[TopicPartition, OffsetAndMetadata]:
+        return {TopicPartition(self.topic, p): OffsetAndMetadata(off, "", -1) for p, off in offsets.items()}
+
     def _commit_offsets(self, offsets: dict[int, int]) -> None:
-        self._consumer.commit(
-            {TopicPartition(self.topic, p): OffsetAndMetadata(off, "", -1) for p, off in offsets.items()}
-        )
+        self._consumer.commit(self._offset_map(offsets))
 
     def _dead_letter(self, raw: RawMessage, report: PoisonReport) -> None:
         headers = [

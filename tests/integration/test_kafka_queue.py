@@ -206,7 +206,10 @@ def test_rebalance_commits_finished_work_of_revoked_partitions(kafka_settings: S
         a.commit(got)  # all done and committed
         q.publish(JobRequest(id=f"c{i}", prompt="x", prefix_key=f"k{i}") for i in range(40))
         second = drain(a, 40)
-        done = [m for m in second if m.offset % 2 == 0]
+        # done: every other message of each partition, starting with its first, so that whichever
+        # partition is revoked has finished work to commit
+        first = {p: min(m.offset for m in second if m.partition == p) for p in (0, 1)}
+        done = [m for m in second if (m.offset - first[m.partition]) % 2 == 0]
         for m in done:
             a._tracker.done(m.partition, m.offset)  # finished, but not yet committed when the rebalance comes
 
