@@ -31,6 +31,7 @@ def test_fp8_kv_cache_halves_bytes_and_tracks_full_precision(llama_dir):
     k_cache = eng.runner.kv_caches[0][0]
     assert k_cache.dtype == torch.float8_e4m3fn
     assert eng.runner.kv_bytes_per_block() * 4 == full.runner.kv_bytes_per_block()  # fp32 model: 4 bytes -> 1
+    assert eng.stats().kv_cache_dtype == "float8_e4m3fn" and full.stats().kv_cache_dtype == "float32"
     # quantized K/V perturb the logits a little, and this random tiny model's logits are nearly
     # flat: every first token agrees with transformers' (full precision) and half the whole
     # continuations do (a cache read wrongly agrees with nothing)

@@ -325,6 +325,8 @@ class LLMEngine:
             steps=self._steps,
             kernel_backend=self.runner.ops.name,
             cuda_graphs=self.runner.graphs is not None,
+            async_scheduling=self.async_scheduling,
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
         )
 
 

@@ -102,3 +102,5 @@ class EngineStats:
     steps: int
     kernel_backend: str
     cuda_graphs: bool
+    async_scheduling: bool = False
+    kv_cache_dtype: str = ""  # the KV cache's torch dtype name, e.g. "bfloat16", "float8_e4m3fn"
