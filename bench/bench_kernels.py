@@ -289,6 +289,34 @@ def run_decode(rows: list, sweep: list | None) -> None:
         torch.cuda.empty_cache()
 
 
+def run_decode_kv_dtype(sweep: list) -> None:
+    """Decode attention over a bf16 and an fp8 (e4m3) cache, at the throughput run's steady state
+    (B=64 and 224, context ~1000), across tiles: does half the bytes give half the time?"""
+    scale = D**-0.5
+    gen = torch.Generator().manual_seed(1)
+    for b in (64, 224):
+        ctx = torch.randint(800, 1201, (b,), generator=gen).tolist()
+        kc, vc, bt = paged_kv(ctx)
+        q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
+        sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+        ref = decode_attention_triton(q, kc, vc, bt, sl, scale)
+        for name, k, v in (("bf16", kc, vc), ("fp8", kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn))):
+            nbytes = sum(ctx) * HK * D * 2 * k.element_size()
+            for bn, w, st in [(128, 4, 3), (64, 4, 3), (128, 8, 3), (256, 4, 2), (256, 8, 3), (128, 4, 4)]:
+                f = partial(decode_attention_triton, q, k, v, bt, sl, scale, block_n=bn, num_warps=w, num_stages=st)
+                row = {"op": f"decode_{name}_cache", "shape": f"B={b} ctx~1000", "cfg": f"N{bn} w{w} s{st}"}
+                try:
+                    diff = (f().float() - ref.float()).abs().max().item()
+                    ms = bench(f, graph=True)
+                    row.update({"ms": ms, "GBps": nbytes / ms / 1e6, "diff": diff})
+                except Exception as ex:
+                    row["error"] = repr(ex)[:200]
+                sweep.append(row)
+                print(row, flush=True)
+        del kc, vc
+        torch.cuda.empty_cache()
+
+
 def check_decode_graph() -> dict:
     """Capture decode in a CUDA graph, change seq_lens (and the block table) in place, replay, compare."""
     scale = D**-0.5
@@ -570,6 +598,7 @@ def main() -> None:
     errors = []
     sections = (("rms", lambda: run_rms(rows)), ("silu", lambda: run_silu(rows)), ("rope", lambda: run_rope(rows)),
                 ("prefill", lambda: run_prefill(rows, sweep)), ("decode", lambda: run_decode(rows, sweep)),
+                ("decode_kv_dtype", lambda: sweep is not None and run_decode_kv_dtype(sweep)),
                 ("graph", lambda: result.__setitem__("graph_check", check_decode_graph())))
     for name, fn in sections:
         try:  # one broken section is reported and does not lose the others' numbers
