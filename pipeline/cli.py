@@ -34,9 +34,9 @@ def _read_prompts(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str 
 def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     """Generate for every prompt of a JSONL file with the engine in this process."""
     from schemas.sampling import SamplingParams
-    from workers.engine import EngineConfig, InvalidRequestError, LLMEngine
+    from workers.engine import InvalidRequestError, LLMEngine
 
-    cfg = EngineConfig(device=args.device, max_model_len=args.max_model_len, dtype=args.dtype)
+    cfg = _engine_config(args)
     t0 = time.perf_counter()
     engine = LLMEngine(args.model, cfg)
     load_s = time.perf_counter() - t0
@@ -94,7 +94,8 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
 def _engine_config(args: argparse.Namespace) -> Any:
     from workers.engine import EngineConfig
 
-    return EngineConfig(device=args.device, max_model_len=args.max_model_len, dtype=args.dtype)
+    return EngineConfig(device=args.device, max_model_len=args.max_model_len, dtype=args.dtype,
+                        kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _db_url(args: argparse.Namespace) -> str:
@@ -239,6 +240,8 @@ def _engine_args(a: argparse.ArgumentParser, model_default: str | None = "tiny")
     a.add_argument("--max-model-len", type=int, default=None)
     a.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     a.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    a.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV cache: the model's dtype (auto) or fp8 e4m3 (twice the tokens; outputs may differ slightly)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,14 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate for a JSONL file of {id, prompt} lines, in this process")
     g.add_argument("file", help='JSONL file, one {"id": ..., "prompt": ...} per line')
-    g.add_argument(
-        "--model", default="tiny", help="preset (tiny, llama3-8b) or Hugging Face checkpoint directory"
-    )
+    _engine_args(g)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser(

@@ -418,6 +418,7 @@ class WorkerSettings(BaseSettings):
     dtype: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
+    kv_cache_dtype: str = "auto"  # or "fp8": twice the cached tokens (see EngineConfig)
     max_waiting: int = 512
     drain_timeout_s: float = 30.0
     sink_max_buffer: int = 10_000
@@ -442,7 +443,8 @@ def build_worker(
         engine = LLMEngine(
             ws.model,
             EngineConfig(
-                device=ws.device, dtype=ws.dtype, max_model_len=ws.max_model_len, max_num_seqs=ws.max_num_seqs
+                device=ws.device, dtype=ws.dtype, max_model_len=ws.max_model_len, max_num_seqs=ws.max_num_seqs,
+                kv_cache_dtype=ws.kv_cache_dtype,
             ),
         )
     store = ResultStore.from_url(s.database_url, batch_rows=s.store_batch_rows)
