@@ -212,7 +212,7 @@ class JobTimings(BaseModel):
     """When things happened to one job and how long they took.
 
     Instants that cross processes are wall-clock epoch seconds: `submitted_at` (producer),
-    `admitted_at` (the engine took it), `first_token_at`, `finished_at`. Durations in milliseconds:
+    `admitted_at` (a worker took it into its engine queue), `first_token_at`, `finished_at`. Durations in milliseconds:
     `queue_ms` = admitted - submitted, `ttft_ms` = first token - submitted (what the user waits,
     queue included), `engine_ttft_ms` = first token - admitted (measured on the worker's monotonic
     clock), `prefill_ms` (the prompt's forward passes), `tpot_ms` = mean time per output token after

@@ -5,9 +5,11 @@
     sink thread:    upsert_results (batched, idempotent) -> intake commits those offsets
 
 Only the engine thread touches the engine. Timings: `submitted_at` comes with the job (epoch);
-`admitted_at` is the wall time of add_request; later instants are that wall time plus
-durations on the monotonic clock, so `engine_ttft_ms`, `prefill_ms`, `tpot_ms` are monotonic
-measurements and `ttft_ms` = first_token_at - submitted_at is what the user waited.
+`admitted_at` is the wall time the job entered this worker's engine queue (the intake handed it
+over; the engine takes it at its next step boundary, as vLLM counts a request's arrival when it
+is queued to the engine core); later instants are that wall time plus durations on the monotonic
+clock, so `engine_ttft_ms`, `prefill_ms`, `tpot_ms` are monotonic measurements and `ttft_ms` =
+first_token_at - submitted_at is what the user waited.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class _InFlight:
     request: JobRequest
     messages: list[Message]
     submitted_at: float  # epoch
-    admitted_at: float  # epoch, at add_request
+    admitted_at: float  # epoch, when the intake handed it to the engine queue
     admitted_mono: float
     first_token_mono: float | None = None
 
@@ -112,7 +114,8 @@ class Worker:
         self.model_name = model_name or str(getattr(engine, "model_name", "unknown"))
         self._wall = wall_clock
         self.counters = WorkerCounters()
-        self._inbox: deque[Message] = deque()
+        # messages handed over by the intake, with the wall and monotonic instants they arrived
+        self._inbox: deque[tuple[Message, float, float]] = deque()
         self._controls: deque[tuple[str, tuple[str, ...], str | None]] = deque()
         self._wake = threading.Event()
         self._inflight: dict[str, _InFlight] = {}
@@ -206,7 +209,8 @@ class Worker:
     # --- intake / sink callbacks -----------------------------------------------------------------
 
     def _deliver(self, messages: list[Message]) -> None:
-        self._inbox.extend(messages)
+        wall, mono = self._wall(), time.monotonic()
+        self._inbox.extend((m, wall, mono) for m in messages)
         self._wake.set()
 
     def _overloaded(self) -> bool:
@@ -261,14 +265,13 @@ class Worker:
     def _admit(self) -> None:
         outcomes: list[Outcome] = []
         while self._inbox:
-            msg = self._inbox.popleft()
+            msg, wall_now, mono_now = self._inbox.popleft()
             job = msg.job
             running = self._inflight.get(job.id)
             if running is not None:  # the same job delivered again while it runs: one result
                 running.messages.append(msg)
                 self.counters.duplicates += 1
                 continue
-            wall_now = self._wall()
             submitted = job.submitted_at
             if submitted is None:
                 submitted = msg.timestamp_ms / 1000.0 if msg.timestamp_ms else wall_now
@@ -279,7 +282,6 @@ class Worker:
                     self._failure(job, msg, ErrorCode.CANCELLED, "cancelled before it ran", submitted)
                 )
                 continue
-            mono_now = time.monotonic()
             try:
                 try:
                     prompt = render_prompt(self.engine.tokenizer, job)
