@@ -18,6 +18,7 @@ import gc
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -66,6 +67,9 @@ class WorkerConfig:
     commit_interval_s: float = 0.25
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight jobs may run before being handed back
     sink: SinkConfig = field(default_factory=SinkConfig)
+    # Python's GIL switch interval for this process (default 5 ms): the intake thread waits up to
+    # that long for the GIL while the engine thread runs Python between kernels; None: unchanged
+    gil_switch_interval_s: float | None = 0.0005
 
 
 @dataclass
@@ -144,6 +148,8 @@ class Worker:
 
     def start(self) -> Worker:
         """Start the sink, the engine loop and the intake."""
+        if self.config.gil_switch_interval_s is not None:
+            sys.setswitchinterval(self.config.gil_switch_interval_s)
         self.sink.start()
         self._thread.start()
         self.intake.start()
