@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -111,23 +112,13 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
 
     db = normalize_database_url(args.db) if args.db else "sqlite:///firsttoken.db"
     t0 = time.perf_counter()
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            s = run_file(
-                args.file,
-                model=args.model,
-                db_url=db,
-                output=f,
-                batch_id=args.batch_id,
-                default_max_tokens=args.max_tokens,
-                engine_config=_engine_config(args),
-            )
-    else:
+    with contextlib.ExitStack() as stack:
+        f = stack.enter_context(open(args.output, "w", encoding="utf-8")) if args.output else out
         s = run_file(
             args.file,
             model=args.model,
             db_url=db,
-            output=out,
+            output=f,
             batch_id=args.batch_id,
             default_max_tokens=args.max_tokens,
             engine_config=_engine_config(args),

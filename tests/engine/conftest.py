@@ -124,3 +124,15 @@ def prompt_set(n: int = 8, vocab: int = 384, seed: int = 0, min_len: int = 3, ma
     g = torch.Generator().manual_seed(seed)
     lens = torch.linspace(min_len, max_len, n).long().tolist()
     return [torch.randint(2, vocab, (ln,), generator=g).tolist() for ln in lens]
+
+
+def run_prompts(engine, prompts: list[list[int]], sampling, tag: str = "r") -> list:
+    """Add every prompt as request `{tag}{i}`, step the engine until all finish, and return the
+    FinishedRequest of each, in prompt order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", prompt_token_ids=p, sampling=sampling)
+    done = {}
+    while engine.has_unfinished():
+        for f in engine.step().finished:
+            done[f.request_id] = f
+    return [done[f"{tag}{i}"] for i in range(len(prompts))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from schemas.sampling import SamplingParams
-from tests.engine.conftest import hf_greedy, prompt_set
+from tests.engine.conftest import hf_greedy, prompt_set, run_prompts
 from workers.engine import EngineConfig, LLMEngine
 
 MAX_NEW = 10
@@ -51,13 +51,7 @@ def make_engine(path, **cfg) -> LLMEngine:
 
 
 def run_all(engine: LLMEngine, prompts, tag: str = "r", sampling=GREEDY):
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}{i}", prompt_token_ids=p, sampling=sampling)
-    done = {}
-    while engine.has_unfinished():
-        for f in engine.step().finished:
-            done[f.request_id] = f
-    return [done[f"{tag}{i}"] for i in range(len(prompts))]
+    return run_prompts(engine, prompts, sampling, tag)
 
 
 def assert_pool_clean(engine: LLMEngine) -> None:

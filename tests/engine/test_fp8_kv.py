@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from schemas.sampling import SamplingParams
-from tests.engine.conftest import hf_greedy, prompt_set
+from tests.engine.conftest import hf_greedy, prompt_set, run_prompts
 from workers.engine import EngineConfig, LLMEngine
 
 MAX_NEW = 8
@@ -14,13 +14,7 @@ MAX_NEW = 8
 def run(path, prompts, **cfg) -> tuple[LLMEngine, list[list[int]]]:
     eng = LLMEngine(str(path), EngineConfig(device="cpu", dtype="float32", block_size=4, **cfg))
     sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", prompt_token_ids=p, sampling=sp)
-    done = {}
-    while eng.has_unfinished():
-        for f in eng.step().finished:
-            done[f.request_id] = f.output_token_ids
-    return eng, [done[f"r{i}"] for i in range(len(prompts))]
+    return eng, [f.output_token_ids for f in run_prompts(eng, prompts, sp)]
 
 
 def test_fp8_kv_cache_halves_bytes_and_tracks_full_precision(llama_dir):

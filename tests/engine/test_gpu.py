@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from schemas.sampling import SamplingParams
-from tests.engine.conftest import prompt_set
+from tests.engine.conftest import prompt_set, run_prompts
 from workers.engine import EngineConfig, LLMEngine
 
 pytestmark = pytest.mark.gpu
@@ -35,13 +35,7 @@ def run(path, prompts, **cfg):
     eng = LLMEngine(str(path), EngineConfig(device="cuda", dtype="float32", kernel_backend="triton",
                                             num_blocks=256, max_model_len=512, **cfg))
     sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", prompt_token_ids=p, sampling=sp)
-    done = {}
-    while eng.has_unfinished():
-        for f in eng.step().finished:
-            done[f.request_id] = f
-    return eng, [done[f"r{i}"].output_token_ids for i in range(len(prompts))]
+    return eng, [f.output_token_ids for f in run_prompts(eng, prompts, sp)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -121,11 +115,5 @@ def test_cuda_fp8_kv_cache_kernels_match_reference(llama_dir):
                                                      kv_cache_dtype="fp8"))
         assert eng.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
         sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            eng.add_request(f"r{i}", prompt_token_ids=p, sampling=sp)
-        done = {}
-        while eng.has_unfinished():
-            for f in eng.step().finished:
-                done[f.request_id] = f.output_token_ids
-        outs.append([done[f"r{i}"] for i in range(len(prompts))])
+        outs.append([f.output_token_ids for f in run_prompts(eng, prompts, sp)])
     assert outs[0] == outs[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from schemas.sampling import SamplingParams
-from tests.engine.conftest import hf_greedy, prompt_set
+from tests.engine.conftest import hf_greedy, prompt_set, run_prompts
 from workers.engine import EngineConfig, LLMEngine
 
 MAX_NEW = 6
@@ -21,11 +21,6 @@ def test_triton_kernels_greedy_matches_transformers(llama_dir, monkeypatch):
                                                  block_size=4, max_num_batched_tokens=48))
     assert eng.runner.ops.name == "triton"
     sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", prompt_token_ids=p, sampling=sp)
-    done = {}
-    while eng.has_unfinished():
-        for f in eng.step().finished:
-            done[f.request_id] = f
-    assert [done[f"r{i}"].output_token_ids for i in range(len(prompts))] == want
-    assert done["r5"].usage.cached_prompt_tokens > 0  # a prefix hit went through the Triton prefill path
+    done = run_prompts(eng, prompts, sp)
+    assert [f.output_token_ids for f in done] == want
+    assert done[5].usage.cached_prompt_tokens > 0  # a prefix hit went through the Triton prefill path
