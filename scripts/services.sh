@@ -151,8 +151,15 @@ kafka_launch() {
   kafka_jvm_opts
   if [ ! -f "$KAFKA_DIR/data/meta.properties" ]; then
     local cluster_id
-    cluster_id=$(python3 -c 'import base64, uuid; print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))')
-    java "${KAFKA_JVM[@]}" kafka.tools.StorageTool format -t "$cluster_id" -c "$KAFKA_DIR/server.properties" \
+    # a base64 id may start with "-", which the tool's argument parser takes for an option (1 run
+    # in 64 failed so): pass it as --cluster-id=ID, and draw ids that start with a letter or digit
+    cluster_id=$(python3 -c 'import base64, uuid
+while True:
+    s = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    if s[0].isalnum():
+        print(s)
+        break')
+    java "${KAFKA_JVM[@]}" kafka.tools.StorageTool format --cluster-id="$cluster_id" -c "$KAFKA_DIR/server.properties" \
       > "$KAFKA_DIR/format.log" 2>&1 || { cat "$KAFKA_DIR/format.log" >&2; die "kafka storage format failed"; }
   fi
   say "starting Kafka $KAFKA_VERSION on $HOST:$KAFKA_PORT"
