@@ -137,7 +137,7 @@ def test_admission_batching_under_saturation():
 
 
 def test_manager_hashes_equal_hash_block_chain():
-    """The manager hashes runs of blocks at once; the digests are hash_block's chain."""
+    """The manager hashes runs of blocks at once (hash_blocks); the digests are hash_block's chain."""
     from schemas.sampling import SamplingParams
     from workers.engine.kv_cache_manager import KVCacheManager
     from workers.engine.sequence import Request, RequestTimes

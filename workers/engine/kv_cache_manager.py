@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-
-from workers.engine.block_pool import HASH_BYTES, BlockPool, KVBlock
+from workers.engine.block_pool import BlockPool, KVBlock, hash_blocks
 from workers.engine.sequence import Request
 
 
@@ -28,14 +25,7 @@ class KVCacheManager:
         start = len(hashes)
         if start >= n_full:
             return
-        # the same chained digests as hash_block, the token bytes packed once for the whole run
-        # (a 2k-token prompt: 136 blocks; ~30% less host time than one array per block)
-        buf = array("q", req.token_ids[start * bs : n_full * bs]).tobytes()
-        step = bs * 8
-        parent = hashes[-1] if hashes else b""
-        for off in range(0, len(buf), step):
-            parent = hashlib.blake2b(parent + buf[off : off + step], digest_size=HASH_BYTES).digest()
-            hashes.append(parent)
+        hashes.extend(hash_blocks(hashes[-1] if hashes else None, req.token_ids[start * bs : n_full * bs], bs))
 
     def find_cached_prefix(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest run of cached full blocks at the start of the request's tokens.

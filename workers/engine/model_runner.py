@@ -299,9 +299,8 @@ class ModelRunner:
         """input_ids[dst] = previous step's tokens[src], on the device (decodes are the first rows)."""
         if pending is None:
             return
-        dst = torch.tensor(pending.dst, dtype=torch.int64).to(self.device, non_blocking=True)
-        src = torch.tensor(pending.src, dtype=torch.int64).to(self.device, non_blocking=True)
-        input_ids.index_copy_(0, dst, pending.tokens.index_select(0, src))
+        idx = torch.tensor((pending.dst, pending.src), dtype=torch.int64).to(self.device, non_blocking=True)
+        input_ids.index_copy_(0, idx[0], pending.tokens.index_select(0, idx[1]))  # one copy to the device
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev: SampledTokens | None = None) -> SampledTokens:
