@@ -300,11 +300,17 @@ def run_decode_kv_dtype(sweep: list) -> None:
         q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
         sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
         ref = decode_attention_triton(q, kc, vc, bt, sl, scale)
+        tiles = [(128, 4, 3), (64, 4, 3), (128, 8, 3), (128, 4, 2), (64, 2, 3), (32, 2, 3), (64, 1, 3),
+                 (64, 2, 4), (128, 2, 3), (32, 1, 3), (64, 2, 2)]
         for name, k, v in (("bf16", kc, vc), ("fp8", kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn))):
             nbytes = sum(ctx) * HK * D * 2 * k.element_size()
-            for bn, w, st in [(128, 4, 3), (64, 4, 3), (128, 8, 3), (256, 4, 2), (256, 8, 3), (128, 4, 4)]:
-                f = partial(decode_attention_triton, q, k, v, bt, sl, scale, block_n=bn, num_warps=w, num_stages=st)
-                row = {"op": f"decode_{name}_cache", "shape": f"B={b} ctx~1000", "cfg": f"N{bn} w{w} s{st}"}
+            for (bn, w, st), widen, splits in [(t, wd, None) for t in tiles for wd in
+                                               (("q", "fp16") if name == "fp8" else ("q",))] + [
+                    ((128, 4, 3), "q", 1), ((128, 4, 3), "fp16" if name == "fp8" else "q", 2)]:
+                f = partial(decode_attention_triton, q, k, v, bt, sl, scale, num_splits=splits, block_n=bn,
+                            num_warps=w, num_stages=st, widen=widen)
+                row = {"op": f"decode_{name}_cache", "shape": f"B={b} ctx~1000",
+                       "cfg": f"N{bn} w{w} s{st} widen={widen} splits={splits or 'auto'}"}
                 try:
                     diff = (f().float() - ref.float()).abs().max().item()
                     ms = bench(f, graph=True)
@@ -580,6 +586,8 @@ def main() -> None:
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     ap.add_argument("--focus", action="store_true", help="only the split-KV / launch-overhead set (see above)")
     ap.add_argument("--old", default=None, help="folder holding the previous kernels as package `oldkernels`")
+    ap.add_argument("--sections", default=None,
+                    help="comma list of sections to run (rms,silu,rope,prefill,decode,decode_kv_dtype,graph); default all")
     args = ap.parse_args()
     if args.focus:
         run_focus(args)
@@ -600,7 +608,10 @@ def main() -> None:
                 ("prefill", lambda: run_prefill(rows, sweep)), ("decode", lambda: run_decode(rows, sweep)),
                 ("decode_kv_dtype", lambda: sweep is not None and run_decode_kv_dtype(sweep)),
                 ("graph", lambda: result.__setitem__("graph_check", check_decode_graph())))
+    only = set(args.sections.split(",")) if args.sections else None
     for name, fn in sections:
+        if only is not None and name not in only:
+            continue
         try:  # one broken section is reported and does not lose the others' numbers
             fn()
         except Exception:

@@ -51,6 +51,36 @@ def dispatch_ms(engine: LLMEngine, prompt: list[int]) -> tuple[float, float]:
     return ((t_prep - t0) * 1e3, (t_issue - t_prep) * 1e3, (t_done - t0) * 1e3)
 
 
+def timeline(prof, marker: str) -> str:
+    """GPU busy vs idle inside the CPU span of record_function(marker): lead (before the first
+    kernel), tail (after the last), and the largest idle gaps with the CPU op running then."""
+    from torch.autograd import DeviceType
+
+    evs = prof.events()
+    span = next((e for e in evs if e.name == marker), None)
+    if span is None:
+        return f"(no span {marker})"
+    t0, t1 = span.time_range.start, span.time_range.end
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs
+                if e.device_type == DeviceType.CUDA and t0 <= e.time_range.start <= t1)
+    if not ks:
+        return "(no kernels)"
+    cpu = [e for e in evs if e.device_type == DeviceType.CPU and e.name != marker]
+    busy, gaps, end = 0.0, [], ks[0][0]
+    for a, b, name in ks:
+        if a > end:
+            gaps.append((a - end, end, name))
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    gaps.sort(reverse=True)
+    lines = [f"wall {(t1 - t0) / 1e3:.2f} ms: GPU busy {busy / 1e3:.2f} ms, lead {(ks[0][0] - t0) / 1e3:.2f} ms, "
+             f"tail {(t1 - end) / 1e3:.2f} ms, idle gaps {sum(g for g, _, _ in gaps) / 1e3:.2f} ms in {len(gaps)}"]
+    for g, at, nxt in gaps[:6]:
+        running = [e.name for e in cpu if e.time_range.start <= at <= e.time_range.end][-3:]
+        lines.append(f"  gap {g:.0f} us before {nxt[:50]} (CPU in {running})")
+    return "\n".join(lines)
+
+
 def show(prof, title: str, n: int = 12) -> None:
     print(f"\n## {title}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=60))
@@ -68,12 +98,21 @@ def main() -> None:
     cases = {"ttft 512": ids(512), "ttft 2048c+128": prefix + ids(128), "ttft 2048": ids(2048),
              "ttft 8192": ids(8192), "ttft 32768": ids(32768)}
     for name, prompt in cases.items():
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        walls = []
+        for i in range(3):  # unprofiled; a cached prefix stays cached, the rest is new each time
+            p = prefix + ids(128) if "c+" in name else ids(len(prompt))
             t0 = time.perf_counter()
-            first_token(eng, name, prompt)
-            torch.cuda.synchronize()
+            first_token(eng, f"{name}-{i}", p)
+            walls.append((time.perf_counter() - t0) * 1e3)
+        prompt = prefix + ids(128) if "c+" in name else ids(len(prompt))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with torch.profiler.record_function("case"):
+                t0 = time.perf_counter()
+                first_token(eng, name, prompt)
+                torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3
-        show(prof, f"{name}: wall {wall:.1f} ms (profiled)")
+        show(prof, f"{name}: wall {wall:.1f} ms (profiled), unprofiled {[round(w, 2) for w in walls]} ms")
+        print(timeline(prof, "case"), flush=True)
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for b in (1,):
         for i in range(b):
@@ -81,10 +120,12 @@ def main() -> None:
         for _ in range(30):
             eng.step()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                eng.step()
-            torch.cuda.synchronize()
+            with torch.profiler.record_function("case"):
+                for _ in range(5):
+                    eng.step()
+                torch.cuda.synchronize()
         show(prof, f"decode b{b}, 5 steps, graphs on")
+        print(timeline(prof, "case"), flush=True)
         while eng.has_unfinished():
             eng.step()
 

@@ -67,6 +67,7 @@ def _decode_partial_kernel(
     HAS_WINDOW: tl.constexpr,  # apply the sliding window
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs and the interpreter, None (default) for 16 bit
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
+    WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -91,6 +92,8 @@ def _decode_partial_kernel(
     dmask = d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    if WIDEN_F16:
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)  # pre-scaled: far from fp16's range limit
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -107,11 +110,17 @@ def _decode_partial_kernel(
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        k = k.to(q_ptr.dtype.element_ty)  # an fp8 cache widens exactly to q's dtype (else a no-op)
-        v = v.to(q_ptr.dtype.element_ty)
+        if WIDEN_F16:
+            k = k.to(tl.float16)  # e4m3 -> fp16 is exact
+            v = v.to(tl.float16)
+        else:
+            k = k.to(q_ptr.dtype.element_ty)  # an fp8 cache widens exactly to q's dtype (else a no-op)
+            v = v.to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+        if not WIDEN_F16:
+            s = s * qk_scale
         s = tl.where(k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
@@ -159,20 +168,22 @@ _TILES: dict = {}
 def _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window) -> tuple:
     """All argument checks but the batch size (run once per key).
 
-    Returns (Hq, Hk, D, block_size, on_gpu, fp32, has_window).
+    Returns (Hq, Hk, D, block_size, on_gpu, fp32, has_window, fp8_cache).
     """
     hq, hk, d, bs = check_paged_inputs("decode_attention", q, k_cache, v_cache, block_tables)
     check(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
           "decode_attention: seq_lens must be contiguous [B] int32")
     check(seq_lens.device == q.device, "decode_attention: seq_lens on another device than q")
     check(sliding_window is None or sliding_window >= 1, "decode_attention: bad sliding_window {}", sliding_window)
-    return hq, hk, d, bs, q.device.type == "cuda", q.dtype == torch.float32, sliding_window is not None
+    return (hq, hk, d, bs, q.device.type == "cuda", q.dtype == torch.float32, sliding_window is not None,
+            k_cache.dtype == torch.float8_e4m3fn)
 
 
 def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits) of the partial launch."""
-    hq, hk, d, bs, on_gpu, fp32, has_window = static
-    num_splits, block_n, num_warps, num_stages = over
+    hq, hk, d, bs, on_gpu, fp32, has_window, fp8_cache = static
+    num_splits, block_n, num_warps, num_stages, widen = over
+    check(widen in (None, "q", "fp16"), "decode_attention: widen must be 'q' or 'fp16', not {!r}", widen)
     group = hq // hk
     g_pack = min(group, 64)
     head_chunks = cdiv(group, g_pack)
@@ -180,12 +191,20 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
         num_splits = default_num_splits(b, hk * head_chunks, max_context, sms)
     check(1 <= num_splits <= 256, "decode_attention: num_splits {} not in [1, 256]", num_splits)
     # 128-key tiles on the GPU: 3-10% over 64 at B=1..256 on H200 (kernels-2026-11-30.md, sweep)
-    bn = block_n or (32 if fp32 else 128 if on_gpu else 64)
+    # an fp8 cache on the GPU: 64-key tiles, 2 warps, tiles widened to fp16 (one cvt per pair of
+    # values): 0.176 ms against 0.252 for the bf16-path tiles at B=224, context ~1000, where a
+    # bf16 cache takes 0.221 (kernels-2026-11-30-session3.md, kv-dtype sweep)
+    fp8_gpu = fp8_cache and on_gpu and not fp32
+    if widen is None and fp8_gpu:
+        widen = "fp16"
+    bn = block_n or (32 if fp32 else 64 if fp8_gpu else 128 if on_gpu else 64)
+    num_warps = num_warps or (2 if fp8_gpu else 4)
     check(bn >= 16 and bn & (bn - 1) == 0, "decode_attention: block_n must be a power of two >= 16")
     consts = {
         "GROUP": group, "G_PACK": g_pack, "HEAD_CHUNKS": head_chunks, "BLOCK_H": max(16, next_pow2(g_pack)),
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
+        "WIDEN_F16": fp8_cache and widen == "fp16",
     }
     return (b, hk * head_chunks, num_splits), consts, num_warps or 4, num_stages or 3, num_splits
 
@@ -203,6 +222,7 @@ def decode_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    widen: str | None = None,
 ) -> torch.Tensor:
     """Triton `decode_attention_ref` (flash-decoding): q [B, Hq, D] -> [B, Hq, D].
 
@@ -211,6 +231,8 @@ def decode_attention_triton(
     output and there is no second. Nothing is read on the host and every shape depends on
     (B, num_splits) only, so the call can be captured in a CUDA graph. num_splits defaults to
     `default_num_splits` (B, heads, SM count); block_n / num_warps / num_stages override tiles.
+    widen: what an fp8 cache's tiles are widened to before the dots: "q" (q's dtype, the
+    default) or "fp16" (q and the probabilities cast to fp16 too).
     """
     # q: [B, Hq, D]; partials: [B * Hq, S] and [B * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride()[1:], q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -228,7 +250,7 @@ def decode_attention_triton(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    over = (num_splits, block_n, num_warps, num_stages)
+    over = (num_splits, block_n, num_warps, num_stages, widen)
     tkey = (skey, b, block_tables.shape[1], over)
     plan = _TILES.get(tkey)
     if plan is None:

@@ -19,13 +19,16 @@ class KernelOps:
     # (k_cache, v_cache, num_heads, scale, window, q_dtype) -> None: compile every kernel variant the attention
     # ops can pick, so that no step of serving waits for a compile; a no-op for the references
     warm_up: Callable = lambda *args: None
+    # (q_dtype, num_heads, k_cache, batch, num_tokens, max_query_len, ctx_bound, window) -> int: the
+    # key-range splits prefill_attention would pick for these shapes (1 for the references)
+    prefill_splits: Callable = lambda *args: 1
 
 
 def get_ops(backend: str) -> KernelOps:
     """Return the op set for `backend`: "torch" (references, any device) or "triton".
 
     The Triton ops take the references' arguments, plus optional extras: prefill_attention a
-    `max_query_len` int that sizes its grid, decode_attention a `num_splits` int. Triton's
+    `max_query_len` int that sizes its grid and a `num_splits` int, decode_attention a `num_splits` int. Triton's
     rope_and_cache rotates q and k in place (the reference returns new tensors).
     """
     if backend == "torch":
@@ -45,7 +48,7 @@ def get_ops(backend: str) -> KernelOps:
         )
     if backend == "triton":
         from kernels.decode_attention import decode_attention_triton
-        from kernels.prefill_attention import paged_attention_triton
+        from kernels.prefill_attention import paged_attention_triton, plan_prefill_splits
         from kernels.rmsnorm import rms_norm_triton
         from kernels.rope_cache import rope_and_cache_triton
         from kernels.silu_mul import silu_and_mul_triton
@@ -58,6 +61,7 @@ def get_ops(backend: str) -> KernelOps:
             prefill_attention=paged_attention_triton,
             decode_attention=decode_attention_triton,
             warm_up=_warm_up_triton,
+            prefill_splits=plan_prefill_splits,
         )
     raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
 

@@ -207,33 +207,47 @@ def _paged_attention_kernel(
         )
 
 
-@lazy_jit(do_not_specialize=("num_splits",))
+@lazy_jit(do_not_specialize=("num_rows", "num_splits"))
 def _combine_splits_kernel(
     m_ptr,  # partial row max: [R, num_splits] fp32 (exp2 domain), -1e30 where a split saw no key
     l_ptr,  # partial row sum: [R, num_splits] fp32
     acc_ptr,  # partial unnormalised output: [R, num_splits, D] fp32, read only where l > 0
     out_ptr,  # out: [R, D], contiguous
+    num_rows,  # R
     num_splits,  # partitions to combine
-    BLOCK_S: tl.constexpr,  # power of two >= num_splits
+    ROWS: tl.constexpr,  # output rows per program
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_D: tl.constexpr,  # power of two >= D
 ):
-    row = tl.program_id(0).to(tl.int64)  # (token or sequence) * Hq + head
-    s = tl.arange(0, BLOCK_S)
-    smask = s < num_splits
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (token or sequence) * Hq + head
+    rmask = rows < num_rows
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
-    m = tl.load(m_ptr + row * num_splits + s, mask=smask, other=-1.0e30)  # [BLOCK_S]
-    lsum = tl.load(l_ptr + row * num_splits + s, mask=smask, other=0.0)
-    live = smask & (lsum > 0.0)  # empty splits wrote no acc (and their weight is 0 anyway)
-    acc = tl.load(acc_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-                  mask=live[:, None] & dmask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    m_max = tl.max(m, 0)
-    w = tl.math.exp2(m - m_max)  # [BLOCK_S]
-    total = tl.sum(w * lsum, 0)
-    o = tl.sum(w[:, None] * acc, 0)  # [BLOCK_D]
-    o = o / tl.where(total > 0.0, total, 1.0)  # a row that saw no key (seq_len 0, padding) gives zeros
-    tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
+    m_max = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    for s in range(num_splits):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + rows * num_splits + s, mask=rmask, other=-1.0e30))
+    total = tl.zeros([ROWS], dtype=tl.float32)
+    o = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for s in range(num_splits):
+        m = tl.load(m_ptr + rows * num_splits + s, mask=rmask, other=-1.0e30)
+        lsum = tl.load(l_ptr + rows * num_splits + s, mask=rmask, other=0.0)
+        live = rmask & (lsum > 0.0)  # empty splits wrote no acc (and their weight is 0 anyway)
+        w = tl.where(live, tl.math.exp2(m - m_max), 0.0)
+        total += w * lsum
+        acc = tl.load(acc_ptr + (rows * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                      mask=live[:, None] & dmask[None, :], other=0.0)  # [ROWS, BLOCK_D]
+        o += w[:, None] * acc
+    o = o / tl.where(total > 0.0, total, 1.0)[:, None]  # a row that saw no key (seq_len 0, padding) gives zeros
+    tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])
+
+
+# rows per combine program: one row per program while that still fills the GPU several times over
+COMBINE_ROWS = (1, 4, 16)
+
+
+def combine_rows_per_program(rows: int) -> int:
+    return 1 if rows <= 2048 else 4 if rows <= 16384 else 16
 
 
 def split_partials(rows: int, num_splits: int, d: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -244,17 +258,30 @@ def split_partials(rows: int, num_splits: int, d: int, device: torch.device) -> 
     return m, lsum, acc
 
 
-def combine_splits(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, out: torch.Tensor, fast: bool) -> None:
+def combine_splits(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, out: torch.Tensor, fast: bool,
+                   rows_per_program: int | None = None) -> None:
     """out[r] = sum_s 2^(m[r,s] - M) acc[r,s] / sum_s 2^(m[r,s] - M) l[r,s] (flash-decoding's combine).
 
     m, lsum: [R, S]; acc: [R, S, D] fp32, contiguous (split_partials); out: contiguous, R * D
     elements. Used by the split prefill and by decode. fast: see LazyKernel.launch.
     """
     rows, splits, d = acc.shape
+    per = rows_per_program or combine_rows_per_program(rows)
     _combine_splits_kernel.launch(
-        (rows,), (m, lsum, acc, out, splits),
-        {"BLOCK_S": next_pow2(splits), "HEAD_DIM": d, "BLOCK_D": next_pow2(d)}, 4, 1, fast,
+        (cdiv(rows, per),), (m, lsum, acc, out, rows, splits),
+        {"ROWS": per, "HEAD_DIM": d, "BLOCK_D": next_pow2(d)}, 4, 1, fast,
     )
+
+
+def warm_up_combine(d: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile the combine kernel for every rows-per-program choice (the split count is a runtime int)."""
+    m, lsum, acc = split_partials(2, 3, d, device)
+    m.fill_(0.0)
+    lsum.fill_(1.0)
+    acc.fill_(0.0)
+    out = torch.empty((2, d), dtype=dtype, device=device)
+    for per in COMBINE_ROWS:
+        combine_splits(m, lsum, acc, out, True, per)
 
 
 def check_paged_inputs(
@@ -369,6 +396,20 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
     return grid, consts, warps, stages, num_splits, num_m_tiles
 
 
+def plan_prefill_splits(q_dtype: torch.dtype, num_heads: int, k_cache: torch.Tensor, batch: int, num_tokens: int,
+                        max_query_len: int, ctx_bound: int, sliding_window: int | None) -> int:
+    """The key-range split count `paged_attention_triton` picks for these shapes (no launch).
+
+    A caller that captures a launch in a CUDA graph for the worst-case context can ask what a
+    step with the real, shorter context would pick, and replay an unsplit capture when it is 1.
+    """
+    _, bs, hk, d = k_cache.shape
+    static = (num_heads, hk, d, bs, batch, k_cache.device.type == "cuda")
+    plan = _tile_plan(static, q_dtype, num_tokens, min(max_query_len, num_tokens), ctx_bound,
+                      sliding_window is not None, num_sms(k_cache.device), (None,) * 5)
+    return plan[4]
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -459,6 +500,7 @@ def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
     tables = torch.zeros((1, 4), dtype=torch.int32, device=dev)
     qsl = torch.tensor([0, t], dtype=torch.int32, device=dev)
     lens = torch.tensor([t], dtype=torch.int32, device=dev)
+    warm_up_combine(d, q_dtype, dev)
     for bm, bn, warps, stages in (GPU_TILES_LARGE, GPU_TILES_SMALL):
         for splits in (1, 2):
             paged_attention_triton(q, k_cache, v_cache, tables, qsl, lens, scale, sliding_window, t,

@@ -117,3 +117,27 @@ def test_cuda_fp8_kv_cache_kernels_match_reference(llama_dir):
         sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
         outs.append([f.output_token_ids for f in run_prompts(eng, prompts, sp)])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_prefill_graph_splits_only_long_contexts(llama_dir):
+    """A prefill graph replays its split-attention capture only when the step's context needs it
+    (a long cached prefix); short contexts replay the unsplit capture. Tokens stay exact."""
+    long = prompt_set(1, seed=31, min_len=1400, max_len=1400)[0]
+    cases = [long, long[:1392] + [5, 9, 11, 13, 17, 19, 23, 29], prompt_set(1, seed=32, min_len=30, max_len=30)[0]]
+    want = hf_greedy_cuda(llama_dir, cases)
+    eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="float32", kernel_backend="triton",
+                                                 num_blocks=512, max_model_len=2048, prefill_graph_max_tokens=64,
+                                                 max_num_batched_tokens=2048))
+    pg = eng.runner.prefill_graphs
+    assert any(s > 1 for (_t, s) in pg.graphs) and any(s == 1 for (_t, s) in pg.graphs)
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    got, splits = [], []
+    for i, p in enumerate(cases):
+        pg.last_splits = 0
+        got.append(run_prompts(eng, [p], sp, tag=f"c{i}")[0].output_token_ids)
+        splits.append(pg.last_splits)
+    assert got == want
+    assert splits[0] == 0  # 1400 new tokens: eager, no prefill graph
+    assert splits[1] > 1  # 8 new tokens over a 1392-token cached prefix: split
+    assert splits[2] == 1  # 30 tokens, nothing cached: unsplit

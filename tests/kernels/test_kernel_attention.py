@@ -244,14 +244,16 @@ def test_paged_prefill_fp8_cache(dtype, prefix, new, hq, hk, d, window, tiles) -
 
 
 @pytest.mark.usefixtures("poison_empty")
-@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize(("dtype", "widen"), [(F32, None), (BF16, None), (BF16, "fp16")])
 @pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits", "block_n"), DECODE_CASES[:4])
-def test_decode_fp8_cache(dtype, ctx, hq, hk, d, window, splits, block_n) -> None:
+def test_decode_fp8_cache(dtype, widen, ctx, hq, hk, d, window, splits, block_n) -> None:
+    """fp8 tiles widened to q's dtype, or (widen="fp16") with q and the probabilities in fp16."""
     kc, vc, bt = make_paged_kv(ctx, hk, d, 16, dtype)
     kc8, vc8 = kc.to(FP8), vc.to(FP8)
     q = torch.randn(len(ctx), hq + 2 * hk, d).to(dtype)[:, :hq]
     sl = torch.tensor(ctx, dtype=torch.int32)
-    out = decode_attention_triton(q, kc8, vc8, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n)
+    out = decode_attention_triton(q, kc8, vc8, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n,
+                                  widen=widen)
     assert not out.isnan().any()
     torch.testing.assert_close(out, decode_attention_ref(q, kc8, vc8, bt, sl, d**-0.5, window), **TOL[dtype])
 
@@ -262,3 +264,31 @@ def test_fp8_cache_rules() -> None:
         paged_attention_triton(q, kc.to(FP8), vc, bt, qsl, sl, 0.125)  # k and v caches differ
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         paged_attention_triton(q, kc.half(), vc.half(), bt, qsl, sl, 0.125)  # 16-bit cache, fp32 q
+
+
+@pytest.mark.parametrize("rows_per_program", [1, 4, 16])
+@pytest.mark.parametrize(("rows", "splits"), [(1, 1), (37, 5), (130, 3)])
+def test_combine_splits_rows_per_program(rows, splits, rows_per_program) -> None:
+    """The split combination, any rows per program (a partial last program), against the
+    log-sum-exp formula; splits that saw no key (l = 0, acc never written: NaN here) drop out."""
+    from kernels.prefill_attention import combine_splits, split_partials
+
+    d = 72  # not a power of two
+    g = torch.Generator().manual_seed(rows * 7 + splits)
+    m, lsum, acc = split_partials(rows, splits, d, torch.device("cpu"))
+    m.copy_(torch.randn(rows, splits, generator=g) * 4)
+    lsum.copy_(torch.rand(rows, splits, generator=g) + 0.1)
+    acc.copy_(torch.randn(rows, splits, d, generator=g))
+    empty = torch.rand(rows, splits, generator=g) < 0.3
+    empty[0] = True  # a row with no key at all gives zeros
+    m[empty], lsum[empty] = -1.0e30, 0.0
+    acc[empty] = float("nan")
+    out = torch.empty(rows, d)
+    combine_splits(m, lsum, acc, out, False, rows_per_program)
+    w = torch.where(empty, 0.0, torch.exp2(m - m.max(1, keepdim=True).values))
+    num = (w[:, :, None] * torch.nan_to_num(acc)).sum(1)
+    den = (w * lsum).sum(1, keepdim=True)
+    want = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert out[0].abs().max() == 0.0

@@ -26,6 +26,7 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor | None  # [num_prefills] int32
     prefill_max_query_len: int = 0
     decode_num_splits: int | None = None  # flash-decoding splits; fixed when the step is graph-captured
+    prefill_num_splits: int | None = None  # prefill key-range splits (None: the kernel's choice from shapes)
     # the step is one long prompt with nothing cached: attention runs on the contiguous new
     # q/k/v with a dense causal kernel instead of through the cache
     prefill_dense: bool = False
@@ -69,6 +70,8 @@ class PagedAttention:
         kwargs = {}
         if self.ops.name != "torch":
             kwargs["max_query_len"] = meta.prefill_max_query_len
+            if meta.prefill_num_splits is not None:
+                kwargs["num_splits"] = meta.prefill_num_splits
         return self.ops.prefill_attention(
             q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
             meta.prefill_seq_lens, self.scale, self.sliding_window, **kwargs,

@@ -160,12 +160,21 @@ class PrefillGraphs:
         self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
         self.logit_rows = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (t, splits)
+        self.split_of: dict[int, int] = {}  # bucket -> split count of its worst-case graph
+        self.last_splits = 0  # split count of the last replayed graph (diagnostics, tests)
 
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
         return num_tokens <= self.buckets[-1] and num_seqs <= self.max_seqs
 
-    def _forward(self, t: int) -> torch.Tensor:
+    def _splits(self, t: int, ctx_bound: int) -> int:
+        """Prefill key-range splits the kernel picks for bucket t at contexts up to ctx_bound."""
+        r = self.runner
+        mc = r.model_config
+        # (the count does not depend on a layer's sliding window)
+        return r.ops.prefill_splits(r.dtype, mc.num_heads, r.kv_caches[0][0], self.max_seqs, t, t, ctx_bound, None)
+
+    def _forward(self, t: int, num_splits: int | None) -> torch.Tensor:
         r = self.runner
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:t],
@@ -177,6 +186,7 @@ class PrefillGraphs:
             prefill_query_start_loc=self.query_start_loc,
             prefill_seq_lens=self.seq_lens,
             prefill_max_query_len=t,
+            prefill_num_splits=num_splits,
         )
         hidden, residual = r.model(self.input_ids[:t], self.positions[:t], r.cos_sin, r.kv_caches, meta)
         rows = self.logit_rows
@@ -184,19 +194,25 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
+        """Per token bucket: a graph whose attention splits the key range as the worst-case
+        context needs (a long cached prefix), and, where that splits, one that does not (a step
+        whose contexts are short: its partials and their combination would be pure overhead)."""
+        worst = self.runner.max_blocks_per_seq * self.runner.block_size
         for t in reversed(self.buckets):
-            # warm-up inputs: one sequence holding every token, written to the scratch block
-            self.query_start_loc.fill_(t)
-            self.query_start_loc[0] = 0
-            self.seq_lens.zero_()
-            self.seq_lens[0] = t
-            self.positions.zero_()
-            for _ in range(2):
-                self._forward(t)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=stream):
-                logits = self._forward(t)
-            self.graphs[t] = (g, logits)
+            for splits in sorted({self._splits(t, worst), 1}, reverse=True):
+                # warm-up inputs: one sequence holding every token, written to the scratch block
+                self.query_start_loc.fill_(t)
+                self.query_start_loc[0] = 0
+                self.seq_lens.zero_()
+                self.seq_lens[0] = t
+                self.positions.zero_()
+                for _ in range(2):
+                    self._forward(t, splits)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    logits = self._forward(t, splits)
+                self.graphs[(t, splits)] = (g, logits)
+                self.split_of.setdefault(t, splits)  # the first (largest) count: the worst case's
 
     def run(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> torch.Tensor:
         """Replay the smallest graph that holds the step; returns logits of the sampling rows."""
@@ -222,6 +238,10 @@ class PrefillGraphs:
         rows = np.zeros(self.max_seqs, dtype=np.int64)
         rows[: len(logit_rows)] = logit_rows
         self.logit_rows.copy_(torch.from_numpy(rows), non_blocking=True)
-        g, logits = self.graphs[t]
+        splits = self.split_of[t]
+        if splits > 1 and self._splits(t, int(seq_lens.max())) == 1:
+            splits = 1
+        self.last_splits = splits
+        g, logits = self.graphs[(t, splits)]
         g.replay()
         return logits[: len(logit_rows)]
