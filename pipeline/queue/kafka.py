@@ -15,9 +15,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 from kafka import AsyncConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, MessageSizeTooLargeError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from pipeline.queue.base import (
@@ -32,6 +33,15 @@ from pipeline.queue.base import (
     RawMessage,
     encode_job,
     routing_key,
+)
+from pipeline.queue.kafka_batches import (
+    BATCH_HEADER_BYTES,
+    append_batches,
+    batch_error,
+    batch_succeeded,
+    make_batch,
+    partitions_for,
+    record_size,
 )
 from pipeline.settings import Settings, get_settings
 from schemas.job import JobRequest
@@ -125,16 +135,70 @@ class KafkaQueue(JobQueue):
         """Send jobs keyed by their routing key and wait until every one is acknowledged by all
         in-sync replicas. Raises the first send error (jobs before it may have been written:
         re-publishing is safe, the store dedupes by job id)."""
-        producer = self._get_producer()
         stamped = list(self._stamp(jobs))
         prefix_chars = self.settings.prefix_key_chars
+        keys = [routing_key(j, prefix_chars) for j in stamped]
+        values = [encode_job(j) for j in stamped]
+        if len(stamped) >= self.bulk_min_records:
+            self._produce_batches(keys, values)
+        else:
+            self._produce_records(keys, values)
+        return stamped
+
+    # Below this many jobs a publish sends record by record (one small batch either way).
+    bulk_min_records = 32
+
+    def _produce_records(self, keys: list[bytes], values: list[bytes]) -> None:
+        producer = self._get_producer()
         send, topic = producer.send, self.topic
-        futures = [send(topic, key=routing_key(j, prefix_chars), value=encode_job(j)) for j in stamped]
+        futures = [send(topic, key=k, value=v) for k, v in zip(keys, values, strict=True)]
         producer.flush()
         for f in futures:
             if f.failed():
                 raise f.exception
-        return stamped
+
+    def _produce_batches(self, keys: list[bytes], values: list[bytes]) -> None:
+        """Send many records as whole record batches (see pipeline.queue.kafka_batches): each
+        partition's records, in order, in batches of up to `producer_batch_bytes`, appended to the
+        producer's accumulator; returns once the broker acknowledged every batch (acks=all)."""
+        producer = self._get_producer()
+        topic = self.topic
+        parts = producer.partitions_for(topic)  # waits for the topic's metadata when needed
+        assigned = partitions_for(keys, len(parts))
+        order = np.argsort(assigned, kind="stable")
+        bounds = np.flatnonzero(np.diff(assigned[order])) + 1
+        limit = producer.config["batch_size"]
+        max_request = producer.config["max_request_size"]
+        magic = producer._accumulator.config["message_version"]
+        compression = producer.config["compression_attrs"]
+        now, ts = time.monotonic(), int(time.time() * 1000)
+        batches = []
+        for run in np.split(order, bounds):
+            tp = TopicPartition(topic, int(assigned[run[0]]))
+            ks: list[bytes] = []
+            vs: list[bytes] = []
+            size = BATCH_HEADER_BYTES
+            for i in run.tolist():
+                k, v = keys[i], values[i]
+                n = record_size(k, v)
+                if n + BATCH_HEADER_BYTES > max_request:
+                    raise MessageSizeTooLargeError(
+                        f"a {n}-byte message is larger than max_request_size ({max_request})"
+                    )
+                if ks and size + n > limit:
+                    batches.append(make_batch(tp, ks, vs, magic=magic, compression_attrs=compression,
+                                              batch_size=limit, timestamp_ms=ts, now=now))
+                    ks, vs, size = [], [], BATCH_HEADER_BYTES
+                ks.append(k)
+                vs.append(v)
+                size += n
+            batches.append(make_batch(tp, ks, vs, magic=magic, compression_attrs=compression,
+                                      batch_size=limit, timestamp_ms=ts, now=now))
+        append_batches(producer, batches)
+        producer.flush()
+        for b in batches:
+            if not batch_succeeded(b):
+                raise batch_error(b)
 
     def publish_raw(
         self, records: Iterable[tuple[bytes | None, bytes | None]], *, topic: str | None = None

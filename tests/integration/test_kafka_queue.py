@@ -99,6 +99,39 @@ def test_keys_route_a_prefix_to_one_partition(kafka_settings: Settings):
         q.close()
 
 
+def test_bulk_publish_routes_and_orders_like_send(kafka_settings: Settings):
+    """A publish of many jobs goes as prebuilt record batches: every job lands on the partition
+    kafka-python's partitioner gives its key (where a small publish sends it), in input order
+    within a partition, and is acknowledged before publish returns."""
+    from kafka.partitioner.default import murmur2
+
+    from pipeline.queue.base import routing_key
+
+    q = KafkaQueue(kafka_settings.model_copy(update={"jobs_partitions": 5, "producer_batch_bytes": 4096}))
+    try:
+        # varied sizes: many batches per partition (4 KB batches), a few one-record batches
+        jobs = [JobRequest(id=f"b{i}", prompt=f"p{i % 40} " + "x" * (i * 37 % 5000)) for i in range(1500)]
+        small = [JobRequest(id=f"s{i}", prompt=f"p{i} small") for i in range(3)]
+        assert len(jobs) >= q.bulk_min_records > len(small)
+        q.publish(jobs)
+        q.publish(small)
+        assert sum(end_offsets(kafka_settings, q.topic).values()) == len(jobs) + len(small)
+        with q.consumer() as c:
+            got = drain(c, len(jobs) + len(small))
+            assert sorted(m.job.id for m in got) == sorted(j.id for j in jobs + small)
+            for m in got:
+                key = routing_key(m.job, kafka_settings.prefix_key_chars)
+                assert m.key == key
+                assert m.partition == (murmur2(key) & 0x7FFFFFFF) % 5
+            for p in range(5):
+                ids = [int(m.job.id[1:]) for m in sorted(got, key=lambda m: m.offset)
+                       if m.partition == p and m.job.id.startswith("b")]
+                assert ids == sorted(ids)
+            c.commit(got)
+    finally:
+        q.close()
+
+
 def test_uncommitted_messages_come_back_after_a_restart(kafka_settings: Settings):
     q = KafkaQueue(kafka_settings.model_copy(update={"jobs_partitions": 1}))
     try:
