@@ -216,6 +216,7 @@ def _combine_splits_kernel(
     num_rows,  # R
     num_splits,  # partitions to combine
     ROWS: tl.constexpr,  # output rows per program
+    BLOCK_S: tl.constexpr,  # splits read at once (ROWS x BLOCK_S x BLOCK_D values in flight)
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_D: tl.constexpr,  # power of two >= D
 ):
@@ -223,20 +224,27 @@ def _combine_splits_kernel(
     rmask = rows < num_rows
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
+    sb = tl.arange(0, BLOCK_S)
     m_max = tl.full([ROWS], -1.0e30, dtype=tl.float32)
-    for s in range(num_splits):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + rows * num_splits + s, mask=rmask, other=-1.0e30))
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + sb
+        ok = rmask[:, None] & (s < num_splits)[None, :]
+        m = tl.load(m_ptr + rows[:, None] * num_splits + s[None, :], mask=ok, other=-1.0e30)  # [ROWS, BLOCK_S]
+        m_max = tl.maximum(m_max, tl.max(m, 1))
     total = tl.zeros([ROWS], dtype=tl.float32)
     o = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    for s in range(num_splits):
-        m = tl.load(m_ptr + rows * num_splits + s, mask=rmask, other=-1.0e30)
-        lsum = tl.load(l_ptr + rows * num_splits + s, mask=rmask, other=0.0)
-        live = rmask & (lsum > 0.0)  # empty splits wrote no acc (and their weight is 0 anyway)
-        w = tl.where(live, tl.math.exp2(m - m_max), 0.0)
-        total += w * lsum
-        acc = tl.load(acc_ptr + (rows * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-                      mask=live[:, None] & dmask[None, :], other=0.0)  # [ROWS, BLOCK_D]
-        o += w[:, None] * acc
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + sb
+        part = rows[:, None] * num_splits + s[None, :]  # [ROWS, BLOCK_S]
+        ok = rmask[:, None] & (s < num_splits)[None, :]
+        m = tl.load(m_ptr + part, mask=ok, other=-1.0e30)
+        lsum = tl.load(l_ptr + part, mask=ok, other=0.0)
+        live = ok & (lsum > 0.0)  # empty splits wrote no acc (and their weight is 0 anyway)
+        w = tl.where(live, tl.math.exp2(m - m_max[:, None]), 0.0)
+        total += tl.sum(w * lsum, 1)
+        acc = tl.load(acc_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :],
+                      mask=live[:, :, None] & dmask[None, None, :], other=0.0)  # [ROWS, BLOCK_S, BLOCK_D]
+        o += tl.sum(w[:, :, None] * acc, 1)
     o = o / tl.where(total > 0.0, total, 1.0)[:, None]  # a row that saw no key (seq_len 0, padding) gives zeros
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
@@ -269,7 +277,7 @@ def combine_splits(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, out: 
     per = rows_per_program or combine_rows_per_program(rows)
     _combine_splits_kernel.launch(
         (cdiv(rows, per),), (m, lsum, acc, out, rows, splits),
-        {"ROWS": per, "HEAD_DIM": d, "BLOCK_D": next_pow2(d)}, 4, 1, fast,
+        {"ROWS": per, "BLOCK_S": 16 // per, "HEAD_DIM": d, "BLOCK_D": next_pow2(d)}, 4, 1, fast,
     )
 
 
@@ -365,8 +373,10 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
         bm, bn, warps, stages = 64, 64, 4, 2
     g_pack = min(group, 16)
     if block_m is None and on_gpu and bm == 128:
-        # fewer, fatter programs only when there are enough of them to fill the chip
-        progs = cdiv(max_q, bm // g_pack) * hk * cdiv(group, g_pack) * b
+        # fewer, fatter programs only when there are enough of them to fill the chip; counted as
+        # the split rule below counts them (a captured graph's padded sequences have no tiles)
+        bq = bm // g_pack
+        progs = min(cdiv(max_q, bq) * b, cdiv(t, bq)) * hk * cdiv(group, g_pack)
         if progs < 2 * sms:
             bm, bn, warps, stages = GPU_TILES_SMALL
     bm = block_m or bm

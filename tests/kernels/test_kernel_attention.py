@@ -292,3 +292,15 @@ def test_combine_splits_rows_per_program(rows, splits, rows_per_program) -> None
     assert not out.isnan().any()
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert out[0].abs().max() == 0.0
+
+
+def test_plan_prefill_splits_follows_the_context() -> None:
+    """What a prefill graph asks before replaying: split only when the context is long."""
+    from kernels.prefill_attention import plan_prefill_splits
+
+    kc = torch.zeros(4, 16, 2, 64)
+    short = plan_prefill_splits(BF16, 8, kc, 16, 16, 16, 160, None)
+    long = plan_prefill_splits(BF16, 8, kc, 16, 16, 16, 8192, None)
+    assert short == 1 and long > 1
+    # a sliding window does not change the count (the graphs ask without one)
+    assert plan_prefill_splits(BF16, 8, kc, 16, 16, 16, 8192, 32) == long
