@@ -80,10 +80,13 @@ def throughput_floor_s(cfg: ModelConfig, lens_in: list[int], lens_out: list[int]
 
 
 def git_commit() -> str:
+    """FIRSTTOKEN_COMMIT when set (a device copy's git metadata can be stale), else git's HEAD."""
+    if os.environ.get("FIRSTTOKEN_COMMIT"):
+        return os.environ["FIRSTTOKEN_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:
-        return os.environ.get("FIRSTTOKEN_COMMIT", "unknown")
+        return "unknown"
 
 
 def machine() -> str:
