@@ -242,6 +242,44 @@ def run_prefill(rows: list, sweep: list | None) -> None:
         torch.cuda.empty_cache()
 
 
+def run_prefill_graph_shape(sweep: list) -> None:
+    """The cached-prefix TTFT case as the engine's prefill graph runs it: 16 table rows (15 padded,
+    no tokens), tables as wide as max_model_len (33024), 128 new tokens over a 2048 prefix (and
+    over none); tiles x split counts, graph-replayed with the combine."""
+    scale = D**-0.5
+    rows_, width = 16, 33024 // BS
+    for prefix, new in ((2048, 128), (0, 128), (0, 512)):
+        ctx = prefix + new
+        kc, vc, bt1 = paged_kv([ctx])
+        bt = torch.full((rows_, width), kc.shape[0] - 1, dtype=torch.int32, device=DEV)
+        bt[0, : bt1.shape[1]] = bt1[0]
+        q = torch.randn(new, HQ, D, device=DEV, dtype=DT)
+        qsl = torch.full((rows_ + 1,), new, dtype=torch.int32, device=DEV)
+        qsl[0] = 0
+        sl = torch.zeros(rows_, dtype=torch.int32, device=DEV)
+        sl[0] = ctx
+        flops = 4 * D * HQ * sum(prefix + i + 1 for i in range(new))
+        ref = paged_attention_ref(q, kc, vc, bt1, qsl[:2].clone(), sl[:1].clone(), scale)
+        for tiles in [(None, None, None, None), (64, 128, 4, 2), (64, 64, 4, 2), (64, 128, 4, 3), (32, 128, 4, 2),
+                      (64, 64, 2, 2), (128, 128, 8, 3), (128, 64, 8, 3), (16, 128, 4, 2)]:
+            for splits in (None, 1, 2, 4, 8, 16):
+                bm, bn, w, st = tiles
+                f = partial(paged_attention_triton, q, kc, vc, bt, qsl, sl, scale, None, max_query_len=new,
+                            num_splits=splits, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+                row = {"op": "prefill_graph_shape", "shape": f"prefix={prefix} new={new} rows=16",
+                       "cfg": f"M{bm} N{bn} w{w} s{st} splits={splits or 'auto'}"}
+                try:
+                    diff = (f().float() - ref.float()).abs().max().item()
+                    ms = bench(f, graph=True)
+                    row.update({"ms": ms, "TFLOPs": flops / ms / 1e9, "diff": diff})
+                except Exception as ex:
+                    row["error"] = repr(ex)[:200]
+                sweep.append(row)
+                print(row, flush=True)
+        del kc, vc
+        torch.cuda.empty_cache()
+
+
 def run_decode(rows: list, sweep: list | None) -> None:
     scale = D**-0.5
     gen = torch.Generator().manual_seed(0)
@@ -587,7 +625,7 @@ def main() -> None:
     ap.add_argument("--focus", action="store_true", help="only the split-KV / launch-overhead set (see above)")
     ap.add_argument("--old", default=None, help="folder holding the previous kernels as package `oldkernels`")
     ap.add_argument("--sections", default=None,
-                    help="comma list of sections to run (rms,silu,rope,prefill,decode,decode_kv_dtype,graph); default all")
+                    help="comma list of sections to run (rms,silu,rope,prefill,decode,decode_kv_dtype,prefill_graph_shape,graph); default all")
     args = ap.parse_args()
     if args.focus:
         run_focus(args)
@@ -607,6 +645,7 @@ def main() -> None:
     sections = (("rms", lambda: run_rms(rows)), ("silu", lambda: run_silu(rows)), ("rope", lambda: run_rope(rows)),
                 ("prefill", lambda: run_prefill(rows, sweep)), ("decode", lambda: run_decode(rows, sweep)),
                 ("decode_kv_dtype", lambda: sweep is not None and run_decode_kv_dtype(sweep)),
+                ("prefill_graph_shape", lambda: sweep is not None and run_prefill_graph_shape(sweep)),
                 ("graph", lambda: result.__setitem__("graph_check", check_decode_graph())))
     only = set(args.sections.split(",")) if args.sections else None
     for name, fn in sections:

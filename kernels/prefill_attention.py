@@ -225,12 +225,9 @@ def _combine_splits_kernel(
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     sb = tl.arange(0, BLOCK_S)
-    m_max = tl.full([ROWS], -1.0e30, dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        s = s0 + sb
-        ok = rmask[:, None] & (s < num_splits)[None, :]
-        m = tl.load(m_ptr + rows[:, None] * num_splits + s[None, :], mask=ok, other=-1.0e30)  # [ROWS, BLOCK_S]
-        m_max = tl.maximum(m_max, tl.max(m, 1))
+    # one pass, rescaled online: m, l and acc of a chunk of splits load together (one round trip
+    # when num_splits <= BLOCK_S); an empty split's acc is unwritten, so it is read and discarded
+    m_run = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     total = tl.zeros([ROWS], dtype=tl.float32)
     o = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
@@ -239,12 +236,15 @@ def _combine_splits_kernel(
         ok = rmask[:, None] & (s < num_splits)[None, :]
         m = tl.load(m_ptr + part, mask=ok, other=-1.0e30)
         lsum = tl.load(l_ptr + part, mask=ok, other=0.0)
-        live = ok & (lsum > 0.0)  # empty splits wrote no acc (and their weight is 0 anyway)
-        w = tl.where(live, tl.math.exp2(m - m_max[:, None]), 0.0)
-        total += tl.sum(w * lsum, 1)
         acc = tl.load(acc_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :],
-                      mask=live[:, :, None] & dmask[None, None, :], other=0.0)  # [ROWS, BLOCK_S, BLOCK_D]
-        o += tl.sum(w[:, :, None] * acc, 1)
+                      mask=ok[:, :, None] & dmask[None, None, :], other=0.0)  # [ROWS, BLOCK_S, BLOCK_D]
+        live = ok & (lsum > 0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        alpha = tl.math.exp2(m_run - m_new)
+        w = tl.where(live, tl.math.exp2(m - m_new[:, None]), 0.0)
+        total = total * alpha + tl.sum(w * lsum, 1)
+        o = o * alpha[:, None] + tl.sum(w[:, :, None] * tl.where(live[:, :, None], acc, 0.0), 1)
+        m_run = m_new
     o = o / tl.where(total > 0.0, total, 1.0)[:, None]  # a row that saw no key (seq_len 0, padding) gives zeros
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
@@ -277,7 +277,7 @@ def combine_splits(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, out: 
     per = rows_per_program or combine_rows_per_program(rows)
     _combine_splits_kernel.launch(
         (cdiv(rows, per),), (m, lsum, acc, out, rows, splits),
-        {"ROWS": per, "BLOCK_S": 16 // per, "HEAD_DIM": d, "BLOCK_D": next_pow2(d)}, 4, 1, fast,
+        {"ROWS": per, "BLOCK_S": 32 // per, "HEAD_DIM": d, "BLOCK_D": next_pow2(d)}, 4, 1, fast,
     )
 
 

@@ -267,7 +267,7 @@ def test_fp8_cache_rules() -> None:
 
 
 @pytest.mark.parametrize("rows_per_program", [1, 4, 16])
-@pytest.mark.parametrize(("rows", "splits"), [(1, 1), (37, 5), (130, 3)])
+@pytest.mark.parametrize(("rows", "splits"), [(1, 1), (37, 5), (130, 3), (9, 70)])
 def test_combine_splits_rows_per_program(rows, splits, rows_per_program) -> None:
     """The split combination, any rows per program (a partial last program), against the
     log-sum-exp formula; splits that saw no key (l = 0, acc never written: NaN here) drop out."""
