@@ -320,13 +320,16 @@ def check_paged_inputs(
 def prefill_splits(work_programs: int, sms: int, key_tiles: int) -> int:
     """Key-range splits for a prefill grid of `work_programs` programs that do work (shapes only).
 
-    One split (one launch, no partials) once the programs fill the SMs; otherwise enough splits
-    for about two programs per SM, each split keeping at least 4 key tiles of the longest
-    possible range (key_tiles), at most 16.
+    One split (one launch, no partials) once the programs fill the SMs; otherwise as many splits
+    as keep every program in one wave of two resident programs per SM (the small tiles' shared
+    memory allows two), each split keeping at least 4 key tiles of the longest possible range
+    (key_tiles), at most 16. One wave matters: 2048 cached + 128 new tokens, graph-replayed on an
+    H200, ran 24.7 us with 4 splits (256 programs) against 30.3 us with 5 (320: a second wave)
+    (bench/results/kernels-2026-11-30-session3.md).
     """
     if work_programs >= sms:
         return 1
-    return max(1, min(cdiv(2 * sms, work_programs), key_tiles // 4, 16))
+    return max(1, min(2 * sms // work_programs, key_tiles // 4, 16))
 
 
 # launch plans: static checks per (shapes but T, strides, dtypes, devices); tiles per dynamic shapes
@@ -352,7 +355,7 @@ def _static_plan(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, s
 # 16-bit tiles on the GPU (block_m, block_n, num_warps, num_stages): large grids, and grids too
 # small to fill the chip with the large tiles (see _tile_plan)
 GPU_TILES_LARGE = (128, 128, 8, 3)
-GPU_TILES_SMALL = (64, 128, 4, 2)
+GPU_TILES_SMALL = (64, 64, 4, 2)
 
 
 def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound: int, has_window: bool,
@@ -363,8 +366,9 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
     group = hq // hk
     # Tiles from the H200 sweeps (bf16, Hq=32, Hk=8, D=128; bench/results/kernels-2026-11-30.md):
     # M128 N128 w8 s3 ran 8192 / 32768 causal tokens at 390 / 414 TFLOP/s against 324 / 360 for
-    # M128 N64 w8 s3; with too few programs to fill the chip (2048 cached + 128 new) M64 N128 w4 s2
-    # gave 93 TFLOP/s against 56 with 3 stages and 65 for M128 N64 w8 s3.
+    # M128 N64 w8 s3. With too few programs to fill the chip, M64 N64 w4 s2 (two programs fit on
+    # an SM): at the prefill graph's shapes it ran 2048 cached + 128 new in 24.7 us (4 splits)
+    # against 28.6 for M64 N128 w4 s2 (its best, 2 splits), and 512 new in 14.9 us against 23.2.
     if dtype == torch.float32:
         bm, bn, warps, stages = 64, 32, 4, 2
     elif on_gpu:
