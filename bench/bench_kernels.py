@@ -242,6 +242,19 @@ def run_prefill(rows: list, sweep: list | None) -> None:
         torch.cuda.empty_cache()
 
 
+def time_variant(f, ref: torch.Tensor, rate: str, work: float, **row) -> dict:
+    """One sweep row: f's max difference from ref and its graph-replayed median ms, with
+    `rate` = work / ms; a variant that fails (compile, shared memory) is reported, not fatal."""
+    try:
+        diff = (f().float() - ref.float()).abs().max().item()
+        ms = bench(f, graph=True)
+        row.update({"ms": ms, rate: work / ms, "diff": diff})
+    except Exception as ex:
+        row["error"] = repr(ex)[:200]
+    print(row, flush=True)
+    return row
+
+
 def run_prefill_graph_shape(sweep: list) -> None:
     """The cached-prefix TTFT case as the engine's prefill graph runs it: 16 table rows (15 padded,
     no tokens), tables as wide as max_model_len (33024), 128 new tokens over a 2048 prefix (and
@@ -266,16 +279,9 @@ def run_prefill_graph_shape(sweep: list) -> None:
                 bm, bn, w, st = tiles
                 f = partial(paged_attention_triton, q, kc, vc, bt, qsl, sl, scale, None, max_query_len=new,
                             num_splits=splits, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-                row = {"op": "prefill_graph_shape", "shape": f"prefix={prefix} new={new} rows=16",
-                       "cfg": f"M{bm} N{bn} w{w} s{st} splits={splits or 'auto'}"}
-                try:
-                    diff = (f().float() - ref.float()).abs().max().item()
-                    ms = bench(f, graph=True)
-                    row.update({"ms": ms, "TFLOPs": flops / ms / 1e9, "diff": diff})
-                except Exception as ex:
-                    row["error"] = repr(ex)[:200]
-                sweep.append(row)
-                print(row, flush=True)
+                sweep.append(time_variant(f, ref, "TFLOPs", flops / 1e9, op="prefill_graph_shape",
+                                          shape=f"prefix={prefix} new={new} rows=16",
+                                          cfg=f"M{bm} N{bn} w{w} s{st} splits={splits or 'auto'}"))
         del kc, vc
         torch.cuda.empty_cache()
 
@@ -347,16 +353,9 @@ def run_decode_kv_dtype(sweep: list) -> None:
                     ((128, 4, 3), "q", 1), ((128, 4, 3), "fp16" if name == "fp8" else "q", 2)]:
                 f = partial(decode_attention_triton, q, k, v, bt, sl, scale, num_splits=splits, block_n=bn,
                             num_warps=w, num_stages=st, widen=widen)
-                row = {"op": f"decode_{name}_cache", "shape": f"B={b} ctx~1000",
-                       "cfg": f"N{bn} w{w} s{st} widen={widen} splits={splits or 'auto'}"}
-                try:
-                    diff = (f().float() - ref.float()).abs().max().item()
-                    ms = bench(f, graph=True)
-                    row.update({"ms": ms, "GBps": nbytes / ms / 1e6, "diff": diff})
-                except Exception as ex:
-                    row["error"] = repr(ex)[:200]
-                sweep.append(row)
-                print(row, flush=True)
+                sweep.append(time_variant(f, ref, "GBps", nbytes / 1e6, op=f"decode_{name}_cache",
+                                          shape=f"B={b} ctx~1000",
+                                          cfg=f"N{bn} w{w} s{st} widen={widen} splits={splits or 'auto'}"))
         del kc, vc
         torch.cuda.empty_cache()
 
