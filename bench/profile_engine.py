@@ -119,11 +119,11 @@ def main() -> None:
             eng.add_request(f"d{b}-{i}", prompt_token_ids=ids(512), sampling=sp)
         for _ in range(30):
             eng.step()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            with torch.profiler.record_function("case"):
-                for _ in range(5):
-                    eng.step()
-                torch.cuda.synchronize()
+        with (profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+              torch.profiler.record_function("case")):
+            for _ in range(5):
+                eng.step()
+            torch.cuda.synchronize()
         show(prof, f"decode b{b}, 5 steps, graphs on")
         print(timeline(prof, "case"), flush=True)
         while eng.has_unfinished():
