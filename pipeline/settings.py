@@ -59,18 +59,24 @@ class Settings(BaseSettings):
         default=256, ge=1, description="prompt characters hashed into a derived routing key"
     )
     producer_linger_ms: int = Field(
-        default=5,
+        default=0,
         ge=0,
         le=10_000,
-        description="how long a partial batch waits for more messages (publish() flushes at its end, "
-        "so this never delays a submission; it only shapes the batches of a large one)",
+        description="how long a partial batch waits for more messages. A small publish sends record "
+        "by record and flushes at its end: with a linger the sender wakes once for the new batch, "
+        "waits, and again for the flush; a large publish sends complete batches either way",
     )
     producer_batch_bytes: int = Field(default=256 * 1024, ge=1024)
     producer_compression: Literal["none", "gzip"] = Field(
         default="none", description="compression of produced batches (gzip: stdlib zlib)"
     )
     fetch_max_wait_ms: int = Field(
-        default=5, ge=0, le=10_000, description="how long a fetch may wait for data"
+        default=500,
+        ge=0,
+        le=10_000,
+        description="how long the broker may hold a fetch while it has no data. It answers as soon as "
+        "data arrives, so a long wait keeps a fetch in flight; a short one (5 ms) left no fetch in "
+        "flight ~half the time, and a job arriving then waited for kafka-python's next one",
     )
     max_poll_records: int = Field(default=256, ge=1)
     session_timeout_ms: int = Field(default=10_000, ge=1000)

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -90,13 +90,19 @@ class JobConsumer(ABC):
 
     `poll` hands out parsed jobs; messages that are not valid jobs go to the dead-letter topic
     and count as done at once. `commit(done)` commits, per partition, up to the lowest offset
-    still in flight (see OffsetTracker). poll and commit may be called from different threads.
+    still in flight (see OffsetTracker); `commit_async(done)` does the same without waiting for
+    the broker. poll and commit may be called from different threads.
     """
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._tracker = OffsetTracker()
         self._closed = False
+        # when the asynchronous commit in flight was sent (None: none is); one whose answer never
+        # comes (a client rebuilt under it) stops blocking the next after async_commit_timeout_s
+        self._async_commit_sent_at: float | None = None
+        self.async_commit_timeout_s = 30.0
+        self.commit_error: str | None = None  # why the last asynchronous commit failed
         self.dead_lettered = 0
 
     # --- what implementations provide ---
@@ -191,6 +197,53 @@ class JobConsumer(ABC):
             for m in done:
                 self._tracker.done(m.partition, m.offset)
             return self._commit_tracked(None)
+
+    def commit_async(self, done: Iterable[Message] = ()) -> dict[int, int]:
+        """`commit` without waiting for the broker: marks messages done and sends the commit of
+        what is committable now; returns those offsets. A failed commit is retried by the next
+        call (see `commit_error`); while one is in flight a call only marks messages done."""
+        with self._lock:
+            for m in done:
+                self._tracker.done(m.partition, m.offset)
+            sent = self._async_commit_sent_at
+            if sent is not None and time.monotonic() - sent < self.async_commit_timeout_s:
+                return {}
+            offsets = self._tracker.committable(None)
+            if not offsets:
+                return {}
+            self._flush_dead_letters()
+            self._async_commit_sent_at = time.monotonic()
+            try:
+                self._commit_offsets_async(offsets, self._async_commit_done)
+            except BaseException:
+                self._async_commit_sent_at = None
+                raise
+            return offsets
+
+    def _async_commit_done(self, offsets: dict[int, int], error: BaseException | None) -> None:
+        with self._lock:
+            self._async_commit_sent_at = None
+            if error is None:
+                self._tracker.committed(offsets)
+                if self.commit_error is not None:
+                    log.info("offset commits work again")
+                self.commit_error = None
+                return
+            if self.commit_error is None:
+                log.warning("offset commit failed (%s); the next commit retries", error)
+            self.commit_error = f"{type(error).__name__}: {error}"
+
+    def _commit_offsets_async(
+        self, offsets: dict[int, int], on_done: Callable[[dict[int, int], BaseException | None], None]
+    ) -> None:
+        """Send a commit of `offsets` and call on_done(offsets, error or None) when it completes
+        (on a thread that calls poll). Default: a synchronous commit."""
+        try:
+            self._commit_offsets(offsets)
+        except Exception as exc:
+            on_done(offsets, exc)
+        else:
+            on_done(offsets, None)
 
     def _commit_tracked(self, partitions: set[int] | None) -> dict[int, int]:
         offsets = self._tracker.committable(partitions)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -332,6 +332,7 @@ class KafkaJobConsumer(JobConsumer):
         for p in list(self._tracker.partitions()):
             self._tracker.revoke(p)
         self._want_paused.clear()
+        self._async_commit_sent_at = None  # its answer would come to the old client
         with contextlib.suppress(Exception):
             self._consumer.close(autocommit=False)
         self._new_client()
@@ -404,6 +405,15 @@ class KafkaJobConsumer(JobConsumer):
 
     def _commit_offsets(self, offsets: dict[int, int]) -> None:
         self._consumer.commit(self._offset_map(offsets))
+
+    def _commit_offsets_async(
+        self, offsets: dict[int, int], on_done: Callable[[dict[int, int], BaseException | None], None]
+    ) -> None:
+        # kafka-python calls the callback from a later poll() on this consumer's polling thread
+        def callback(_offsets: Any, response: Any) -> None:
+            on_done(offsets, response if isinstance(response, BaseException) else None)
+
+        self._consumer.commit_async(self._offset_map(offsets), callback=callback)
 
     def _dead_letter(self, raw: RawMessage, report: PoisonReport) -> None:
         headers = [

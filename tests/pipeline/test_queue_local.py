@@ -163,3 +163,43 @@ def test_commit_from_another_thread():
     t.join()
     assert sum(q.committed().values()) == 50
     assert c.in_flight() == {0: 0, 1: 0}
+
+
+def test_commit_async_retries_a_failed_commit_and_sends_one_at_a_time():
+    from pipeline.queue.local import LocalConsumer
+
+    class Deferred(LocalConsumer):
+        """Commits complete when the test says so (as kafka-python's callbacks come later)."""
+
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self.sent: list[tuple[dict[int, int], object]] = []
+
+        def _commit_offsets_async(self, offsets, on_done) -> None:
+            self.sent.append((dict(offsets), on_done))
+
+    q = LocalQueue(partitions=1)
+    q.publish(jobs(4))
+    c = Deferred(q, "g")
+    got = c.poll(0.5)
+    assert c.commit_async(got[:2]) == {0: 2}
+    assert c.commit_async() == {}  # one in flight: nothing more is sent
+    offsets, on_done = c.sent[-1]
+    on_done(offsets, ConnectionError("coordinator moved"))
+    assert c.commit_error is not None and "coordinator moved" in c.commit_error
+    assert c.commit_async() == {0: 2}  # the failed commit again
+    offsets, on_done = c.sent[-1]
+    on_done(offsets, None)
+    assert c.commit_error is None
+    assert c.commit_async() == {}  # committed: nothing to send
+    assert c.commit_async(got[2:]) == {0: 4}
+    assert len(c.sent) == 3
+
+
+def test_commit_async_is_commit_for_the_local_queue():
+    q = LocalQueue(partitions=2)
+    q.publish(jobs(6))
+    c = q.consumer("g")
+    got = c.poll(0.5)
+    assert c.commit_async(got) == q.end_offsets()
+    assert q.committed("g") == q.end_offsets()
