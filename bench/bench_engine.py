@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--hf-prompts", type=int, default=64)
     ap.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    ap.add_argument("--max-num-seqs", type=int, default=256,
+    ap.add_argument("--max-num-seqs", type=int, default=512,
                     help="sequences running at once (decode batch); more amortises the GEMMs at the cost of KV room")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
@@ -307,7 +307,7 @@ def main() -> None:
           f"{ceil['copy_gbps']:.0f} GB/s. Columns are ms except the throughput row (output tokens/s).\n\n")
     md += md_table(rows, ["metric", "floor_ms", "transformers_ms", "firsttoken_ms", "x_floor", "no_graphs_ms"])
     kv_tag = "" if args.kv_cache_dtype == "auto" else f"_kv{args.kv_cache_dtype}"
-    if args.max_num_seqs != 256:
+    if args.max_num_seqs != 512:
         kv_tag += f"_seqs{args.max_num_seqs}"
     write_report("bench_engine_" + "_".join(sorted(sections)) + kv_tag, data, md)
 

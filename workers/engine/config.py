@@ -167,7 +167,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90  # share of total GPU memory the engine may use
     cpu_kv_cache_tokens: int = 65536  # KV capacity on CPU when num_blocks is None
     max_num_batched_tokens: int = 8192  # token budget of one step (prefill chunks + decodes)
-    max_num_seqs: int = 256  # most requests running at once
+    # most requests running at once: 512 ran the offline throughput bench at 11.8k tok/s against
+    # 11.1k with 256 on an H200 (larger decode GEMMs; bench/results/2026-11-30-engine.md, run 10)
+    max_num_seqs: int = 512
     # with a full batch, admit waiting requests only once this many slots are free
     # (None: max_num_seqs // 8); 1 admits each request as soon as a slot frees
     admission_batch: int | None = None
