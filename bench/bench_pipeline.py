@@ -4,7 +4,8 @@
    in-process worker; per job, TTFT from submission minus the engine's own TTFT (= the time from
    `submitted_at` to admission: produce + ack + fetch + intake + hand-off). Targets: p50 <= 5 ms,
    p99 <= 20 ms. Beside it ("kafka_floor"): the Kafka round trip alone, publish -> ack -> polled.
-2. submit: a 100k-line JSONL file parsed, validated and produced to Kafka (acks=all, idempotent).
+2. submit: a 100k-line JSONL file parsed, validated and produced to Kafka (acks=all, idempotent;
+   chunks of 20k jobs go as prebuilt record batches, pipeline/queue/kafka_batches.py).
    Target >= 20k jobs/s.
 3. sink: results written into Postgres by the ResultSink (batched upserts). Target >= 5k rows/s.
 
@@ -308,6 +309,12 @@ def main() -> int:
         # kafka-python checksums record batches with CRC32C: in C with the `crc32c` package,
         # in pure Python (~3.5 MB/s here) without it
         "kafka_crc32c_in_c": _crc32c_in_c(),
+        "kafka_settings": {
+            "fetch_max_wait_ms": base.fetch_max_wait_ms,
+            "producer_linger_ms": base.producer_linger_ms,
+            "producer_batch_bytes": base.producer_batch_bytes,
+            "bulk_min_records": KafkaQueue.bulk_min_records,  # publishes this large go as prebuilt batches
+        },
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "commit": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
