@@ -43,6 +43,7 @@ from pipeline.queue.kafka_batches import (
     partitions_for,
     record_size,
 )
+from pipeline.queue.kafka_transport import install_eager_writes
 from pipeline.settings import Settings, get_settings
 from schemas.job import JobRequest
 
@@ -224,6 +225,7 @@ class KafkaQueue(JobQueue):
 
 def make_producer(settings: Settings, *, client_id: str, **overrides: Any) -> KafkaProducer:
     """An idempotent, acks=all producer batched for bulk submission."""
+    install_eager_writes()
     config: dict[str, Any] = {
         "bootstrap_servers": settings.kafka_bootstrap_servers,
         "client_id": client_id,
@@ -294,6 +296,7 @@ class KafkaJobConsumer(JobConsumer):
         }
         config.update(overrides)
         self._config = config
+        install_eager_writes()
         # Seen with kafka-python 3.0.12 on Kafka 4.1: after a quick leader rejoin the client stops
         # heartbeating and fetching; the broker drops it after the session timeout and it never
         # rejoins. When no heartbeat answer came for longer than the session timeout (the broker has
