@@ -425,7 +425,7 @@ class WorkerSettings(BaseSettings):
     device: str | None = None  # cuda or cpu; None: cuda when available
     dtype: str | None = None
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int = 512  # as EngineConfig: the larger decode batch gave ~7% more offline throughput on an H200
     kv_cache_dtype: str = "auto"  # or "fp8": twice the cached tokens (see EngineConfig)
     max_waiting: int = 512
     drain_timeout_s: float = 30.0
