@@ -1,8 +1,10 @@
 """KafkaQueue: jobs on a Kafka topic through kafka-python.
 
-Producer: idempotent, acks=all, batched (linger, batch size) for bulk submission; the key is the
-job's routing key, so jobs sharing a prefix land on one partition. Consumer: a group member with
-auto-commit off and a short fetch wait (first-token latency), committing per partition up to the
+Producer: idempotent, acks=all; the key is the job's routing key, so jobs sharing a prefix land on
+one partition. A small publish sends record by record; a large one hands the producer whole
+record batches per partition (kafka_batches.py). Requests go on the wire as soon as they are
+built (kafka_transport.py). Consumer: a group member with auto-commit off and a fetch kept in
+flight (the broker answers it as soon as data arrives), committing per partition up to the
 lowest offset still in flight; pause/resume; on revocation it commits what finished for those
 partitions and forgets their in-flight offsets; poison messages go to the dead-letter topic.
 """
