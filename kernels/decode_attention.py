@@ -206,7 +206,7 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
         "WIDEN_F16": fp8_cache and widen == "fp16",
     }
-    return (b, hk * head_chunks, num_splits), consts, num_warps or 4, num_stages or 3, num_splits
+    return (b, hk * head_chunks, num_splits), consts, num_warps, num_stages or 3, num_splits
 
 
 def decode_attention_triton(
@@ -231,8 +231,9 @@ def decode_attention_triton(
     output and there is no second. Nothing is read on the host and every shape depends on
     (B, num_splits) only, so the call can be captured in a CUDA graph. num_splits defaults to
     `default_num_splits` (B, heads, SM count); block_n / num_warps / num_stages override tiles.
-    widen: what an fp8 cache's tiles are widened to before the dots: "q" (q's dtype, the
-    default) or "fp16" (q and the probabilities cast to fp16 too).
+    widen: what an fp8 cache's tiles are widened to before the dots: "q" (q's dtype) or "fp16"
+    (q, pre-scaled, and the probabilities cast to fp16 too); None: "fp16" for an fp8 cache on
+    the GPU with a 16-bit q, else "q".
     """
     # q: [B, Hq, D]; partials: [B * Hq, S] and [B * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride()[1:], q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
