@@ -87,6 +87,9 @@ def worker_env(settings: Settings, name: str) -> dict[str, str]:
             "FIRSTTOKEN_WORKER_NAME": name,
             "FIRSTTOKEN_DEVICE": "cpu",
             "FIRSTTOKEN_MODEL": "tiny",
+            # jobs run in waves (the default, 512, admits a 300-job batch at once and finishes it
+            # all in the same step: a kill after the first rows would find nothing left to do)
+            "FIRSTTOKEN_MAX_NUM_SEQS": "64",
         }
     )
     return env
