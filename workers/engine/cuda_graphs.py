@@ -199,20 +199,20 @@ class PrefillGraphs:
         whose contexts are short: its partials and their combination would be pure overhead)."""
         worst = self.runner.max_blocks_per_seq * self.runner.block_size
         for t in reversed(self.buckets):
-            for splits in sorted({self._splits(t, worst), 1}, reverse=True):
-                # warm-up inputs: one sequence holding every token, written to the scratch block
-                self.query_start_loc.fill_(t)
-                self.query_start_loc[0] = 0
-                self.seq_lens.zero_()
-                self.seq_lens[0] = t
-                self.positions.zero_()
+            # warm-up inputs: one sequence holding every token, written to the scratch block
+            self.query_start_loc.fill_(t)
+            self.query_start_loc[0] = 0
+            self.seq_lens.zero_()
+            self.seq_lens[0] = t
+            self.positions.zero_()
+            self.split_of[t] = self._splits(t, worst)
+            for splits in sorted({self.split_of[t], 1}, reverse=True):  # the larger partials first
                 for _ in range(2):
                     self._forward(t, splits)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream):
                     logits = self._forward(t, splits)
                 self.graphs[(t, splits)] = (g, logits)
-                self.split_of.setdefault(t, splits)  # the first (largest) count: the worst case's
 
     def run(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> torch.Tensor:
         """Replay the smallest graph that holds the step; returns logits of the sampling rows."""
