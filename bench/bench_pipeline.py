@@ -126,11 +126,15 @@ def _paced_producer(settings: dict, jobs: list[dict], rate: float) -> None:
 
 
 def bench_overhead(
-    s: Settings, rate: float, seconds: float, torch_threads: int | None, producer_process: bool = True
+    s: Settings,
+    rate: float,
+    seconds: float,
+    torch_threads: int | None,
+    producer_process: bool = True,
+    engine_process: bool = True,
 ) -> dict:
     import torch
 
-    from workers.engine import EngineConfig, LLMEngine
     from workers.worker import WorkerSettings, build_worker
 
     if torch_threads:
@@ -138,8 +142,9 @@ def bench_overhead(
         # on 2 cores shared with Kafka, Postgres and the worker's own threads (OpenMP workers
         # spin against them), and a longer step is a longer wait for the next admission.
         torch.set_num_threads(torch_threads)
-    engine = LLMEngine("tiny", EngineConfig(device="cpu"))
-    worker = build_worker(s.model_copy(update={"worker_name": "bench"}), WorkerSettings(), engine=engine)
+    # The worker as deployed: the engine core in a child process (or on a thread of this one)
+    ws = WorkerSettings(model="tiny", device="cpu", torch_threads=torch_threads, engine_process=engine_process)
+    worker = build_worker(s.model_copy(update={"worker_name": "bench"}), ws)
     queue = KafkaQueue(s)
     store = ResultStore.from_url(s.database_url)
     n = int(rate * seconds)
@@ -192,6 +197,7 @@ def bench_overhead(
         "queue_ms": {"p50": pct(queue_ms, 0.5), "p99": pct(queue_ms, 0.99)},  # the same, as stored
         "torch_threads": torch.get_num_threads(),
         "producer": "process" if producer_process else "thread",
+        "engine": "process" if engine_process else "thread",
         "ttft_ms": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
         "engine_ttft_ms": {"p50": pct(eng, 0.5), "p99": pct(eng, 0.99)},
     }
@@ -298,6 +304,11 @@ def main() -> int:
         default=1,
         help="torch intra-op threads of the tiny engine (0: torch's default)",
     )
+    ap.add_argument(
+        "--engine-thread",
+        action="store_true",
+        help="overhead: the engine on a thread of the worker's process (before run 5) instead of its own process",
+    )
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
 
@@ -331,7 +342,12 @@ def main() -> int:
         print(json.dumps({"kafka_floor": out["kafka_floor"]}), flush=True)
     if args.only in (None, "overhead"):
         out["overhead"] = bench_overhead(
-            fresh_settings(base, db), args.rate, args.seconds, args.torch_threads, not args.producer_thread
+            fresh_settings(base, db),
+            args.rate,
+            args.seconds,
+            args.torch_threads,
+            not args.producer_thread,
+            not args.engine_thread,
         )
         print(json.dumps({"overhead": out["overhead"]}), flush=True)
     print(json.dumps(out, indent=2))

@@ -6,8 +6,7 @@ partition while the engine (or the sink) is over its bound and resumes them when
 commits the offsets the sink reports durable. Poison messages never reach the engine: the
 consumer sends them to the dead-letter topic.
 
-Also here: turning a JobRequest into what `LLMEngine.add_request` takes (the prompt text, with
-chat turns rendered by the checkpoint's template), and the engine's error codes as ErrorCodes.
+Also here: the engine's error codes as ErrorCodes.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 
 from pipeline.queue import JobConsumer, Message
-from schemas.job import ErrorCode, JobRequest
+from schemas.job import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +36,6 @@ ENGINE_ERROR_CODES: dict[str, ErrorCode] = {
 def error_code_of(engine_code: str) -> ErrorCode:
     """The ErrorCode stored for an engine error code."""
     return ENGINE_ERROR_CODES.get(engine_code, ErrorCode.ENGINE_ERROR)
-
-
-def render_prompt(tokenizer: object, job: JobRequest) -> str:
-    """The prompt text of a job: its `prompt`, or its chat turns rendered with the checkpoint's
-    chat template. A model without a template (the random presets) gets a plain
-    `role: content` transcript ending in `assistant:`."""
-    if job.prompt is not None:
-        return job.prompt
-    assert job.messages is not None
-    turns = [{"role": m.role, "content": m.content} for m in job.messages]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(turns)  # type: ignore[attr-defined]
-    return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
 
 
 class Intake:

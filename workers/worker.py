@@ -1,15 +1,17 @@
-"""The GPU worker loop: one process, one engine, three threads.
+"""The GPU worker: Kafka intake, engine core, result sink.
 
-    intake thread:  consumer.poll -> inbox            (pause/resume on engine or sink pressure)
-    engine thread:  inbox -> add_request; step(); events -> results -> sink
-    sink thread:    upsert_results (batched, idempotent) -> intake commits those offsets
+    intake thread:   consumer.poll -> AddRequests -> engine core   (pause/resume on engine or sink pressure)
+    engine core:     add, step, emit outputs         (its own process by default: workers.engine_core)
+    results thread:  core outputs -> results -> sink
+    sink thread:     upsert_results (batched, idempotent) -> intake commits those offsets
 
-Only the engine thread touches the engine. Timings: `submitted_at` comes with the job (epoch);
-`admitted_at` is the wall time the job entered this worker's engine queue (the intake handed it
-over; the engine takes it at its next step boundary, as vLLM counts a request's arrival when it
-is queued to the engine core); later instants are that wall time plus durations on the monotonic
-clock, so `engine_ttft_ms`, `prefill_ms`, `tpot_ms` are monotonic measurements and `ttft_ms` =
-first_token_at - submitted_at is what the user waited.
+The intake hands each polled job straight to the core (no hop through another thread). Timings:
+`submitted_at` comes with the job (epoch); `admitted_at` is the wall time the intake handed the
+job to the engine core (the core takes it at its next step boundary, as vLLM counts a request's
+arrival when it is queued to the engine core); later instants are that wall time plus durations
+on the monotonic clock (one clock for the worker and its core process), so `engine_ttft_ms`,
+`prefill_ms`, `tpot_ms` are monotonic measurements and `ttft_ms` = first_token_at -
+submitted_at is what the user waited.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -40,8 +41,10 @@ from schemas.job import (
     JobTimings,
     Usage,
 )
-from workers.engine import FinishedRequest, InvalidRequestError, LLMEngine
-from workers.intake import Intake, error_code_of, render_prompt
+from workers.engine import FinishedRequest, LLMEngine
+from workers.engine.outputs import EngineStats
+from workers.engine_core import AddRequest, CoreOutputs, EngineCoreClient, InThreadCore, ProcessCore
+from workers.intake import Intake, error_code_of
 from workers.sink import Outcome, ResultSink, SinkConfig
 
 log = logging.getLogger(__name__)
@@ -57,18 +60,17 @@ class WorkerConfig:
     """Bounds and timeouts of one worker."""
 
     name: str | None = None  # written with each result; host:pid when None
-    max_waiting: int = 512  # pause intake when more jobs than this wait (inbox + engine queue)
+    max_waiting: int = 512  # pause intake when more jobs than this wait (sent to the core, not running)
     kv_high_watermark: float = 0.95  # pause intake when this share of KV blocks is in use
     poll_timeout_s: float = 0.02
     max_poll_messages: int = 256
-    # Offsets are committed on the intake thread, synchronously: while it commits it does not
-    # poll, so frequent commits delay deliveries. A later commit only means more re-deliveries
-    # after a crash (written once each, by job id).
+    # Offsets are committed on the intake thread (asynchronously while running). A later commit
+    # only means more re-deliveries after a crash (written once each, by job id).
     commit_interval_s: float = 0.25
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight jobs may run before being handed back
     sink: SinkConfig = field(default_factory=SinkConfig)
-    # Python's GIL switch interval for this process (default 5 ms): the intake thread waits up to
-    # that long for the GIL while the engine thread runs Python between kernels; None: unchanged
+    # Python's GIL switch interval for this process (default 5 ms): a thread woken by the network
+    # waits up to that long for the GIL while another thread runs Python; None: unchanged
     gil_switch_interval_s: float | None = 0.0005
 
 
@@ -77,7 +79,7 @@ class _InFlight:
     request: JobRequest
     messages: list[Message]
     submitted_at: float  # epoch
-    admitted_at: float  # epoch, when the intake handed it to the engine queue
+    admitted_at: float  # epoch, when the intake handed it to the engine core
     admitted_mono: float
     first_token_mono: float | None = None
 
@@ -95,16 +97,18 @@ class WorkerCounters:
 
 
 class Worker:
-    """Runs `engine` over the jobs of `consumer` and writes results to `store`.
+    """Runs an engine core over the jobs of `consumer` and writes results to `store`.
 
-    `start()` starts the threads; `stop(drain=True)` lets in-flight jobs finish (up to
-    `drain_timeout_s`), hands back the rest uncommitted, writes what finished and commits it.
+    `engine` is an engine core client (`ProcessCore`: the engine in a child process) or an
+    LLMEngine, which then runs on a thread of this process (`InThreadCore`). `start()` starts
+    the threads; `stop(drain=True)` lets in-flight jobs finish (up to `drain_timeout_s`), hands
+    back the rest uncommitted, writes what finished and commits it, and stops the core.
     `cancel(job_ids, batch_id)` may be called from any thread.
     """
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | EngineCoreClient,
         consumer: JobConsumer,
         store: ResultStore,
         config: WorkerConfig | None = None,
@@ -112,26 +116,25 @@ class Worker:
         model_name: str | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self.engine = engine
+        self.core: EngineCoreClient = engine if hasattr(engine, "submit") else InThreadCore(engine)  # type: ignore[arg-type]
         self.config = config or WorkerConfig()
         self.name = self.config.name or default_worker_name()
-        self.model_name = model_name or str(getattr(engine, "model_name", "unknown"))
+        self.model_name = model_name or self.core.model_name
         self._wall = wall_clock
         self.counters = WorkerCounters()
-        # messages handed over by the intake, with the wall and monotonic instants they arrived
-        self._inbox: deque[tuple[Message, float, float]] = deque()
-        self._controls: deque[tuple[str, tuple[str, ...], str | None]] = deque()
-        self._wake = threading.Event()
+        # Guards what the intake, the results thread and control calls share: the in-flight
+        # jobs, the cancelled sets, the hand-back set, and the order of commands to the core.
+        self._lock = threading.Lock()
         self._inflight: dict[str, _InFlight] = {}
         self._cancelled_ids: set[str] = set()
         self._cancelled_batches: set[str] = set()
         self._handing_back: set[str] = set()
         self._draining = threading.Event()
+        self._drain_deadline = float("inf")
         self._stopped = threading.Event()
         self._engine_error: BaseException | None = None
-        self._stats: Any = None  # the engine's latest EngineStats (a dataclass)
-        self._stats_at = 0.0
-        self._waiting = 0
+        self._stats: EngineStats | None = None  # the core's latest
+        self._running = 0
         self._kv_used = 0.0
         self.sink = ResultSink(store, self._on_durable, self.config.sink)
         self.intake = Intake(
@@ -142,15 +145,16 @@ class Worker:
             max_messages=self.config.max_poll_messages,
             commit_interval_s=self.config.commit_interval_s,
         )
-        self._thread = threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._results_loop, name="engine-results", daemon=True)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> Worker:
-        """Start the sink, the engine loop and the intake."""
+        """Start the sink, the engine core, the results thread and the intake."""
         if self.config.gil_switch_interval_s is not None:
             sys.setswitchinterval(self.config.gil_switch_interval_s)
         self.sink.start()
+        self.core.start()
         self._thread.start()
         self.intake.start()
         log.info("worker %s started (model %s)", self.name, self.model_name)
@@ -158,17 +162,18 @@ class Worker:
 
     def stop(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop taking jobs; let in-flight ones finish (drain) or hand them back at once; write
-        and commit what finished; leave the group. Safe to call twice."""
+        and commit what finished; leave the group; stop the engine core. Safe to call twice."""
         if self._stopped.is_set():
             return
         timeout = self.config.drain_timeout_s if timeout_s is None else timeout_s
         self.intake.stop_taking()
-        self._drain_deadline = time.monotonic() + (timeout if drain else 0.0)
-        self._draining.set()
-        self._wake.set()
+        with self._lock:
+            self._drain_deadline = time.monotonic() + (timeout if drain else 0.0)
+            self._draining.set()
         self._thread.join(timeout + 30.0)
         self.sink.stop(timeout_s=max(5.0, timeout))
         self.intake.stop()
+        self.core.stop()
         self._stopped.set()
         c = self.counters
         log.info(
@@ -181,13 +186,13 @@ class Worker:
         )
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until the engine loop ends (after stop(), or on an engine failure). True if it ended."""
+        """Block until the results loop ends (after stop(), or on an engine failure). True if it ended."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
     @property
     def failed_with(self) -> BaseException | None:
-        """The exception that ended the engine loop, if one did."""
+        """The exception that ended the engine, if one did."""
         return self._engine_error
 
     # --- control (any thread) --------------------------------------------------------------------
@@ -195,8 +200,17 @@ class Worker:
     def cancel(self, job_ids: Iterable[str] = (), batch_id: str | None = None) -> None:
         """Abort these jobs (or every job of the batch) if they are in the engine, and cancel them
         when they arrive later; each gets a `cancelled` row."""
-        self._controls.append(("cancel", tuple(job_ids), batch_id))
-        self._wake.set()
+        ids = tuple(job_ids)
+        with self._lock:
+            self._cancelled_ids.update(ids)
+            targets = {jid for jid in ids if jid in self._inflight}
+            if batch_id is not None:
+                self._cancelled_batches.add(batch_id)
+                targets |= {jid for jid, e in self._inflight.items() if e.request.batch_id == batch_id}
+            if targets:
+                self.core.abort(sorted(targets))
+        if targets:
+            log.info("cancelling %d running jobs", len(targets))
 
     def stats(self) -> dict[str, Any]:
         """The engine's latest stats and this worker's counters, JSON-ready."""
@@ -205,7 +219,6 @@ class Worker:
             "model": self.model_name,
             "engine": {} if self._stats is None else asdict(self._stats),
             "in_flight": len(self._inflight),
-            "inbox": len(self._inbox),
             "sink_buffered": self.sink.buffered,
             "store_ok": self.sink.store_ok,
             "intake_paused": self.intake.paused,
@@ -215,14 +228,52 @@ class Worker:
     # --- intake / sink callbacks -----------------------------------------------------------------
 
     def _deliver(self, messages: list[Message]) -> None:
+        """On the intake thread: each new job goes to the engine core at once."""
         wall, mono = self._wall(), time.monotonic()
-        self._inbox.extend((m, wall, mono) for m in messages)
-        self._wake.set()
+        adds: list[AddRequest] = []
+        outcomes: list[Outcome] = []
+        with self._lock:
+            if self._draining.is_set() or self._engine_error is not None:
+                return  # never admitted: left uncommitted, delivered again
+            for msg in messages:
+                job = msg.job
+                running = self._inflight.get(job.id)
+                if running is not None:  # the same job delivered again while it runs: one result
+                    running.messages.append(msg)
+                    self.counters.duplicates += 1
+                    continue
+                submitted = job.submitted_at
+                if submitted is None:
+                    submitted = msg.timestamp_ms / 1000.0 if msg.timestamp_ms else wall
+                if job.id in self._cancelled_ids or (
+                    job.batch_id is not None and job.batch_id in self._cancelled_batches
+                ):
+                    outcomes.append(
+                        self._failure(job, [msg], ErrorCode.CANCELLED, "cancelled before it ran", submitted)
+                    )
+                    continue
+                adds.append(
+                    AddRequest(
+                        job.id,
+                        job.prompt,
+                        None if job.messages is None else tuple((m.role, m.content) for m in job.messages),
+                        job.sampling,
+                        job.priority,
+                        # the engine's clock: submission time moved onto the monotonic clock
+                        mono - max(0.0, wall - submitted),
+                    )
+                )
+                self._inflight[job.id] = _InFlight(job, [msg], submitted, wall, mono)
+                self.counters.admitted += 1
+            if adds:
+                self.core.submit(adds)  # under the lock: a cancel's abort always follows the add
+        if outcomes:
+            self.sink.put(outcomes)
 
     def _overloaded(self) -> bool:
-        backlog = len(self._inbox) + self._waiting
         if self.sink.full:
             return True
+        backlog = len(self._inflight) - self._running  # sent to the core and not running yet
         if self.intake.paused:  # hysteresis: resume once half drained
             return (
                 backlog > self.config.max_waiting // 2 or self._kv_used > self.config.kv_high_watermark - 0.1
@@ -232,85 +283,62 @@ class Worker:
     def _on_durable(self, messages: list[Message]) -> None:
         self.intake.commit_later(messages)
 
-    # --- the engine loop -------------------------------------------------------------------------
+    # --- the results thread ----------------------------------------------------------------------
 
-    def _engine_loop(self) -> None:
+    def _results_loop(self) -> None:
         try:
             while True:
-                self._apply_controls()
-                if not self._draining.is_set():
-                    self._admit()
-                elif time.monotonic() >= self._drain_deadline:
-                    self._hand_back()
-                if self.engine.has_unfinished():
-                    self._step()
-                elif self._draining.is_set():
-                    break
-                else:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                self._refresh_load()
-        except BaseException as exc:  # the engine itself failed: stop; uncommitted jobs are redelivered
+                out = self.core.get(0.05)
+                while out is not None:
+                    self._apply(out)
+                    out = self.core.get(0.0)
+                if self._draining.is_set():
+                    with self._lock:
+                        idle = not self._inflight
+                    if idle:
+                        break
+                    if time.monotonic() >= self._drain_deadline:
+                        self._hand_back()
+        except BaseException as exc:  # the engine failed: stop; uncommitted jobs are redelivered
             self._engine_error = exc
-            log.exception("engine loop failed; stopping this worker")
+            log.error("engine failed; stopping this worker: %s", exc)
             self.intake.stop_taking()
-        finally:
-            # Anything still in the inbox was never admitted: left uncommitted, delivered again.
-            self._inbox.clear()
 
-    def _refresh_load(self, every_s: float = 0.02) -> None:
-        now = time.monotonic()
-        if now - self._stats_at < every_s:
-            return
-        self._stats_at = now
-        st = self.engine.stats()
-        self._stats = st  # converted for stats() only: asdict on every refresh cost GIL time
-        self._waiting = st.waiting
-        self._kv_used = st.kv_blocks_used / st.kv_blocks_total if st.kv_blocks_total else 0.0
-
-    def _admit(self) -> None:
+    def _apply(self, out: CoreOutputs) -> None:
+        if out.stats is not None:
+            st = out.stats
+            self._stats = st
+            self._running = st.running
+            self._kv_used = st.kv_blocks_used / st.kv_blocks_total if st.kv_blocks_total else 0.0
+        done: list[tuple[_InFlight, FinishedRequest]] = []
         outcomes: list[Outcome] = []
-        while self._inbox:
-            msg, wall_now, mono_now = self._inbox.popleft()
-            job = msg.job
-            running = self._inflight.get(job.id)
-            if running is not None:  # the same job delivered again while it runs: one result
-                running.messages.append(msg)
-                self.counters.duplicates += 1
-                continue
-            submitted = job.submitted_at
-            if submitted is None:
-                submitted = msg.timestamp_ms / 1000.0 if msg.timestamp_ms else wall_now
-            if job.id in self._cancelled_ids or (
-                job.batch_id is not None and job.batch_id in self._cancelled_batches
-            ):
-                outcomes.append(
-                    self._failure(job, msg, ErrorCode.CANCELLED, "cancelled before it ran", submitted)
-                )
-                continue
-            try:
-                try:
-                    prompt = render_prompt(self.engine.tokenizer, job)
-                except Exception as exc:  # a template that refuses these turns
-                    raise InvalidRequestError("chat_template", f"chat template: {exc}") from None
-                self.engine.add_request(
-                    job.id,
-                    prompt=prompt,
-                    sampling=job.sampling,
-                    priority=job.priority,
-                    # the engine's clock: submission time moved onto the monotonic clock
-                    arrival_time=mono_now - max(0.0, wall_now - submitted),
-                )
-            except InvalidRequestError as exc:
-                outcomes.append(self._failure(job, msg, error_code_of(exc.code), exc.message, submitted))
-                continue
-            self._inflight[job.id] = _InFlight(job, [msg], submitted, wall_now, mono_now)
-            self.counters.admitted += 1
+        with self._lock:
+            for rid, t in out.first_tokens:
+                entry = self._inflight.get(rid)
+                if entry is not None:
+                    entry.first_token_mono = t
+            for rid, code, message in out.rejected:
+                entry = self._inflight.pop(rid, None)
+                if entry is not None:
+                    outcomes.append(
+                        self._failure(entry.request, entry.messages, error_code_of(code), message, entry.submitted_at)
+                    )
+            for f in out.finished:
+                entry = self._inflight.pop(f.request_id, None)
+                if entry is None:
+                    continue
+                if f.request_id in self._handing_back:
+                    self._handing_back.discard(f.request_id)
+                    if f.finish_reason == "abort":  # no row, no commit: the queue delivers it again
+                        self.counters.handed_back += 1
+                        continue
+                done.append((entry, f))
+        outcomes.extend(self._outcome(entry, f) for entry, f in done)
         if outcomes:
             self.sink.put(outcomes)
 
     def _failure(
-        self, job: JobRequest, msg: Message, code: ErrorCode, message: str, submitted: float
+        self, job: JobRequest, messages: list[Message], code: ErrorCode, message: str, submitted: float
     ) -> Outcome:
         result = JobResult.failure(
             job.id,
@@ -327,25 +355,7 @@ class Worker:
         else:
             self.counters.failed += 1
         log.info("job %s %s: %s", job.id, result.status.value, code.value)
-        return Outcome(result, job, [msg])
-
-    def _step(self) -> None:
-        out = self.engine.step()
-        for ev in out.first_tokens:
-            entry = self._inflight.get(ev.request_id)
-            if entry is not None:
-                entry.first_token_mono = ev.time
-        outcomes = []
-        for f in out.finished:
-            entry = self._inflight.pop(f.request_id, None)
-            if entry is None:
-                continue
-            if f.request_id in self._handing_back:
-                self._handing_back.discard(f.request_id)
-                continue  # aborted at shutdown: no row, no commit; the queue delivers it again
-            outcomes.append(self._outcome(entry, f))
-        if outcomes:
-            self.sink.put(outcomes)
+        return Outcome(result, job, messages)
 
     def _outcome(self, entry: _InFlight, f: FinishedRequest) -> Outcome:
         t = f.timings
@@ -390,29 +400,15 @@ class Worker:
         )
         return Outcome(result, job, entry.messages)
 
-    def _apply_controls(self) -> None:
-        while self._controls:
-            kind, ids, batch_id = self._controls.popleft()
-            if kind != "cancel":
-                continue
-            targets = set(ids)
-            self._cancelled_ids.update(ids)
-            if batch_id is not None:
-                self._cancelled_batches.add(batch_id)
-                targets |= {jid for jid, e in self._inflight.items() if e.request.batch_id == batch_id}
-            for jid in targets:
-                if jid in self._inflight and self.engine.abort(jid):
-                    log.info("job %s aborted (cancel)", jid)
-
     def _hand_back(self) -> None:
-        n = 0
-        for jid in list(self._inflight):
-            if jid not in self._handing_back and self.engine.abort(jid):
-                self._handing_back.add(jid)
-                n += 1
-        if n:
-            self.counters.handed_back += n
-            log.info("drain: %d jobs handed back uncommitted", n)
+        """Drain deadline: abort what still runs; those jobs get no row and stay uncommitted."""
+        with self._lock:
+            ids = [jid for jid in self._inflight if jid not in self._handing_back]
+            self._handing_back.update(ids)
+            if ids:
+                self.core.abort(ids)
+        if ids:
+            log.info("drain: handing back %d jobs uncommitted", len(ids))
 
 
 class WorkerSettings(BaseSettings):
@@ -430,6 +426,10 @@ class WorkerSettings(BaseSettings):
     max_waiting: int = 512
     drain_timeout_s: float = 30.0
     sink_max_buffer: int = 10_000
+    # The engine in a child process of its own (workers.engine_core.ProcessCore), away from the
+    # GIL of the intake and the Kafka client; False: on a thread of the worker's process.
+    engine_process: bool = True
+    torch_threads: int | None = None  # torch's intra-op threads in the engine (CPU engines); None: torch's default
 
 
 def build_worker(
@@ -439,22 +439,32 @@ def build_worker(
     engine: LLMEngine | None = None,
     group: str | None = None,
 ) -> Worker:
-    """A Worker on Kafka (settings' topic and group) and the settings' database, with the model
-    loaded here (call it in the worker process, after it started, never at import)."""
+    """A Worker on Kafka (settings' topic and group) and the settings' database. The model is
+    loaded in the engine's child process (`engine_process`, the default) or here; either way,
+    call this in the worker process after it started, never at import. `engine`: run this
+    LLMEngine on a thread of this process instead."""
     from pipeline.queue.kafka import KafkaQueue
     from pipeline.settings import get_settings
     from workers.engine import EngineConfig
 
     s = settings or get_settings()
     ws = worker_settings or WorkerSettings()
-    if engine is None:
-        engine = LLMEngine(
-            ws.model,
-            EngineConfig(
-                device=ws.device, dtype=ws.dtype, max_model_len=ws.max_model_len, max_num_seqs=ws.max_num_seqs,
-                kv_cache_dtype=ws.kv_cache_dtype,
-            ),
+    core: LLMEngine | EngineCoreClient
+    if engine is not None:
+        core = engine
+    else:
+        cfg = EngineConfig(
+            device=ws.device, dtype=ws.dtype, max_model_len=ws.max_model_len, max_num_seqs=ws.max_num_seqs,
+            kv_cache_dtype=ws.kv_cache_dtype,
         )
+        if ws.engine_process:
+            core = ProcessCore(ws.model, cfg, torch_threads=ws.torch_threads)
+        else:
+            if ws.torch_threads:
+                import torch
+
+                torch.set_num_threads(ws.torch_threads)
+            core = LLMEngine(ws.model, cfg)
     store = ResultStore.from_url(s.database_url, batch_rows=s.store_batch_rows)
     consumer = KafkaQueue(s).consumer(group)
     config = WorkerConfig(
@@ -464,7 +474,7 @@ def build_worker(
         max_poll_messages=s.max_poll_records,
         sink=SinkConfig(batch_rows=s.store_batch_rows, max_buffer=ws.sink_max_buffer),
     )
-    worker = Worker(engine, consumer, store, config, model_name=ws.model)
+    worker = Worker(core, consumer, store, config, model_name=ws.model)
     freeze_startup_heap()
     return worker
 

@@ -1,0 +1,362 @@
+"""The engine core: one LLMEngine driven by a loop that takes commands and emits outputs, in a
+thread of the worker's process (`InThreadCore`) or in a process of its own (`ProcessCore`).
+
+    worker process                                  engine core (thread or child process)
+    intake thread:  poll -> submit([AddRequest]) ->  serve(): take commands, step(), emit
+    control:        abort(ids)                  ->
+    results thread: get() -> rows to the sink   <-  CoreOutputs (first tokens, finished,
+                                                    rejected, stats)
+
+Why a process of its own: the engine loop runs Python between kernel launches (scheduling,
+inputs, sampling, detokenizing). In the worker's process it holds the GIL against the Kafka
+consumer's IO thread and the intake, so a job that arrived waited for the engine's Python before
+the worker even read it. On the 2-core box at 100 jobs/s (bench/results/pipeline-2026-11-30-run5.md)
+the Kafka-to-engine overhead was p50 6.1 / p99 22 ms with the engine in the worker's process, and
+p50 ~4 / p99 ~11-14 ms with the same engine load in another process. vLLM V1 runs its
+EngineCore in a separate process for the same reason.
+
+The core's commands are applied in the order they were sent, between two steps: an abort sent
+after an add always finds the request. Outputs carry monotonic instants: CLOCK_MONOTONIC is one
+clock for every process of the machine, so the worker turns them into wall times as before.
+
+A child process ends when the worker's end of the pipe closes (the worker exited or was killed),
+at its next step or within `IDLE_WAIT_S` when idle. It ignores SIGINT: a Ctrl-C reaches the whole
+process group, and the worker drains the core before it stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from schemas.sampling import SamplingParams
+from workers.engine import EngineConfig, FinishedRequest, InvalidRequestError, LLMEngine
+from workers.engine.outputs import EngineStats
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how long an idle core blocks for commands before it looks around again
+STATS_EVERY_S = 0.02  # the core sends its EngineStats at most this often
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """One job for the engine: its prompt (text, or chat turns the core renders with the
+    checkpoint's template), sampling, priority and arrival on the monotonic clock."""
+
+    request_id: str
+    prompt: str | None
+    messages: tuple[tuple[str, str], ...] | None  # (role, content) turns
+    sampling: SamplingParams
+    priority: int = 0
+    arrival_time: float | None = None  # monotonic; None: when the core adds it
+
+
+@dataclass(slots=True)
+class CoreOutputs:
+    """What the core produced since its last emit."""
+
+    first_tokens: list[tuple[str, float]] = field(default_factory=list)  # (request id, monotonic)
+    finished: list[FinishedRequest] = field(default_factory=list)
+    rejected: list[tuple[str, str, str]] = field(default_factory=list)  # (request id, code, message)
+    stats: EngineStats | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.first_tokens or self.finished or self.rejected or self.stats is not None)
+
+
+class EngineCoreError(RuntimeError):
+    """The engine core failed or went away; the worker stops (uncommitted jobs are redelivered)."""
+
+
+def render_prompt(tokenizer: object, prompt: str | None, messages: Sequence[tuple[str, str]] | None) -> str:
+    """The prompt text of a job: `prompt`, or the chat turns rendered with the checkpoint's chat
+    template. A model without a template (the random presets) gets a plain `role: content`
+    transcript ending in `assistant:`."""
+    if prompt is not None:
+        return prompt
+    turns = [{"role": role, "content": content} for role, content in messages or ()]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(turns)  # type: ignore[attr-defined]
+    return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+
+
+def _add(engine: LLMEngine, req: AddRequest, rejected: list[tuple[str, str, str]]) -> None:
+    try:
+        try:
+            text = render_prompt(engine.tokenizer, req.prompt, req.messages)
+        except Exception as exc:  # a template that refuses these turns
+            raise InvalidRequestError("chat_template", f"chat template: {exc}") from None
+        engine.add_request(
+            req.request_id,
+            prompt=text,
+            sampling=req.sampling,
+            priority=req.priority,
+            arrival_time=req.arrival_time,
+        )
+    except InvalidRequestError as exc:
+        rejected.append((req.request_id, exc.code, exc.message))
+
+
+def serve(
+    engine: LLMEngine,
+    receive: Callable[[float], list[tuple] | None],
+    emit: Callable[[CoreOutputs], None],
+) -> None:
+    """The core loop: apply the commands `receive(timeout)` returns (None: the client is gone),
+    step the engine while it has work, `emit` what came out. Returns on ("stop",) or when the
+    client is gone. Commands: ("add", [AddRequest, ...]), ("abort", [request id, ...]), ("stop",)."""
+    last_stats = 0.0
+    while True:
+        cmds = receive(0.0 if engine.has_unfinished() else IDLE_WAIT_S)
+        if cmds is None:
+            return
+        out = CoreOutputs()
+        for cmd in cmds:
+            kind = cmd[0]
+            if kind == "add":
+                for req in cmd[1]:
+                    _add(engine, req, out.rejected)
+            elif kind == "abort":
+                for rid in cmd[1]:
+                    engine.abort(rid)
+            elif kind == "stop":
+                return
+        if engine.has_unfinished():
+            step = engine.step()
+            out.first_tokens.extend((ev.request_id, ev.time) for ev in step.first_tokens)
+            out.finished.extend(step.finished)
+        now = time.monotonic()
+        if now - last_stats >= STATS_EVERY_S:
+            out.stats = engine.stats()
+            last_stats = now
+        if out:
+            emit(out)
+
+
+class EngineCoreClient(Protocol):
+    """What the worker uses of a core, wherever it runs."""
+
+    model_name: str
+
+    def start(self) -> None: ...
+    def submit(self, requests: list[AddRequest]) -> None: ...
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+    def get(self, timeout_s: float) -> CoreOutputs | None: ...
+    def stop(self, timeout_s: float = 10.0) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+class InThreadCore:
+    """The core on a thread of this process (embedded mode, tests). Commands and outputs travel
+    through queues; only the core's thread touches the engine."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.model_name = str(getattr(engine, "model_name", "unknown"))
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._outputs: queue.SimpleQueue[CoreOutputs | _Failed] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+
+    def start(self) -> None:
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
+
+    def submit(self, requests: list[AddRequest]) -> None:
+        self._commands.put(("add", requests))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._commands.put(("abort", list(request_ids)))
+
+    def get(self, timeout_s: float) -> CoreOutputs | None:
+        try:
+            item = self._outputs.get(timeout=timeout_s) if timeout_s > 0 else self._outputs.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, _Failed):
+            raise EngineCoreError(f"the engine failed: {item.error!r}") from item.error
+        return item
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._commands.put(("stop",))
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
+
+    def _receive(self, timeout_s: float) -> list[tuple]:
+        cmds: list[tuple] = []
+        try:
+            cmds.append(self._commands.get(timeout=timeout_s) if timeout_s > 0 else self._commands.get_nowait())
+            while True:
+                cmds.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        return cmds
+
+    def _run(self) -> None:
+        try:
+            serve(self.engine, self._receive, self._outputs.put)
+        except BaseException as exc:
+            log.exception("the engine core failed")
+            self._outputs.put(_Failed(exc))
+
+
+class ProcessCore:
+    """The core in a child process (spawned: a fresh interpreter, CUDA initialised there only).
+
+    The model is loaded in the child; the constructor returns once it is ready (or raises
+    EngineCoreError with the child's error). Commands go over a pipe; `submit` and `abort` may be
+    called from any thread, `get` from one.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        config: EngineConfig | None = None,
+        *,
+        torch_threads: int | None = None,
+        start_timeout_s: float = 900.0,
+    ) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._send_lock = threading.Lock()
+        self._proc = ctx.Process(
+            target=_process_main,
+            args=(child, model, config or EngineConfig(), torch_threads, logging.getLogger().level),
+            name="firsttoken-engine-core",
+            daemon=True,  # never outlives a worker that exits normally
+        )
+        self._proc.start()
+        child.close()
+        self.model_name = model
+        self.info: dict[str, Any] = {}
+        try:
+            ready = self._conn.poll(start_timeout_s)
+            msg = self._conn.recv() if ready else None
+        except (EOFError, OSError):
+            msg = ("error", f"the engine process exited while starting (exit code {self._exit_code()})")
+        if msg is None:
+            self._kill()
+            raise EngineCoreError(f"the engine process did not start within {start_timeout_s:.0f} s")
+        if msg[0] != "ready":
+            self._kill()
+            raise EngineCoreError(f"the engine process failed to start: {msg[1]}")
+        self.info = msg[1]
+        log.info("engine core process %d ready (%s)", self._proc.pid, self.info.get("device", "?"))
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def start(self) -> None:
+        """The process started in the constructor."""
+
+    def submit(self, requests: list[AddRequest]) -> None:
+        self._send(("add", requests))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._send(("abort", list(request_ids)))
+
+    def get(self, timeout_s: float) -> CoreOutputs | None:
+        try:
+            if not self._conn.poll(timeout_s):
+                return None
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise EngineCoreError(f"the engine process exited (exit code {self._exit_code()})") from exc
+        if kind == "error":
+            raise EngineCoreError(f"the engine failed: {payload}")
+        return payload
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the core to stop and wait for the process; kill it when it does not."""
+        with contextlib.suppress(EngineCoreError):
+            self._send(("stop",))
+        # read what it still sends: a core blocked on a full pipe would never see the stop
+        deadline = time.monotonic() + timeout_s
+        while self._proc.is_alive() and time.monotonic() < deadline:
+            try:
+                if self._conn.poll(0.05):
+                    self._conn.recv()
+            except (EOFError, OSError):
+                self._proc.join(max(0.0, deadline - time.monotonic()))
+                break
+        if self._proc.is_alive():
+            log.warning("engine process %d did not stop within %.0f s; killing it", self._proc.pid, timeout_s)
+            self._kill()
+        self._conn.close()
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except (OSError, ValueError) as exc:  # BrokenPipeError; ValueError: closed connection
+            raise EngineCoreError(f"the engine process is gone (exit code {self._exit_code()})") from exc
+
+    def _exit_code(self) -> int | None:
+        self._proc.join(0.5)
+        return self._proc.exitcode
+
+    def _kill(self) -> None:
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(5.0)
+
+
+def _process_main(conn: Any, model: str, config: EngineConfig, torch_threads: int | None, log_level: int) -> None:
+    """The child process: load the engine, say ready, serve until told to stop or the worker is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level or logging.WARNING, format=f"%(asctime)s engine-core[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    try:
+        if torch_threads:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        engine = LLMEngine(model, config)
+        device = str(engine.runner.device)
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    # The model and the engine live as long as the process: out of the cyclic collector's reach
+    # (see workers.worker.freeze_startup_heap).
+    gc.collect()
+    gc.freeze()
+    conn.send(("ready", {"model": model, "device": device, "pid": os.getpid()}))
+
+    def receive(timeout_s: float) -> list[tuple] | None:
+        try:
+            if not conn.poll(timeout_s):
+                return []
+            cmds = [conn.recv()]
+            while conn.poll(0):
+                cmds.append(conn.recv())
+            return cmds
+        except (EOFError, OSError):  # the worker is gone
+            return None
+
+    def emit(out: CoreOutputs) -> None:
+        conn.send(("out", out))
+
+    try:
+        serve(engine, receive, emit)
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the worker is gone
+    except BaseException as exc:
+        log.exception("the engine core failed")
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}"))
+        raise SystemExit(1) from None
