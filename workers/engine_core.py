@@ -162,15 +162,33 @@ class _Failed:
     error: BaseException
 
 
-class InThreadCore:
+class _OutputQueue:
+    """Outputs as the core produced them, for `get` on the worker's results thread."""
+
+    def __init__(self) -> None:
+        self._outputs: queue.SimpleQueue[CoreOutputs | _Failed] = queue.SimpleQueue()
+
+    def get(self, timeout_s: float) -> CoreOutputs | None:
+        """The next outputs, or None after `timeout_s`; raises EngineCoreError once the core failed."""
+        try:
+            item = self._outputs.get(timeout=timeout_s) if timeout_s > 0 else self._outputs.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, _Failed):
+            self._outputs.put(item)  # every later call fails too
+            raise item.error
+        return item
+
+
+class InThreadCore(_OutputQueue):
     """The core on a thread of this process (embedded mode, tests). Commands and outputs travel
     through queues; only the core's thread touches the engine."""
 
     def __init__(self, engine: LLMEngine) -> None:
+        super().__init__()
         self.engine = engine
         self.model_name = str(getattr(engine, "model_name", "unknown"))
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._outputs: queue.SimpleQueue[CoreOutputs | _Failed] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
 
     def start(self) -> None:
@@ -182,15 +200,6 @@ class InThreadCore:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self._commands.put(("abort", list(request_ids)))
-
-    def get(self, timeout_s: float) -> CoreOutputs | None:
-        try:
-            item = self._outputs.get(timeout=timeout_s) if timeout_s > 0 else self._outputs.get_nowait()
-        except queue.Empty:
-            return None
-        if isinstance(item, _Failed):
-            raise EngineCoreError(f"the engine failed: {item.error!r}") from item.error
-        return item
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._commands.put(("stop",))
@@ -212,15 +221,20 @@ class InThreadCore:
             serve(self.engine, self._receive, self._outputs.put)
         except BaseException as exc:
             log.exception("the engine core failed")
-            self._outputs.put(_Failed(exc))
+            err = EngineCoreError(f"the engine failed: {exc!r}")
+            err.__cause__ = exc
+            self._outputs.put(_Failed(err))
 
 
-class ProcessCore:
+class ProcessCore(_OutputQueue):
     """The core in a child process (spawned: a fresh interpreter, CUDA initialised there only).
 
     The model is loaded in the child; the constructor returns once it is ready (or raises
     EngineCoreError with the child's error). Commands go over a pipe; `submit` and `abort` may be
-    called from any thread, `get` from one.
+    called from any thread (a send waits at most for the core's current step: the core reads
+    its commands between steps). A reader thread takes the core's outputs off the pipe as they
+    come, so the core never waits on a full pipe, whatever the worker's threads are doing (a
+    core blocked on its outputs would never read the command a worker thread is blocked on).
     """
 
     def __init__(
@@ -231,6 +245,7 @@ class ProcessCore:
         torch_threads: int | None = None,
         start_timeout_s: float = 900.0,
     ) -> None:
+        super().__init__()
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
         self._send_lock = threading.Lock()
@@ -256,6 +271,8 @@ class ProcessCore:
             self._kill()
             raise EngineCoreError(f"the engine process failed to start: {msg[1]}")
         self.info = msg[1]
+        self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
+        self._reader.start()
         log.info("engine core process %d ready (%s)", self._proc.pid, self.info.get("device", "?"))
 
     @property
@@ -271,34 +288,30 @@ class ProcessCore:
     def abort(self, request_ids: Sequence[str]) -> None:
         self._send(("abort", list(request_ids)))
 
-    def get(self, timeout_s: float) -> CoreOutputs | None:
-        try:
-            if not self._conn.poll(timeout_s):
-                return None
-            kind, payload = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            raise EngineCoreError(f"the engine process exited (exit code {self._exit_code()})") from exc
-        if kind == "error":
-            raise EngineCoreError(f"the engine failed: {payload}")
-        return payload
-
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the core to stop and wait for the process; kill it when it does not."""
         with contextlib.suppress(EngineCoreError):
             self._send(("stop",))
-        # read what it still sends: a core blocked on a full pipe would never see the stop
-        deadline = time.monotonic() + timeout_s
-        while self._proc.is_alive() and time.monotonic() < deadline:
-            try:
-                if self._conn.poll(0.05):
-                    self._conn.recv()
-            except (EOFError, OSError):
-                self._proc.join(max(0.0, deadline - time.monotonic()))
-                break
+        self._proc.join(timeout_s)
         if self._proc.is_alive():
             log.warning("engine process %d did not stop within %.0f s; killing it", self._proc.pid, timeout_s)
             self._kill()
+        self._reader.join(5.0)
         self._conn.close()
+
+    def _read(self) -> None:
+        """The reader thread: outputs into the queue until the core stops, fails or dies."""
+        while True:
+            try:
+                kind, payload = self._conn.recv()
+            except (EOFError, OSError):
+                err = EngineCoreError(f"the engine process exited (exit code {self._exit_code()})")
+                break
+            if kind == "error":
+                err = EngineCoreError(f"the engine failed: {payload}")
+                break
+            self._outputs.put(payload)
+        self._outputs.put(_Failed(err))
 
     def _send(self, msg: tuple) -> None:
         try:

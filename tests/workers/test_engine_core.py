@@ -186,3 +186,31 @@ def test_the_core_process_exits_when_its_worker_is_killed(tmp_path):
 def test_a_core_that_cannot_load_its_model_says_why():
     with pytest.raises(EngineCoreError, match=r"failed to start.*no-such-model"):
         ProcessCore("/no-such-model", EngineConfig(device="cpu"))
+
+
+def test_commands_never_wait_on_outputs_nobody_reads(core):
+    """A worker thread blocked sending to a core that is blocked sending its outputs would be a
+    deadlock: the core's outputs are read off the pipe as they come, read by the worker or not.
+    Here ~200 KB of outputs nobody reads (rejections that echo 2 KB request ids; more than a pipe
+    buffer, ~95 KB on Linux), then ~300 KB of commands."""
+    import threading
+
+    from workers.engine_core import AddRequest
+
+    too_long = SamplingParams(max_tokens=100_000)
+    core.submit([AddRequest(f"{i}-" + "r" * 2000, "p", None, too_long) for i in range(100)])
+    noise = [f"{n}-" + "z" * 1000 for n in range(5)]  # aborts of unknown ids: nothing for the engine
+    # once the core has emitted them (it reads commands for as long as they keep coming)
+    sent = threading.Thread(
+        target=lambda: time.sleep(1.0) or [core.abort(noise) for _ in range(60)], daemon=True
+    )
+    sent.start()
+    sent.join(30)
+    assert not sent.is_alive(), "a command blocked behind unread outputs"
+    rejected: dict[str, str] = {}
+    deadline = time.monotonic() + 30
+    while len(rejected) < 100 and time.monotonic() < deadline:
+        out = core.get(0.5)
+        if out is not None:
+            rejected.update((rid, code) for rid, code, _ in out.rejected)
+    assert len(rejected) == 100 and set(rejected.values()) == {"max_tokens_out_of_range"}
