@@ -25,26 +25,26 @@ class KernelOps:
 
 
 def get_ops(backend: str) -> KernelOps:
-    """Return the op set for `backend`: "torch" (references, any device) or "triton".
+    """Return the op set for `backend`: "torch" (PyTorch ops, any device) or "triton".
 
     The Triton ops take the references' arguments, plus optional extras: prefill_attention a
     `max_query_len` int that sizes its grid and a `num_splits` int, decode_attention a `num_splits` int. Triton's
     rope_and_cache rotates q and k in place (the reference returns new tensors).
     """
     if backend == "torch":
-        from kernels.decode_attention import decode_attention_ref
-        from kernels.prefill_attention import paged_attention_ref
         from kernels.rmsnorm import rms_norm_ref
         from kernels.rope_cache import rope_and_cache_ref
         from kernels.silu_mul import silu_and_mul_ref
+        from kernels.torch_attention import decode_attention_torch, paged_attention_torch
 
         return KernelOps(
             name="torch",
             rms_norm=rms_norm_ref,
             silu_and_mul=silu_and_mul_ref,
             rope_and_cache=rope_and_cache_ref,
-            prefill_attention=paged_attention_ref,
-            decode_attention=decode_attention_ref,
+            # the references' math, batched over sequences (the references loop over them)
+            prefill_attention=paged_attention_torch,
+            decode_attention=decode_attention_torch,
         )
     if backend == "triton":
         from kernels.decode_attention import decode_attention_triton
