@@ -141,3 +141,35 @@ def test_cuda_prefill_graph_splits_only_long_contexts(llama_dir):
     assert splits[0] == 0  # 1400 new tokens: eager, no prefill graph
     assert splits[1] > 1  # 8 new tokens over a 1392-token cached prefix: split
     assert splits[2] == 1  # 30 tokens, nothing cached: unsplit
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_engine_in_its_own_process_matches_in_process():
+    """The worker's default: the engine core in a spawned child (CUDA initialised there, graphs
+    captured there) gives the tokens of the same engine in this process."""
+    import time
+
+    from workers.engine_core import AddRequest, ProcessCore
+
+    cfg = {"device": "cuda", "kernel_backend": "triton", "num_blocks": 256, "max_model_len": 512}
+    texts = [f"prompt {i} " * (i + 1) for i in range(12)]
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    eng = LLMEngine("tiny", EngineConfig(**cfg))
+    for i, t in enumerate(texts):
+        eng.add_request(f"r{i}", prompt=t, sampling=sp)
+    want = {}
+    while eng.has_unfinished():
+        want.update((f.request_id, f.output_token_ids) for f in eng.step().finished)
+    core = ProcessCore("tiny", EngineConfig(**cfg))
+    got: dict = {}
+    try:
+        assert core.info["device"].startswith("cuda")
+        core.submit([AddRequest(f"r{i}", t, None, sp) for i, t in enumerate(texts)])
+        deadline = time.monotonic() + 120
+        while len(got) < len(texts) and time.monotonic() < deadline:
+            out = core.get(1.0)
+            if out is not None:
+                got.update((f.request_id, f.output_token_ids) for f in out.finished)
+    finally:
+        core.stop()
+    assert len(want) == len(texts) and got == want
