@@ -47,8 +47,12 @@ def pct(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+_TOPICS: list[str] = []  # made by this run, deleted at its end
+
+
 def fresh_settings(base: Settings, db_url: str) -> Settings:
     t = uuid.uuid4().hex[:8]
+    _TOPICS.extend([f"bench.jobs.{t}", f"bench.jobs.{t}.dlq"])
     return base.model_copy(
         update={
             "jobs_topic": f"bench.jobs.{t}",
@@ -125,6 +129,24 @@ def _paced_producer(settings: dict, jobs: list[dict], rate: float) -> None:
         queue.close()
 
 
+def _run_paced(s: Settings, jobs: list[JobRequest], rate: float, seconds: float, producer_process: bool) -> None:
+    if producer_process:
+        # Producers are other processes in a deployment (API, CLI): this one must not hold the
+        # worker's GIL. (It still shares the 2 cores.)
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        proc = ctx.Process(target=_paced_producer, args=(s.model_dump(), [j.model_dump() for j in jobs], rate))
+        proc.start()
+        proc.join(seconds + 120)
+    else:
+        queue = KafkaQueue(s, create_topics=False)
+        try:
+            _submit_paced(Producer(queue), jobs, rate)
+        finally:
+            queue.close()
+
+
 def bench_overhead(
     s: Settings,
     rate: float,
@@ -132,6 +154,7 @@ def bench_overhead(
     torch_threads: int | None,
     producer_process: bool = True,
     engine_process: bool = True,
+    warmup_s: float = 0.0,
 ) -> dict:
     import torch
 
@@ -158,20 +181,16 @@ def bench_overhead(
     deadline = time.monotonic() + 60
     while store.batch_progress("warm").done < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
+    if warmup_s > 0:
+        # the same load, unrecorded: a broker's JIT takes minutes of traffic to settle (a fresh
+        # broker's p50 fell from ~11 to ~5.5 ms over its first six 15 s runs)
+        m = int(rate * warmup_s)
+        warm = [JobRequest(id=f"w{i}", prompt=f"warm up {i}", sampling=sp, batch_id="warmup") for i in range(m)]
+        _run_paced(s, warm, rate, warmup_s, producer_process)
+        while store.batch_progress("warmup").done < m and time.monotonic() < deadline + warmup_s + 120:
+            time.sleep(0.1)
     t0 = time.monotonic()
-    if producer_process:
-        # Producers are other processes in a deployment (API, CLI): this one must not hold the
-        # worker's GIL. (It still shares the 2 cores.)
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        proc = ctx.Process(
-            target=_paced_producer, args=(s.model_dump(), [j.model_dump() for j in jobs], rate)
-        )
-        proc.start()
-        proc.join(seconds + 120)
-    else:
-        _submit_paced(Producer(queue), jobs, rate)
+    _run_paced(s, jobs, rate, seconds, producer_process)
     while store.batch_progress("ovh").done < n and time.monotonic() < t0 + seconds + 120:
         time.sleep(0.1)
     worker.stop()
@@ -198,6 +217,7 @@ def bench_overhead(
         "torch_threads": torch.get_num_threads(),
         "producer": "process" if producer_process else "thread",
         "engine": "process" if engine_process else "thread",
+        "warmup_s": warmup_s,
         "ttft_ms": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
         "engine_ttft_ms": {"p50": pct(eng, 0.5), "p99": pct(eng, 0.99)},
     }
@@ -309,6 +329,12 @@ def main() -> int:
         action="store_true",
         help="overhead: the engine on a thread of the worker's process (before run 5) instead of its own process",
     )
+    ap.add_argument(
+        "--warmup-s",
+        type=float,
+        default=30.0,
+        help="overhead: this many seconds of the same load first, not recorded (broker JIT, consumer)",
+    )
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
 
@@ -348,8 +374,12 @@ def main() -> int:
             args.torch_threads,
             not args.producer_thread,
             not args.engine_thread,
+            args.warmup_s,
         )
         print(json.dumps({"overhead": out["overhead"]}), flush=True)
+    from pipeline.queue.kafka import delete_topics
+
+    delete_topics(base.kafka_bootstrap, _TOPICS)
     print(json.dumps(out, indent=2))
     if args.markdown:
         with open(args.markdown, "a") as f:

@@ -11,7 +11,8 @@
 # Data, logs and pid files live under .services/ (gitignored). Ports and paths come from:
 #   FIRSTTOKEN_KAFKA_PORT (19092)  FIRSTTOKEN_KAFKA_CONTROLLER_PORT (19093)
 #   FIRSTTOKEN_PG_PORT (15432)     FIRSTTOKEN_REDIS_PORT (16379)
-#   FIRSTTOKEN_SERVICES_DIR (.services)  FIRSTTOKEN_KAFKA_HEAP (-Xms256m -Xmx512m)
+#   FIRSTTOKEN_SERVICES_DIR (.services)  FIRSTTOKEN_KAFKA_HEAP (-Xms512m -Xmx512m -Xmn160m)
+#   FIRSTTOKEN_KAFKA_GC (-XX:+UseParallelGC)
 #   FIRSTTOKEN_PG_BIN (directory holding pg_ctl; found by itself otherwise)
 # Kafka's jars come from Maven Central through scripts/kafka/pom.xml (cached in ~/.m2 and under
 # .services/); PostgreSQL and Redis come from Debian packages, installed when missing and root.
@@ -24,7 +25,11 @@ KAFKA_CONTROLLER_PORT=${FIRSTTOKEN_KAFKA_CONTROLLER_PORT:-19093}
 PG_PORT=${FIRSTTOKEN_PG_PORT:-15432}
 REDIS_PORT=${FIRSTTOKEN_REDIS_PORT:-16379}
 SERVICES_DIR=${FIRSTTOKEN_SERVICES_DIR:-$ROOT/.services}
-KAFKA_HEAP=${FIRSTTOKEN_KAFKA_HEAP:--Xms256m -Xmx512m}
+KAFKA_HEAP=${FIRSTTOKEN_KAFKA_HEAP:--Xms512m -Xmx512m -Xmn160m}
+# The parallel collector: on the 2-core box G1 paused the broker 12-30 ms every 3-10 s under the
+# pipeline benchmark (young and remark pauses), the parallel one 14-44 ms every 40-60 s: fewer
+# jobs land in a pause (bench/results/pipeline-2026-11-30-run5.md).
+KAFKA_GC=${FIRSTTOKEN_KAFKA_GC:--XX:+UseParallelGC}
 PG_DB=firsttoken
 PG_USER=firsttoken
 
@@ -132,8 +137,8 @@ EOF
 
 # JVM options for every Kafka java command, in the array KAFKA_JVM.
 kafka_jvm_opts() {
-  # shellcheck disable=SC2206  # KAFKA_HEAP is a list of JVM options
-  KAFKA_JVM=($KAFKA_HEAP -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError
+  # shellcheck disable=SC2206  # KAFKA_HEAP and KAFKA_GC are lists of JVM options
+  KAFKA_JVM=($KAFKA_HEAP $KAFKA_GC -XX:+ExitOnOutOfMemoryError
     -Djava.awt.headless=true "-Dlog4j2.configurationFile=$KAFKA_DIR/log4j2.properties"
     -cp "$KAFKA_JARS/*")
 }

@@ -88,6 +88,23 @@ def ensure_topics(
         admin.close()
 
 
+def delete_topics(bootstrap: str | list[str], names: list[str], *, timeout_s: float = 30.0) -> list[str]:
+    """Delete those of these topics that exist (throwaway topics of tests and benchmarks: a
+    broker holding thousands of dead partitions carries them in its heap, and its garbage
+    collections grow with them). Returns the names deleted."""
+    admin = KafkaAdminClient(
+        bootstrap_servers=bootstrap, client_id="firsttoken-admin", request_timeout_ms=int(timeout_s * 1000)
+    )
+    try:
+        existing = set(admin.list_topics())
+        gone = [name for name in names if name in existing]
+        if gone:
+            admin.delete_topics(gone, timeout_ms=int(timeout_s * 1000))
+        return gone
+    finally:
+        admin.close()
+
+
 def _ready_partitions(admin: KafkaAdminClient, names: list[str]) -> dict[str, int]:
     # describe_topics answers with the DescribeTopicPartitions/Metadata field names of the
     # protocol version it used ("name"/"topic", "leader_id"/"leader"): accept both.

@@ -80,10 +80,13 @@ def kafka_bootstrap() -> str:
 
 
 @pytest.fixture
-def kafka_settings(kafka_bootstrap: str) -> Settings:
-    """Settings with fresh topic and group names, so that tests never see each other's messages."""
+def kafka_settings(kafka_bootstrap: str) -> Iterator[Settings]:
+    """Settings with fresh topic and group names, so that tests never see each other's messages;
+    the topics are deleted afterwards (best effort)."""
+    from pipeline.queue.kafka import delete_topics
+
     tag = uuid.uuid4().hex[:10]
-    return Settings(
+    settings = Settings(
         kafka_bootstrap=kafka_bootstrap,
         jobs_topic=f"test.jobs.{tag}",
         dlq_topic=f"test.jobs.{tag}.dlq",
@@ -91,6 +94,11 @@ def kafka_settings(kafka_bootstrap: str) -> Settings:
         jobs_partitions=4,
         session_timeout_ms=20_000,  # generous: the 2-core CI box runs the JVM, Postgres and torch at once
     )
+    yield settings
+    try:
+        delete_topics(kafka_bootstrap, [settings.jobs_topic, settings.dlq_topic], timeout_s=10.0)
+    except Exception as exc:  # a test that left the broker down or slow: the topics just stay
+        print(f"could not delete the test topics: {exc!r}")
 
 
 @pytest.fixture(scope="session")
