@@ -41,9 +41,19 @@ def ingest_batch(
 ) -> dict[str, Any]:
     """Validate every line of a batch file, record queued (or failed) rows, produce the jobs to
     Kafka, and schedule the batch's finalization. Safe to retry: rows and results are idempotent."""
+    from kafka.errors import KafkaError
+    from sqlalchemy.exc import DBAPIError
+
     from pipeline.producer import Producer
 
-    summary = Producer(_queue(), _store()).submit_file(path, batch_id=batch_id, default_max_tokens=max_tokens)
+    try:
+        summary = Producer(_queue(), _store()).submit_file(path, batch_id=batch_id, default_max_tokens=max_tokens)
+    except (KafkaError, DBAPIError, ConnectionError, TimeoutError) as exc:
+        # Kafka or Postgres unreachable: try again later (max_retries, default_retry_delay). What
+        # the failed attempt did is redone idempotently: rows by job id, and the worker writes a
+        # job delivered twice once.
+        log.warning("batch file ingest failed (%s: %s); retrying", type(exc).__name__, exc)
+        raise self.retry(exc=exc) from exc
     finalize_batch.apply_async((summary.batch_id,), countdown=finalize_after_s)
     log.info("batch %s: %d jobs submitted, %d invalid", summary.batch_id, summary.submitted, summary.invalid)
     return {"batch_id": summary.batch_id, "submitted": summary.submitted, "invalid": summary.invalid}
