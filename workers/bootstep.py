@@ -1,8 +1,9 @@
 """The GPU worker's bootstep: one engine per Celery worker process, loaded after it started.
 
-Included only in workers that consume the `gpu` queue. `start` builds the engine (the model is
-loaded here, never at import: CUDA and fork do not mix) and starts the worker's intake, engine
-loop and sink threads; `stop` (SIGTERM, warm shutdown) drains them. Also here: the
+Included only in workers that consume the `gpu` queue. `start` builds the worker: its engine
+core starts in a spawned child process that loads the model (never at import, never forked:
+CUDA and fork do not mix), and the intake, results and sink threads start here; `stop`
+(SIGTERM, warm shutdown) drains them and stops the core. Also here: the
 remote-control commands `engine_stats` (inspect) and `cancel_jobs` (control).
 """
 

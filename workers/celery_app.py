@@ -6,8 +6,8 @@ Two kinds of worker process run from it:
     celery -A workers.celery_app worker -Q cpu -n cpu@%h                 # control-plane tasks
 
 A worker consuming the `gpu` queue loads the model once, after it started (workers.bootstep),
-and runs the Kafka intake, the engine loop and the result sink in its own threads; jobs never
-travel through Celery. Celery carries the control plane (workers.tasks): ingest a batch file,
+in its engine core process, and runs the Kafka intake and the result sink in its own threads;
+jobs never travel through Celery. Celery carries the control plane (workers.tasks): ingest a batch file,
 finalize a batch, cancel jobs; and remote-control commands that reach the GPU workers:
 
     celery -A workers.celery_app inspect engine_stats
