@@ -330,6 +330,20 @@ class ProcessCore(_OutputQueue):
         self._proc.join(5.0)
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive now (modules, the model, the engine) out of the cyclic garbage
+    collector's reach (gc.freeze), after one last collection.
+
+    Those objects live as long as the process; without this, a full collection walks them all
+    while every thread waits: 383 ms and 830 ms (the latter 3 s after the worker started, while
+    it took its first jobs) in two benchmark runs on the 2-core machine; with the heap frozen no
+    full collection ran at all (bench/results/pipeline-2026-11-30-run2.md). Call once per process,
+    after the model is loaded.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def _process_main(conn: Any, model: str, config: EngineConfig, torch_threads: int | None, log_level: int) -> None:
     """The child process: load the engine, say ready, serve until told to stop or the worker is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -344,10 +358,7 @@ def _process_main(conn: Any, model: str, config: EngineConfig, torch_threads: in
     except BaseException as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    # The model and the engine live as long as the process: out of the cyclic collector's reach
-    # (see workers.worker.freeze_startup_heap).
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()
     conn.send(("ready", {"model": model, "device": device, "pid": os.getpid()}))
 
     def receive(timeout_s: float) -> list[tuple] | None:

@@ -16,7 +16,6 @@ submitted_at is what the user waited.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import socket
@@ -43,7 +42,14 @@ from schemas.job import (
 )
 from workers.engine import FinishedRequest, LLMEngine
 from workers.engine.outputs import EngineStats
-from workers.engine_core import AddRequest, CoreOutputs, EngineCoreClient, InThreadCore, ProcessCore
+from workers.engine_core import (
+    AddRequest,
+    CoreOutputs,
+    EngineCoreClient,
+    InThreadCore,
+    ProcessCore,
+    freeze_startup_heap,
+)
 from workers.intake import Intake, error_code_of
 from workers.sink import Outcome, ResultSink, SinkConfig
 
@@ -477,20 +483,6 @@ def build_worker(
     worker = Worker(core, consumer, store, config, model_name=ws.model)
     freeze_startup_heap()
     return worker
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive now (modules, the model, the engine) out of the cyclic garbage
-    collector's reach (gc.freeze), after one last collection.
-
-    Those objects live as long as the process; without this, a full collection walks them all
-    while every thread waits: 383 ms and 830 ms (the latter 3 s after the worker started, while
-    it took its first jobs) in two benchmark runs on the 2-core machine; with the heap frozen no
-    full collection ran at all (bench/results/pipeline-2026-11-30-run2.md). Call once per process,
-    after the model is loaded.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 def run_until_signalled(worker: Worker) -> int:
