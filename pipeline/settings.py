@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
@@ -84,6 +84,22 @@ class Settings(BaseSettings):
 
     # --- Celery / Redis ---
     redis_url: str = Field(default="redis://127.0.0.1:16379/0")
+    finalize_every_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=86_400,
+        description="finalize_batch: first wait before checking an open batch's jobs again; "
+        "the wait doubles after each check, up to finalize_max_every_s",
+    )
+    finalize_max_every_s: float = Field(
+        default=60.0, gt=0, le=86_400, description="finalize_batch: the longest wait between two checks"
+    )
+    finalize_give_up_s: float = Field(
+        default=7 * 86_400,
+        gt=0,
+        description="finalize_batch: stop checking a batch still open this long after it was created "
+        "(a warning is logged; the batch stays open)",
+    )
 
     # --- this process ---
     worker_name: str | None = Field(
@@ -113,6 +129,12 @@ class Settings(BaseSettings):
         if not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return v
+
+    @model_validator(mode="after")
+    def _finalize_backoff(self) -> Settings:
+        if self.finalize_max_every_s < self.finalize_every_s:
+            raise ValueError("finalize_max_every_s must be at least finalize_every_s")
+        return self
 
     @property
     def kafka_bootstrap_servers(self) -> list[str]:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import time
+from enum import StrEnum
 from typing import Any
 
+from pipeline.settings import get_settings
 from workers.celery_app import app, broadcast_cancel
 
 log = logging.getLogger(__name__)
@@ -15,7 +18,6 @@ _state: dict[str, Any] = {}
 def _store() -> Any:
     """The process's ResultStore, created on first use (never at import)."""
     if "store" not in _state:
-        from pipeline.settings import get_settings
         from pipeline.store import ResultStore
 
         s = get_settings()
@@ -37,10 +39,11 @@ def ingest_batch(
     path: str,
     batch_id: str | None = None,
     max_tokens: int | None = None,
-    finalize_after_s: float = 10.0,
+    finalize_after_s: float | None = None,
 ) -> dict[str, Any]:
     """Validate every line of a batch file, record queued (or failed) rows, produce the jobs to
-    Kafka, and schedule the batch's finalization. Safe to retry: rows and results are idempotent."""
+    Kafka, and schedule the batch's finalization `finalize_after_s` later (None: the settings'
+    finalize_every_s). Safe to retry: rows and results are idempotent."""
     from kafka.errors import KafkaError
     from sqlalchemy.exc import DBAPIError
 
@@ -54,21 +57,79 @@ def ingest_batch(
         # job delivered twice once.
         log.warning("batch file ingest failed (%s: %s); retrying", type(exc).__name__, exc)
         raise self.retry(exc=exc) from exc
+    if finalize_after_s is None:
+        finalize_after_s = get_settings().finalize_every_s
     finalize_batch.apply_async((summary.batch_id,), countdown=finalize_after_s)
     log.info("batch %s: %d jobs submitted, %d invalid", summary.batch_id, summary.submitted, summary.invalid)
     return {"batch_id": summary.batch_id, "submitted": summary.submitted, "invalid": summary.invalid}
 
 
+class Finalized(StrEnum):
+    """What a finalize_batch run found: the `outcome` of its result."""
+
+    COMPLETED = "completed"  # every job terminal: this run marked the batch completed
+    ALREADY_COMPLETED = "already_completed"  # completed before this run
+    ENDED = "ended"  # ended otherwise (cancelled): left as it is; the result's `status` says how
+    MISSING = "missing"  # no batch with this id
+    GAVE_UP = "gave_up"  # still open `give_up_s` after it was created: checked no more
+
+
+def recheck_delay(checks: int, every_s: float, max_every_s: float) -> float:
+    """The wait before the next check after `checks` earlier ones: `every_s`, doubled after each
+    check, at most `max_every_s`."""
+    return min(max_every_s, every_s * 2.0 ** min(checks, 32))
+
+
 @app.task(name="firsttoken.finalize_batch", bind=True, max_retries=None)
-def finalize_batch(self: Any, batch_id: str, every_s: float = 10.0) -> bool:
-    """Mark the batch completed once all its jobs are terminal; checks again every `every_s` until then."""
-    b = _store().get_batch(batch_id)
-    if b is None or b.status != "open":
-        return b is not None
-    if _store().finalize_batch(batch_id):
+def finalize_batch(
+    self: Any,
+    batch_id: str,
+    every_s: float | None = None,
+    max_every_s: float | None = None,
+    give_up_s: float | None = None,
+) -> dict[str, Any]:
+    """Mark the batch completed once all its jobs are terminal. While some are not, check again
+    after `every_s`, doubling up to `max_every_s`, until the batch is `give_up_s` old (then log a
+    warning and stop; the batch stays open). None: the settings' finalize_every_s,
+    finalize_max_every_s, finalize_give_up_s.
+
+    Returns {"batch_id", "outcome": a Finalized value, "status": the batch's status (None if missing)}.
+    """
+    s = get_settings()
+    every = s.finalize_every_s if every_s is None else every_s
+    most = s.finalize_max_every_s if max_every_s is None else max_every_s
+    give_up = s.finalize_give_up_s if give_up_s is None else give_up_s
+
+    def result(outcome: Finalized, status: str | None) -> dict[str, Any]:
+        return {"batch_id": batch_id, "outcome": outcome.value, "status": status}
+
+    store = _store()
+    b = store.get_batch(batch_id)
+    if b is None:
+        log.warning("finalize: there is no batch %s", batch_id)
+        return result(Finalized.MISSING, None)
+    if b.status == "completed":
+        return result(Finalized.ALREADY_COMPLETED, b.status)
+    if b.status != "open":
+        log.info("finalize: batch %s is %s, not open: left as it is", batch_id, b.status)
+        return result(Finalized.ENDED, b.status)
+    if store.finalize_batch(batch_id):
         log.info("batch %s completed", batch_id)
-        return True
-    raise self.retry(countdown=every_s)
+        return result(Finalized.COMPLETED, "completed")
+    age = time.time() - b.created_at
+    if age >= give_up:
+        p = b.progress
+        log.warning(
+            "batch %s is still open %.0f s after it was created (%d of %s jobs done): no more "
+            "finalize checks (give-up age %.0f s); run finalize_batch again once its jobs are done",
+            batch_id,
+            age,
+            p.done,
+            p.total if p.total is not None else p.recorded,
+            give_up,
+        )
+        return result(Finalized.GAVE_UP, b.status)
+    raise self.retry(countdown=recheck_delay(self.request.retries, every, most))
 
 
 @app.task(name="firsttoken.cancel")

@@ -302,7 +302,7 @@ def test_ingest_batch_file_runs_and_finalizes(cluster: Cluster, tmp_path):
             assert r.usage.completion_tokens == (3 if i % 2 else 5)
             assert r.worker == "gpu0" and r.text is not None and r.timings.ttft_ms is not None
 
-        # finalize_batch ran 4 s after the ingestion (again every 10 s while jobs were left)
+        # finalize_batch ran 4 s after the ingestion (then again after 10 s, 20 s... while jobs were left)
         wait_until(
             lambda: cluster.store.get_batch(batch).status == "completed", 30, "the batch to be finalized"
         )
