@@ -10,7 +10,8 @@ in its engine core process, and runs the Kafka intake and the result sink in its
 jobs never travel through Celery. Celery carries the control plane (workers.tasks): ingest a batch file,
 finalize a batch, cancel jobs; and remote-control commands that reach the GPU workers:
 
-    celery -A workers.celery_app inspect engine_stats
+    celery -A workers.celery_app inspect engine_stats                  # waits out --timeout (1 s)
+    celery -A workers.celery_app inspect engine_stats -d gpu0@host     # returns once gpu0 replied
     celery -A workers.celery_app control cancel_jobs '["job-1"]'     # or: cancel_batch BATCH_ID
 """
 
@@ -54,9 +55,27 @@ def broadcast_cancel(job_ids: Sequence[str] = (), batch_id: str | None = None) -
     app.control.broadcast("cancel_jobs", arguments={"job_ids": list(job_ids), "batch_id": batch_id})
 
 
-def engine_stats(timeout_s: float = 2.0) -> dict[str, dict]:
-    """Each GPU worker's engine stats, by Celery node name."""
-    replies = app.control.broadcast("engine_stats", reply=True, timeout=timeout_s)
+def engine_stats(
+    timeout_s: float = 2.0, *, expect: int | None = None, nodes: Sequence[str] | None = None
+) -> dict[str, dict]:
+    """Each worker's engine stats by Celery node name (`{"gpu": False}` from a CPU worker).
+
+    Asks every worker, or only `nodes`, and returns as soon as `expect` of them replied (with
+    `nodes`, by default all of them). `timeout_s` bounds the wait for each next reply: when fewer
+    answer, it returns `timeout_s` after the last reply; without `expect` or `nodes` it cannot know
+    who is left to answer and always waits that long.
+    """
+    if expect is not None and expect < 1:
+        raise ValueError(f"expect must be at least 1, not {expect}")
+    if nodes is not None and not nodes:
+        raise ValueError("nodes is empty: name at least one node, or pass None to ask every worker")
+    replies = app.control.broadcast(
+        "engine_stats",
+        reply=True,
+        timeout=timeout_s,
+        destination=None if nodes is None else list(nodes),
+        limit=expect if expect is not None else (None if nodes is None else len(nodes)),
+    )
     out: dict[str, dict] = {}
     for r in replies or []:
         out.update(r)

@@ -316,8 +316,12 @@ def test_engine_stats_reaches_both_workers(cluster: Cluster):
     from workers.celery_app import engine_stats
 
     with cluster.logs_on_failure():
-        before = engine_stats(timeout_s=1.5)
-        assert set(before) >= {cluster.gpu_node, cluster.cpu_node}, sorted(before)
+        # with the replies it expects, it returns once they came, well before its timeout
+        t0 = time.monotonic()
+        before = engine_stats(timeout_s=10, expect=2)
+        took = time.monotonic() - t0
+        assert took < 3, f"engine_stats(expect=2) took {took:.1f} s"
+        assert set(before) == {cluster.gpu_node, cluster.cpu_node}, sorted(before)
         assert before[cluster.cpu_node] == {"gpu": False}
         gpu = before[cluster.gpu_node]
         assert gpu["gpu"] is True and gpu["worker"] == "gpu0" and gpu["model"] == "tiny"
@@ -328,7 +332,12 @@ def test_engine_stats_reaches_both_workers(cluster: Cluster):
         cluster.submit(make_jobs(5, batch, batch_id=batch, max_tokens=4))
         wait_until(lambda: terminal_count(cluster.store, batch) == 5, 60, "5 rows")
         # a job is counted when it finishes, before its row is written: all 5 are counted
-        after = engine_stats(timeout_s=1.5)[cluster.gpu_node]
+        t0 = time.monotonic()
+        only_gpu = engine_stats(timeout_s=10, nodes=[cluster.gpu_node])
+        took = time.monotonic() - t0
+        assert took < 3, f"engine_stats(nodes=[gpu]) took {took:.1f} s"
+        assert set(only_gpu) == {cluster.gpu_node}
+        after = only_gpu[cluster.gpu_node]
         assert after["counters"]["succeeded"] - gpu["counters"]["succeeded"] == 5
         assert after["counters"]["admitted"] - gpu["counters"]["admitted"] == 5
         assert after["engine"]["steps"] > gpu["engine"]["steps"]
