@@ -3,7 +3,8 @@
 Included only in workers that consume the `gpu` queue. `start` builds the worker: its engine
 core starts in a spawned child process that loads the model (never at import, never forked:
 CUDA and fork do not mix), and the intake, results and sink threads start here; `stop`
-(SIGTERM, warm shutdown) drains them and stops the core. Also here: the
+(SIGTERM, warm shutdown) drains them and stops the core; `terminate` (SIGQUIT, cold shutdown)
+stops them at once, handing running jobs back uncommitted. Also here: the
 remote-control commands `engine_stats` (inspect) and `cancel_jobs` (control).
 """
 
@@ -55,11 +56,21 @@ class GPUWorkerStep(bootsteps.StartStopStep):
             _current["worker"] = worker
 
     def stop(self, w: Any) -> None:
+        """Warm shutdown (SIGTERM): let in-flight jobs finish, up to the drain timeout."""
         with _lock:
             worker, _current["worker"] = _current["worker"], None
         if worker is not None:
             log.info("draining the GPU worker")
             worker.stop(drain=True)
+
+    def terminate(self, w: Any) -> None:
+        """Cold shutdown (SIGQUIT): no drain. Jobs still running are aborted and left uncommitted,
+        for another worker to run; what already finished is written and committed."""
+        with _lock:
+            worker, _current["worker"] = _current["worker"], None
+        if worker is not None:
+            log.info("stopping the GPU worker without draining")
+            worker.stop(drain=False, timeout_s=0.0)
 
 
 def install(app: Celery) -> None:

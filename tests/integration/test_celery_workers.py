@@ -8,10 +8,13 @@ control-plane tasks), on real Redis, Kafka and Postgres.
   engine stats);
 - cancelling running jobs (the `workers.tasks.cancel` task, and `broadcast_cancel`) aborts them in the
   engine, their rows end `cancelled`, other jobs are untouched;
-- SIGTERM drains the GPU worker (exit 0), and a second GPU worker finishes what it handed back:
+- SIGQUIT (cold shutdown) stops the GPU worker at once, without draining: it leaves the Kafka group,
+  and a second GPU worker runs what it handed back: every job exactly once;
+- SIGTERM drains the GPU worker (exit 0), and a third GPU worker finishes what it handed back:
   every job exactly once.
 
-One pair of workers serves the whole module (the SIGTERM test, last, replaces the GPU worker).
+One pair of workers serves the whole module (the SIGQUIT and SIGTERM tests, last, each replace the
+GPU worker).
 Each run gets its own Kafka topic and group, and its own Redis database (claimed with a key), so
 that no other Celery worker on the shared Redis sees these tasks or broadcasts. Only observable
 behaviour is checked: rows, task results, remote-control replies, exit codes.
@@ -131,6 +134,7 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self.store = ResultStore.from_url(settings.database_url)
+        self.gpu_name = ""  # the GPU worker's name (its results' `worker`) and node
         self.gpu_node = ""
         self.cpu_node = ""
 
@@ -222,6 +226,25 @@ class Cluster:
         finally:
             queue.close()
 
+    def group_members(self) -> list:
+        """The members of the GPU workers' Kafka consumer group, as the broker sees them."""
+        from kafka import KafkaAdminClient
+
+        admin = KafkaAdminClient(
+            bootstrap_servers=self.settings.kafka_bootstrap_servers, request_timeout_ms=10_000
+        )
+        try:
+            group = self.settings.consumer_group
+            return admin.describe_groups([group])[group]["members"]
+        finally:
+            admin.close()
+
+    def replace_gpu_worker(self, stopped: str, name: str) -> None:
+        """Start the GPU worker `name` after `stopped` exited, and wait until it answers."""
+        assert self.procs[stopped].poll() is not None
+        self.gpu_name, self.gpu_node = name, self.start("gpu", name)
+        self.wait_ready(self.gpu_node, name, gpu=True)
+
     def rows(self, batch_id: str) -> list:
         return self.store.list_jobs(batch_id=batch_id, limit=10_000)
 
@@ -249,7 +272,7 @@ def cluster(kafka_bootstrap, postgres_url, redis_url, tmp_path_factory) -> Itera
     try:
         with _app_on(url) as app:
             c = Cluster(settings.model_copy(update={"redis_url": url}), url, log_dir, app)
-            c.gpu_node = c.start("gpu", "gpu0")
+            c.gpu_name, c.gpu_node = "gpu0", c.start("gpu", "gpu0")
             c.cpu_node = c.start("cpu", "cpu0")
             try:
                 c.wait_ready(c.cpu_node, "cpu0", gpu=False)
@@ -410,8 +433,56 @@ def test_cancel_running_jobs(cluster: Cluster):
         print(f"cancel: 6 running jobs aborted {aborted_s:.1f} s after the cancel")
 
 
+def test_sigquit_stops_gpu_worker_at_once_and_another_finishes(cluster: Cluster):
+    """Cold shutdown: the GPU worker stops without draining, and leaves its successor in its place."""
+    batch = f"quit-{uuid.uuid4().hex[:8]}"
+    # short jobs finish first; the long ones (400 tokens: seconds) are still running at the SIGQUIT
+    jobs = make_jobs(32, batch, batch_id=batch, max_tokens=8)
+    jobs += make_jobs(4, f"{batch}-long", batch_id=batch, max_tokens=400)
+    n = len(jobs)
+    want = {j.id: j.sampling.max_tokens for j in jobs}
+    old = cluster.gpu_name
+    with cluster.logs_on_failure():
+        first = cluster.procs[old]
+        assert len(cluster.group_members()) == 1
+        cluster.submit(jobs)
+        wait_until(lambda: terminal_count(cluster.store, batch) >= 1, 90, "the first rows")
+        t0 = time.monotonic()
+        first.send_signal(signal.SIGQUIT)
+        bound = 15
+        try:
+            rc = first.wait(bound)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the GPU worker did not exit within {bound} s of SIGQUIT") from None
+        took = time.monotonic() - t0
+        # it left the Kafka group as it stopped: its partitions go to the next worker at once, not
+        # when the broker gives up on it (session timeout, 20 s here)
+        wait_until(lambda: cluster.group_members() == [], 5, "the stopped worker to be out of the group")
+
+        # what it wrote before it stopped is complete and final; the long jobs were handed back
+        at_exit = {r.id: r for r in cluster.rows(batch) if r.status.terminal}
+        assert all(r.status is JobStatus.SUCCEEDED and r.worker == old for r in at_exit.values())
+        assert all(r.usage.completion_tokens == want[jid] for jid, r in at_exit.items())
+        assert 0 < len(at_exit) < n, f"{len(at_exit)} of {n} rows: nothing was left to hand back"
+
+        cluster.replace_gpu_worker(old, "gpu1")
+        wait_until(lambda: terminal_count(cluster.store, batch) == n, 90, f"all {n} rows after the restart")
+        assert cluster.row_count(batch) == n
+        rows = {r.id: r for r in cluster.rows(batch)}
+        assert set(rows) == set(want)
+        for jid, r in rows.items():
+            assert r.status is JobStatus.SUCCEEDED and r.usage.completion_tokens == want[jid], r
+        for jid, r in at_exit.items():  # never written again
+            assert (rows[jid].worker, rows[jid].updated_at, rows[jid].text) == (old, r.updated_at, r.text)
+        assert {jid for jid, r in rows.items() if r.worker == "gpu1"} == set(rows) - set(at_exit)
+        # it committed what it wrote: the successor ran only the jobs handed back
+        counters = cluster.gpu_stats()["counters"]
+        assert counters["succeeded"] == n - len(at_exit), counters
+        print(f"SIGQUIT: exit {rc} in {took:.1f} s with {len(at_exit)}/{n} rows written; the rest by gpu1")
+
+
 def test_sigterm_drains_gpu_worker_and_another_finishes(cluster: Cluster):
-    """Last in the module: it stops the shared GPU worker and leaves its successor in its place."""
+    """Last in the module: it stops the GPU worker and leaves its successor in its place."""
     batch = f"drain-{uuid.uuid4().hex[:8]}"
     # short jobs finish first; the long ones (800 tokens: seconds, whatever the engine's speed)
     # cannot finish within the drain timeout, so that the worker must hand them back
@@ -419,8 +490,9 @@ def test_sigterm_drains_gpu_worker_and_another_finishes(cluster: Cluster):
     jobs += make_jobs(6, f"{batch}-long", batch_id=batch, max_tokens=800)
     n = len(jobs)
     want = {j.id: j.sampling.max_tokens for j in jobs}
+    old = cluster.gpu_name
     with cluster.logs_on_failure():
-        first = cluster.procs["gpu0"]
+        first = cluster.procs[old]
         cluster.submit(jobs)
         wait_until(lambda: terminal_count(cluster.store, batch) >= 1, 90, "the first rows")
         t0 = time.monotonic()
@@ -435,12 +507,11 @@ def test_sigterm_drains_gpu_worker_and_another_finishes(cluster: Cluster):
 
         # what the drained worker wrote: every row it finished is there, complete and final
         at_exit = {r.id: r for r in cluster.rows(batch) if r.status.terminal}
-        assert all(r.status is JobStatus.SUCCEEDED and r.worker == "gpu0" for r in at_exit.values())
+        assert all(r.status is JobStatus.SUCCEEDED and r.worker == old for r in at_exit.values())
         assert all(r.usage.completion_tokens == want[jid] for jid, r in at_exit.items())
         assert 0 < len(at_exit) < n, f"{len(at_exit)} of {n} rows: nothing was left to hand back"
 
-        cluster.gpu_node = cluster.start("gpu", "gpu1")
-        cluster.wait_ready(cluster.gpu_node, "gpu1", gpu=True)
+        cluster.replace_gpu_worker(old, "gpu2")
         wait_until(lambda: terminal_count(cluster.store, batch) == n, 90, f"all {n} rows after the restart")
 
         assert cluster.row_count(batch) == n
@@ -450,9 +521,9 @@ def test_sigterm_drains_gpu_worker_and_another_finishes(cluster: Cluster):
             assert r.status is JobStatus.SUCCEEDED and r.usage.completion_tokens == want[jid], r
         # the first worker's rows were never written again, and only the rest went to the second
         for jid, r in at_exit.items():
-            assert (rows[jid].worker, rows[jid].updated_at, rows[jid].text) == ("gpu0", r.updated_at, r.text)
-        assert {jid for jid, r in rows.items() if r.worker == "gpu1"} == set(rows) - set(at_exit)
+            assert (rows[jid].worker, rows[jid].updated_at, rows[jid].text) == (old, r.updated_at, r.text)
+        assert {jid for jid, r in rows.items() if r.worker == "gpu2"} == set(rows) - set(at_exit)
         # the drained worker committed what it wrote: the second one ran only the jobs handed back
         counters = cluster.gpu_stats()["counters"]
         assert counters["succeeded"] == n - len(at_exit), counters
-        print(f"SIGTERM: exit 0 in {took:.1f} s with {len(at_exit)}/{n} rows written; the rest by gpu1")
+        print(f"SIGTERM: exit 0 in {took:.1f} s with {len(at_exit)}/{n} rows written; the rest by gpu2")

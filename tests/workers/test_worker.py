@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 from conftest import all_committed, jobs, make_engine_tiny, wait_until
@@ -183,6 +184,29 @@ def test_drain_hands_back_unfinished_jobs_uncommitted(engine, queue, store):
         w2.stop()
     rows = store.list_jobs()
     assert len(rows) == 7 and all(r.status is JobStatus.SUCCEEDED for r in rows)
+
+
+def test_celery_cold_shutdown_hands_running_jobs_back_at_once(engine, queue, store, monkeypatch):
+    """The bootstep's `terminate` (Celery's cold shutdown, SIGQUIT) stops the worker without the
+    drain a warm stop would do (60 s here): running jobs get no row and stay uncommitted."""
+    from workers import bootstep
+
+    w = start_worker(engine, queue, store, drain_timeout_s=60)
+    monkeypatch.setitem(bootstep._current, "worker", w)
+    queue.publish(jobs(3, "quick"))
+    wait_until(lambda: all_committed(queue), what="quick jobs")
+    queue.publish(jobs(4, "slow", max_tokens=1500))
+    wait_until(lambda: len(w._inflight) == 4, what="slow jobs admitted")
+    t0 = time.monotonic()
+    try:
+        bootstep.GPUWorkerStep(None).terminate(None)
+        took = time.monotonic() - t0
+    finally:
+        w.stop(drain=False, timeout_s=0.0)  # nothing to do once terminate stopped it
+    assert bootstep.current_worker() is None and not w.intake._thread.is_alive()
+    assert w.counters.handed_back == 4 and took < 10, (w.counters, took)
+    assert {r.id for r in store.list_jobs()} == {"quick0", "quick1", "quick2"}
+    assert not all_committed(queue)
 
 
 def test_sigterm_drains_in_flight_jobs(engine, queue, store):
