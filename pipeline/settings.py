@@ -79,6 +79,13 @@ class Settings(BaseSettings):
         "flight ~half the time, and a job arriving then waited for kafka-python's next one",
     )
     max_poll_records: int = Field(default=256, ge=1)
+    consumer_io_thread: bool = Field(
+        default=False,
+        description="run kafka-python's event loop on its own IO thread (its default) instead of on "
+        "the thread that polls. On the polling thread a fetch response is read, decoded and handed "
+        "out by one thread, with no cross-thread hand-off per poll; heartbeats and rebalances run "
+        "while it polls, which the worker's intake does at least every poll timeout (20 ms)",
+    )
     session_timeout_ms: int = Field(default=10_000, ge=1000)
     max_poll_interval_ms: int = Field(default=300_000, ge=1000)
 

@@ -21,6 +21,8 @@ import numpy as np
 from kafka import AsyncConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, MessageSizeTooLargeError, TopicAlreadyExistsError
+from kafka.net.compat import KafkaNetClient
+from kafka.net.selector import NetworkSelector
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from pipeline.queue.base import (
@@ -263,10 +265,33 @@ def make_producer(settings: Settings, *, client_id: str, **overrides: Any) -> Ka
     return KafkaProducer(**config)
 
 
+class _PollingThreadSelector(NetworkSelector):
+    """kafka-python's event loop, driven by the thread that calls poll() instead of an IO thread.
+
+    kafka-python 3 runs every consumer's loop on an IO thread of its own: each poll() hands its
+    wait to that thread and sleeps on an Event (three such round trips a poll), and a fetch
+    response is decoded there, then handed to the polling thread, which must win the GIL back
+    from it. Without the IO thread (`start` does nothing) `NetworkSelector.run` drives the loop
+    on the calling thread, as kafka-python did before 3.0 and as the Java consumer does. The
+    consumer is then single-threaded, which KafkaJobConsumer already is (every call under its
+    lock). Heartbeats, commits' answers and rebalance callbacks run inside poll() or a blocking
+    call; the intake polls at least every 20 ms.
+    """
+
+    def start(self) -> None:
+        pass
+
+
+def _polling_thread_client(**configs: Any) -> KafkaNetClient:
+    # KafkaConsumer's `kafka_client` factory: its usual client over the loop above
+    return KafkaNetClient(net=_PollingThreadSelector(**configs), **configs)
+
+
 class _Rebalance(AsyncConsumerRebalanceListener):
-    """kafka-python 3 calls the rebalance listener on its IO thread, where a blocking call (a
-    synchronous commit) is refused: the listener is async and awaits the revocation commit, so it
-    completes before the consumer rejoins, while the IO loop (heartbeats) keeps running."""
+    """kafka-python 3 calls the rebalance listener from inside its event loop (on the polling
+    thread, or on its IO thread with `consumer_io_thread`), where a blocking call (a synchronous
+    commit) is refused: the listener is async and awaits the revocation commit, so it completes
+    before the consumer rejoins, while the loop (heartbeats) keeps running."""
 
     def __init__(self, owner: KafkaJobConsumer) -> None:
         self.owner = owner
@@ -313,6 +338,8 @@ class KafkaJobConsumer(JobConsumer):
             "request_timeout_ms": 10_000,
             "metrics_enabled": False,  # see make_producer
         }
+        if not s.consumer_io_thread:
+            config["kafka_client"] = _polling_thread_client
         config.update(overrides)
         self._config = config
         install_eager_writes()
@@ -371,8 +398,8 @@ class KafkaJobConsumer(JobConsumer):
                 raise TimeoutError(f"no metadata for topic {self.topic} after {timeout_s:.0f} s")
             time.sleep(0.05)
 
-    # --- rebalance (kafka-python 3 runs these on its IO thread while the polling thread waits in
-    # poll(), which holds the lock) ---
+    # --- rebalance (kafka-python 3 runs these inside its event loop, during a poll() that holds
+    # the lock: on the polling thread itself, or on the IO thread while the polling thread waits) ---
 
     async def _on_revoked(self, partitions: set[int]) -> None:
         self._revoked_at = time.monotonic()
@@ -380,7 +407,7 @@ class KafkaJobConsumer(JobConsumer):
             offsets = self._tracker.committable(partitions)
             if offsets:
                 self._flush_dead_letters()
-                # the coroutine behind KafkaConsumer.commit(), awaited on the IO thread
+                # the coroutine behind KafkaConsumer.commit(), awaited inside the event loop
                 await self._consumer._coordinator._commit_offsets_sync_async(self._offset_map(offsets))
                 self._tracker.committed(offsets)
                 log.info("revoked %s: committed %s", sorted(partitions), offsets)

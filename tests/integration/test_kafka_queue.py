@@ -3,6 +3,7 @@ redelivery after a restart, dead-letter topic with headers, pause/resume, rebala
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -55,8 +56,9 @@ def end_offsets(settings: Settings, topic: str) -> dict[int, int]:
         c.close()
 
 
-def test_round_trip(kafka_settings: Settings):
-    q = KafkaQueue(kafka_settings)
+@pytest.mark.parametrize("io_thread", [False, True], ids=["polling-thread", "io-thread"])
+def test_round_trip(kafka_settings: Settings, io_thread: bool):
+    q = KafkaQueue(kafka_settings.model_copy(update={"consumer_io_thread": io_thread}))
     try:
         sent = q.publish(
             JobRequest(id=f"rt{i}", prompt=f"prompt {i}", sampling={"max_tokens": i + 1, "seed": i})
@@ -64,6 +66,9 @@ def test_round_trip(kafka_settings: Settings):
         )
         assert all(j.submitted_at is not None for j in sent)
         with q.consumer() as c:
+            # kafka-python names its IO thread after the client id; by default there is none
+            io_name = f"kafka-io-firsttoken-consumer-{kafka_settings.consumer_group}"
+            assert any(t.name == io_name for t in threading.enumerate()) == io_thread
             got = drain(c, 200)
             assert sorted(m.job.id for m in got) == sorted(j.id for j in sent)
             by_id = {m.job.id: m.job for m in got}
