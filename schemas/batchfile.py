@@ -117,11 +117,19 @@ class _LineError(Exception):
 
 
 def _plain_request(obj: dict[str, Any]) -> dict[str, Any]:
-    sampling_top = {k: obj[k] for k in obj if k in _SAMPLING_FIELDS and k not in _PLAIN_FIELDS}
-    unknown = sorted(k for k in obj if k not in _PLAIN_FIELDS and k not in _SAMPLING_FIELDS)
+    # one pass over the line's keys (this runs for every line of a bulk submission)
+    request: dict[str, Any] = {}
+    sampling_top: dict[str, Any] = {}
+    unknown: list[str] = []
+    for k, v in obj.items():
+        if k in _PLAIN_FIELDS:
+            request[k] = v
+        elif k in _SAMPLING_FIELDS:
+            sampling_top[k] = v
+        else:
+            unknown.append(k)
     if unknown:
-        raise _LineError(ErrorCode.INVALID_REQUEST, f"{unknown[0]}: unknown field (plain line)")
-    request = {k: v for k, v in obj.items() if k in _PLAIN_FIELDS}
+        raise _LineError(ErrorCode.INVALID_REQUEST, f"{min(unknown)}: unknown field (plain line)")
     if sampling_top:
         nested = request.get("sampling") or {}
         if not isinstance(nested, dict):
