@@ -10,6 +10,7 @@ remote-control commands `engine_stats` (inspect) and `cancel_jobs` (control).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import Any
@@ -87,7 +88,22 @@ def engine_stats(state: Any) -> dict[str, Any]:
     return {"gpu": True, **worker.stats()}
 
 
-@control_command(args=[("job_ids", list), ("batch_id", str)], signature="[job_ids] [batch_id]")
+def job_id_list(value: str | list[str]) -> list[str]:
+    """The job ids of a `celery control cancel_jobs` argument: a JSON list (`'["a", "b"]'`) or
+    comma-separated ids (`a,b`; empty: none). Celery applies an argument's type to the command
+    line's text, where `list` would split it into characters."""
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    text = value.strip()
+    if text.startswith("["):
+        ids = json.loads(text)
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise ValueError(f"job_ids: expected a JSON list of strings, got {text!r}")
+        return ids
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+@control_command(args=[("job_ids", job_id_list), ("batch_id", str)], signature="[job_ids] [batch_id]")
 def cancel_jobs(state: Any, job_ids: list[str] | None = None, batch_id: str | None = None) -> dict[str, Any]:
     """Abort these jobs (or every job of the batch) on this worker; they get `cancelled` rows."""
     worker = current_worker()

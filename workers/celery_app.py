@@ -12,7 +12,8 @@ finalize a batch, cancel jobs; and remote-control commands that reach the GPU wo
 
     celery -A workers.celery_app inspect engine_stats                  # waits out --timeout (1 s)
     celery -A workers.celery_app inspect engine_stats -d gpu0@host     # returns once gpu0 replied
-    celery -A workers.celery_app control cancel_jobs '["job-1"]'     # or: cancel_batch BATCH_ID
+    celery -A workers.celery_app control cancel_jobs job-1,job-2       # or a JSON list: '["job-1"]'
+    celery -A workers.celery_app control cancel_jobs '' BATCH_ID       # every job of a batch
 """
 
 from __future__ import annotations

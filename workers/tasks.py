@@ -103,8 +103,16 @@ def finalize_batch(
     def result(outcome: Finalized, status: str | None) -> dict[str, Any]:
         return {"batch_id": batch_id, "outcome": outcome.value, "status": status}
 
+    from sqlalchemy.exc import DBAPIError
+
     store = _store()
-    b = store.get_batch(batch_id)
+    try:
+        b = store.get_batch(batch_id)
+        completed = b is not None and b.status == "open" and store.finalize_batch(batch_id)
+    except (DBAPIError, ConnectionError, TimeoutError) as exc:
+        # the database is unreachable: an outage must not end the batch's checks
+        log.warning("finalize: batch %s not checked (%s: %s); retrying", batch_id, type(exc).__name__, exc)
+        raise self.retry(countdown=recheck_delay(self.request.retries, every, most)) from exc
     if b is None:
         log.warning("finalize: there is no batch %s", batch_id)
         return result(Finalized.MISSING, None)
@@ -113,7 +121,7 @@ def finalize_batch(
     if b.status != "open":
         log.info("finalize: batch %s is %s, not open: left as it is", batch_id, b.status)
         return result(Finalized.ENDED, b.status)
-    if store.finalize_batch(batch_id):
+    if completed:
         log.info("batch %s completed", batch_id)
         return result(Finalized.COMPLETED, "completed")
     age = time.time() - b.created_at
@@ -132,10 +140,17 @@ def finalize_batch(
     raise self.retry(countdown=recheck_delay(self.request.retries, every, most))
 
 
-@app.task(name="firsttoken.cancel")
-def cancel(job_ids: list[str] | None = None, batch_id: str | None = None) -> int:
+@app.task(name="firsttoken.cancel", bind=True, max_retries=10, default_retry_delay=5)
+def cancel(self: Any, job_ids: list[str] | None = None, batch_id: str | None = None) -> int:
     """Cancel jobs (or a batch): mark queued/running rows cancelled and tell the GPU workers to
-    abort them. Returns the rows cancelled."""
-    n = _store().cancel(job_ids=job_ids or (), batch_id=batch_id)
+    abort them. Returns the rows cancelled. Retried while the database is unreachable (both
+    steps are idempotent)."""
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        n = _store().cancel(job_ids=job_ids or (), batch_id=batch_id)
+    except (DBAPIError, ConnectionError, TimeoutError) as exc:
+        log.warning("cancel: the store is unreachable (%s: %s); retrying", type(exc).__name__, exc)
+        raise self.retry(exc=exc) from exc
     broadcast_cancel(job_ids or (), batch_id)
     return n

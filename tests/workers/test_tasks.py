@@ -1,7 +1,9 @@
 """Control-plane tasks run eagerly (no broker): a batch ingest that meets an unreachable Kafka is
 retried, and gives up after max_retries with the error; a missing file is not retried. Batch
 finalization on the SQLite store: completed, already completed, cancelled, missing; re-checks
-backing off from the settings' interval to their cap; giving up on a batch past the give-up age."""
+backing off from the settings' interval to their cap; giving up on a batch past the give-up age.
+Finalize and cancel go on retrying while the database is unreachable (a real refused connection).
+The `cancel_jobs` remote-control arguments as `celery control` parses them."""
 
 from __future__ import annotations
 
@@ -219,3 +221,57 @@ def test_the_finalize_settings_are_validated():
         Settings(finalize_every_s=30, finalize_max_every_s=10)
     with pytest.raises(ValidationError):
         Settings(finalize_give_up_s=0)
+
+
+# --- the database unreachable ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def store_down_then_up(monkeypatch, store):
+    """`tasks._store()` gives a store on a Postgres port nobody listens on (a real connection error)
+    for its first `down_for` calls, then the SQLite store."""
+    down = ResultStore.from_url("postgresql+psycopg://firsttoken@127.0.0.1:9/firsttoken")
+    calls = {"n": 0, "down_for": 2}
+
+    def current() -> ResultStore:
+        calls["n"] += 1
+        return down if calls["n"] <= calls["down_for"] else store
+
+    monkeypatch.setattr(tasks, "_store", current)
+    yield calls
+    down.close()
+
+
+def test_finalize_keeps_checking_while_the_database_is_unreachable(store, rechecks, store_down_then_up):
+    finish(store, "B", add_batch(store, "B", 2))
+    assert finalize("B", every_s=1, max_every_s=4) == {"batch_id": "B", "outcome": "completed", "status": "completed"}
+    assert store_down_then_up["n"] == 3 and rechecks.waits == [1, 2]
+
+
+def test_cancel_is_retried_while_the_database_is_unreachable(store, store_down_then_up, monkeypatch):
+    told = []
+    monkeypatch.setattr(tasks, "broadcast_cancel", lambda ids, batch: told.append((list(ids), batch)))
+    add_batch(store, "B", 3)
+    r = tasks.cancel.apply(kwargs={"batch_id": "B"})
+    assert r.successful(), r.traceback
+    assert r.result == 3 and store_down_then_up["n"] == 3
+    assert told == [([], "B")]  # the workers are told once, after the rows are cancelled
+    assert store.get_batch("B").status == "cancelled"
+
+    store_down_then_up["n"], store_down_then_up["down_for"] = 0, 100
+    r = tasks.cancel.apply(kwargs={"job_ids": ["x"]})
+    assert r.failed() and store_down_then_up["n"] == tasks.cancel.max_retries + 1
+
+
+# --- remote control from the command line -----------------------------------------------------------
+
+
+def test_cancel_jobs_arguments_as_celery_control_parses_them():
+    # `celery control cancel_jobs ARGS...` applies each declared argument type to the text given
+    from celery.bin.control import _compile_arguments
+
+    assert _compile_arguments("cancel_jobs", ["job-1,job-2"]) == {"job_ids": ["job-1", "job-2"]}
+    assert _compile_arguments("cancel_jobs", ['["job-1", "b,c"]']) == {"job_ids": ["job-1", "b,c"]}
+    assert _compile_arguments("cancel_jobs", ["", "B7"]) == {"job_ids": [], "batch_id": "B7"}
+    with pytest.raises(ValueError, match="job_ids"):
+        _compile_arguments("cancel_jobs", ['["a", 3]'])
