@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import all_committed, jobs, make_engine_tiny, wait_until
 
 from pipeline.queue import LocalQueue
 from schemas.job import ChatMessage, ErrorCode, JobRequest, JobStatus
 from schemas.sampling import SamplingParams
+from tests.workers.conftest import all_committed, jobs, make_engine_tiny, wait_until
 from workers.engine import EngineConfig
 from workers.engine_core import EngineCoreError, ProcessCore
 from workers.sink import SinkConfig

@@ -9,11 +9,11 @@ import threading
 import time
 
 import pytest
-from conftest import all_committed, jobs, make_engine_tiny, wait_until
 
 from pipeline.queue import DLQ_ERROR_CODE, encode_job, routing_key
 from schemas.job import ChatMessage, ErrorCode, JobRequest, JobStatus
 from schemas.sampling import SamplingParams
+from tests.workers.conftest import all_committed, jobs, make_engine_tiny, wait_until
 from workers.sink import SinkConfig
 from workers.worker import Worker, WorkerConfig, run_until_signalled
 
