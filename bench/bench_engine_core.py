@@ -61,22 +61,32 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             torch.set_num_threads(args.torch_threads)
         core = InThreadCore(LLMEngine(args.model, cfg))
     core.start()
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     prompt = "the quick brown fox jumps over the lazy dog " * (args.prompt_len // 44 + 1)
     n = 0
 
+    def sampling(i: int) -> SamplingParams:
+        # lengths spread over [max_tokens/2, 3*max_tokens/2): sequences finish (and are replaced)
+        # a few at a time, not in waves of `running` at once that a window would catch 3 or 4 of
+        length = args.max_tokens // 2 + (i * 7919) % args.max_tokens
+        return SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
+
     def submit(k: int) -> None:
         nonlocal n
-        core.submit([AddRequest(f"{mode}{n + i}", f"{n + i} {prompt}"[: args.prompt_len], None, sp) for i in range(k)])
+        core.submit(
+            [AddRequest(f"{mode}{n + i}", f"{n + i} {prompt}"[: args.prompt_len], None, sampling(n + i)) for i in range(k)]
+        )
         n += k
 
     tokens = 0
+    steps: list[tuple[float, int]] = []  # (when it arrived, the core's step count) of each stats
     stop = threading.Event()
 
     def results() -> None:  # the worker's results thread: replace each finished sequence
         nonlocal tokens
         while not stop.is_set():
             out = core.get(0.05)
+            if out is not None and out.stats is not None:
+                steps.append((time.monotonic(), out.stats.steps))
             if out is not None and out.finished:
                 tokens += sum(len(f.output_token_ids) for f in out.finished)
                 submit(len(out.finished))
@@ -105,6 +115,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             delays.append((now - sent) * 1e3)
     dt = time.monotonic() - t0
     gen = tokens - tok0
+    # steps per second between the first and the last stats of the window
+    window = [(t, k) for t, k in steps if t0 <= t <= t0 + dt]
+    steps_per_s = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0]) if len(window) > 1 else float("nan")
     tick.join()
     stop.set()
     reader.join()
@@ -114,6 +127,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         "wake_ms": {"p50": pct(delays, 0.5), "p90": pct(delays, 0.9), "p99": pct(delays, 0.99), "max": max(delays)},
         "wakes": len(delays),
         "generated_tokens_per_s": gen / dt,
+        "steps_per_s": steps_per_s,
     }
 
 
@@ -139,11 +153,11 @@ def main() -> int:
         r.update(model=args.model, running=args.running, commit=commit, date=time.strftime("%Y-%m-%d %H:%M"))
         print(json.dumps(r), flush=True)
         rows.append(r)
-    print("\n| engine core | wake p50 | p90 | p99 | max | generated tok/s |\n|---|---|---|---|---|---|")
+    print("\n| engine core | wake p50 | p90 | p99 | max | generated tok/s | steps/s |\n|---|---|---|---|---|---|---|")
     for r in rows:
         w = r["wake_ms"]
         print(f"| {r['mode']} | {w['p50']:.3f} ms | {w['p90']:.3f} | {w['p99']:.3f} | {w['max']:.2f} | "
-              f"{r['generated_tokens_per_s']:.0f} |")
+              f"{r['generated_tokens_per_s']:.0f} | {r['steps_per_s']:.1f} |")
     return 0
 
 
