@@ -78,7 +78,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         n += k
 
     tokens = 0
-    steps: list[tuple[float, int]] = []  # (when it arrived, the core's step count) of each stats
+    steps: list[tuple[float, int, float]] = []  # (when it arrived, steps, step_seconds) of each stats
     stop = threading.Event()
 
     def results() -> None:  # the worker's results thread: replace each finished sequence
@@ -86,7 +86,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         while not stop.is_set():
             out = core.get(0.05)
             if out is not None and out.stats is not None:
-                steps.append((time.monotonic(), out.stats.steps))
+                steps.append((time.monotonic(), out.stats.steps, out.stats.step_seconds))
             if out is not None and out.finished:
                 tokens += sum(len(f.output_token_ids) for f in out.finished)
                 submit(len(out.finished))
@@ -116,18 +116,26 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     dt = time.monotonic() - t0
     gen = tokens - tok0
     # steps per second between the first and the last stats of the window
-    window = [(t, k) for t, k in steps if t0 <= t <= t0 + dt]
-    steps_per_s = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0]) if len(window) > 1 else float("nan")
+    window = [w for w in steps if t0 <= w[0] <= t0 + dt]
+    steps_per_s = step_ms = float("nan")
+    if len(window) > 1 and window[-1][1] > window[0][1]:
+        (ta, ka, sa), (tb, kb, sb) = window[0], window[-1]
+        steps_per_s = (kb - ka) / (tb - ta)
+        step_ms = (sb - sa) / (kb - ka) * 1e3  # inside engine.step(); the rest of 1/steps_per_s is the loop's
     tick.join()
     stop.set()
     reader.join()
+    t_stop = time.monotonic()
     core.stop()
+    stop_s = time.monotonic() - t_stop
     return {
         "mode": mode,
         "wake_ms": {"p50": pct(delays, 0.5), "p90": pct(delays, 0.9), "p99": pct(delays, 0.99), "max": max(delays)},
         "wakes": len(delays),
         "generated_tokens_per_s": gen / dt,
         "steps_per_s": steps_per_s,
+        "step_ms": step_ms,
+        "stop_s": stop_s,  # core.stop() with `running` sequences in flight
     }
 
 
@@ -153,11 +161,12 @@ def main() -> int:
         r.update(model=args.model, running=args.running, commit=commit, date=time.strftime("%Y-%m-%d %H:%M"))
         print(json.dumps(r), flush=True)
         rows.append(r)
-    print("\n| engine core | wake p50 | p90 | p99 | max | generated tok/s | steps/s |\n|---|---|---|---|---|---|---|")
+    print("\n| engine core | wake p50 | p90 | p99 | max | generated tok/s | steps/s | in step() | stop |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         w = r["wake_ms"]
         print(f"| {r['mode']} | {w['p50']:.3f} ms | {w['p90']:.3f} | {w['p99']:.3f} | {w['max']:.2f} | "
-              f"{r['generated_tokens_per_s']:.0f} | {r['steps_per_s']:.1f} |")
+              f"{r['generated_tokens_per_s']:.0f} | {r['steps_per_s']:.1f} | {r['step_ms']:.2f} ms | {r['stop_s']:.1f} s |")
     return 0
 
 

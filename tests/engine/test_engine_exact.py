@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from schemas.sampling import SamplingParams
@@ -63,8 +65,13 @@ def assert_pool_clean(engine: LLMEngine) -> None:
 
 def test_second_run_hits_prefix_cache(llama_dir, prompts, want):
     eng = make_engine(llama_dir)
+    t0 = time.perf_counter()
     first = run_all(eng, prompts, "a")
+    wall = time.perf_counter() - t0
     assert [f.output_token_ids for f in first] == want
+    # the time inside step() is counted, and is part of the run's wall time
+    st = eng.stats()
+    assert st.steps > 0 and 0 < st.step_seconds <= wall
     assert all(f.usage.cached_prompt_tokens == 0 for f in first)
     second = run_all(eng, prompts, "b")
     assert [f.output_token_ids for f in second] == want

@@ -79,6 +79,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._pending_finished: list[FinishedRequest] = []
         self._steps = 0
+        self._step_seconds = 0.0  # wall time spent in step(), all steps
         self.async_scheduling = (
             c.async_scheduling if c.async_scheduling is not None else self.runner.device.type == "cuda"
         )
@@ -190,6 +191,7 @@ class LLMEngine:
         the device's; this step's events come with the next call. A step that samples some
         request's first token is read back at once, so first tokens are never late by a step.
         """
+        t0 = time.perf_counter()
         result = StepOutput(finished=self._pending_finished)
         self._pending_finished = []
         prev = self._in_flight
@@ -208,6 +210,7 @@ class LLMEngine:
                 self._in_flight = launched
             else:
                 self._read_back(launched, result)
+        self._step_seconds += time.perf_counter() - t0
         return result
 
     def _launched(self, out: SchedulerOutput, sampled: SampledTokens) -> InFlightStep:
@@ -323,6 +326,7 @@ class LLMEngine:
             prompt_tokens_per_s=pt,
             generation_tokens_per_s=gt,
             steps=self._steps,
+            step_seconds=self._step_seconds,
             kernel_backend=self.runner.ops.name,
             cuda_graphs=self.runner.graphs is not None,
             async_scheduling=self.async_scheduling,
