@@ -291,9 +291,15 @@ class ProcessCore(_OutputQueue):
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the core to stop and wait for the process; kill it when it does not."""
+        deadline = time.monotonic() + timeout_s
         with contextlib.suppress(EngineCoreError):
             self._send(("stop",))
         self._proc.join(timeout_s)
+        # join returns once the process's sentinel closes, which an exiting process with a large
+        # device mapping does before it can be reaped (seen on the H200: "alive" 0.2 s after the
+        # stop, and killed while it exited): wait out the rest of the timeout for the exit itself
+        while self._proc.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
         if self._proc.is_alive():
             log.warning("engine process %d did not stop within %.0f s; killing it", self._proc.pid, timeout_s)
             self._kill()
