@@ -158,6 +158,15 @@ def main() -> int:
     rows = []
     for mode in args.modes.split(","):
         r = run_mode(mode, args)
+        # the in-thread engine's device memory goes back before the next mode's engine is built
+        # (a process core started after it ran out of memory)
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         r.update(model=args.model, running=args.running, commit=commit, date=time.strftime("%Y-%m-%d %H:%M"))
         print(json.dumps(r), flush=True)
         rows.append(r)
