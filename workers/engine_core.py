@@ -8,9 +8,9 @@ thread of the worker's process (`InThreadCore`) or in a process of its own (`Pro
                                                     rejected, stats)
 
 Why a process of its own: the engine loop runs Python between kernel launches (scheduling,
-inputs, sampling, detokenizing). In the worker's process it holds the GIL against the Kafka
-consumer's IO thread and the intake, so a job that arrived waited for the engine's Python before
-the worker even read it. On the 2-core box at 100 jobs/s (bench/results/pipeline-2026-11-30-run5.md)
+inputs, sampling, detokenizing). In the worker's process it holds the GIL against the intake
+thread that drives the Kafka consumer, so a job that arrived waited for the engine's Python
+before the worker even read it. On the 2-core box at 100 jobs/s (bench/results/pipeline-2026-11-30-run5.md)
 the Kafka-to-engine overhead was p50 6.1 / p99 22 ms with the engine in the worker's process, and
 p50 ~4 / p99 ~11-14 ms with the same engine load in another process. vLLM V1 runs its
 EngineCore in a separate process for the same reason.
