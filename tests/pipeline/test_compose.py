@@ -102,6 +102,12 @@ def test_each_gpu_worker_has_a_device_of_its_own(services: dict):
     assert all(devices[f"gpu-worker-{i}"] == str(i) for i in range(len(workers)))
 
 
+def test_cpu_workers_scale_by_replicas(services: dict):
+    # they share nothing a replica would need alone: a Celery prefork worker per container
+    assert services["cpu-worker"]["deploy"]["replicas"] == "${FIRSTTOKEN_CPU_WORKERS:-1}"
+    assert "gpu" not in str(services["cpu-worker"].get("deploy", {}))
+
+
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])
 def test_a_gpus_profile_starts_one_worker_per_gpu(services: dict, gpus: int):
     profile = f"gpus-{gpus}"
