@@ -282,8 +282,8 @@ class _PollingThreadSelector(NetworkSelector):
         pass
 
 
-def _polling_thread_client(**configs: Any) -> KafkaNetClient:
-    # KafkaConsumer's `kafka_client` factory: its usual client over the loop above
+def polling_thread_client(**configs: Any) -> KafkaNetClient:
+    """A `kafka_client` for KafkaConsumer: its usual client over the loop above (no IO thread)."""
     return KafkaNetClient(net=_PollingThreadSelector(**configs), **configs)
 
 
@@ -339,7 +339,7 @@ class KafkaJobConsumer(JobConsumer):
             "metrics_enabled": False,  # see make_producer
         }
         if not s.consumer_io_thread:
-            config["kafka_client"] = _polling_thread_client
+            config["kafka_client"] = polling_thread_client
         config.update(overrides)
         self._config = config
         install_eager_writes()

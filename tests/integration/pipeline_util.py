@@ -56,6 +56,36 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: f
         time.sleep(every_s)
 
 
+def read_topic(bootstrap: str, topic: str, n: int, timeout_s: float = 60.0) -> list:
+    """At least the first n records of a topic, read from its beginning outside any group.
+
+    The reader drives kafka-python's event loop on this thread, as the workers do, and sends a
+    request that got no answer again after 5 s instead of 30: a reader that saw nothing for 20 s
+    (with the records on the broker) failed a CI run of af40ffd."""
+    from kafka import KafkaConsumer
+
+    from pipeline.queue.kafka import polling_thread_client
+
+    c = KafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        request_timeout_ms=5_000,
+        kafka_client=polling_thread_client,
+    )
+    got: list = []
+    try:
+        wait_until(
+            lambda: got.extend(r for rs in c.poll(timeout_ms=500).values() for r in rs) or len(got) >= n,
+            timeout_s,
+            f"{n} records on {topic}",
+        )
+    finally:
+        c.close()
+    return got
+
+
 def terminal_count(store: ResultStore, batch_id: str) -> int:
     return store.batch_progress(batch_id).done
 

@@ -15,6 +15,7 @@ import pytest
 from pipeline_util import (
     in_process_worker,
     make_jobs,
+    read_topic,
     settings_for,
     start_worker_process,
     tag,
@@ -52,30 +53,6 @@ def store(postgres_url):
     s = ResultStore(make_engine(postgres_url))
     yield s
     s.close()
-
-
-def dlq_messages(settings, n: int, timeout_s: float = 20.0) -> list:
-    from kafka import KafkaConsumer
-
-    c = KafkaConsumer(
-        settings.dlq_topic,
-        bootstrap_servers=settings.kafka_bootstrap_servers,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        consumer_timeout_ms=2000,
-    )
-    got = []
-    try:
-        wait_until(
-            lambda: (
-                got.extend(c.poll(timeout_ms=500, max_records=100).values()) or sum(len(x) for x in got) >= n
-            ),
-            timeout_s,
-            "dead letters",
-        )
-    finally:
-        c.close()
-    return [m for batch in got for m in batch]
 
 
 def test_500_jobs_one_worker_equal_to_embedded(kafka_settings, postgres_url, store, engines, tmp_path):
@@ -120,7 +97,7 @@ def test_500_jobs_one_worker_equal_to_embedded(kafka_settings, postgres_url, sto
         assert all(v is not None for v in t.model_dump().values()), (j.id, t)
         assert t.submitted_at <= t.admitted_at <= t.first_token_at <= t.finished_at
         assert t.ttft_ms >= t.engine_ttft_ms >= t.prefill_ms
-    dead = dlq_messages(s, 2)
+    dead = read_topic(s.kafka_bootstrap_servers, s.dlq_topic, 2)
     headers = [dict(m.headers) for m in dead]
     assert all(DLQ_ERROR in h and DLQ_ORIGIN_OFFSET in h for h in headers)
     # At least once: a consumer that lost its group before committing a poison's offset
