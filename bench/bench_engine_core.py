@@ -16,6 +16,7 @@ Prints a JSON line per mode and a markdown table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
@@ -26,6 +27,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -160,10 +163,6 @@ def main() -> int:
         r = run_mode(mode, args)
         # the in-thread engine's device memory goes back before the next mode's engine is built
         # (a process core started after it ran out of memory)
-        import gc
-
-        import torch
-
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

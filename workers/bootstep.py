@@ -58,8 +58,7 @@ class GPUWorkerStep(bootsteps.StartStopStep):
 
     def stop(self, w: Any) -> None:
         """Warm shutdown (SIGTERM): let in-flight jobs finish, up to the drain timeout."""
-        with _lock:
-            worker, _current["worker"] = _current["worker"], None
+        worker = _take_worker()
         if worker is not None:
             log.info("draining the GPU worker")
             worker.stop(drain=True)
@@ -67,11 +66,17 @@ class GPUWorkerStep(bootsteps.StartStopStep):
     def terminate(self, w: Any) -> None:
         """Cold shutdown (SIGQUIT): no drain. Jobs still running are aborted and left uncommitted,
         for another worker to run; what already finished is written and committed."""
-        with _lock:
-            worker, _current["worker"] = _current["worker"], None
+        worker = _take_worker()
         if worker is not None:
             log.info("stopping the GPU worker without draining")
             worker.stop(drain=False, timeout_s=0.0)
+
+
+def _take_worker() -> Any:
+    """The process's GPU worker, now no longer current (None when there is none): stopped once."""
+    with _lock:
+        worker, _current["worker"] = _current["worker"], None
+    return worker
 
 
 def install(app: Celery) -> None:

@@ -25,6 +25,13 @@ def _store() -> Any:
     return _state["store"]
 
 
+def _store_unreachable() -> tuple[type[BaseException], ...]:
+    """The errors of a database that cannot be reached (retried), imported on first use."""
+    from sqlalchemy.exc import DBAPIError
+
+    return (DBAPIError, ConnectionError, TimeoutError)
+
+
 def _queue() -> Any:
     if "queue" not in _state:
         from pipeline.queue.kafka import KafkaQueue
@@ -45,13 +52,12 @@ def ingest_batch(
     Kafka, and schedule the batch's finalization `finalize_after_s` later (None: the settings'
     finalize_every_s). Safe to retry: rows and results are idempotent."""
     from kafka.errors import KafkaError
-    from sqlalchemy.exc import DBAPIError
 
     from pipeline.producer import Producer
 
     try:
         summary = Producer(_queue(), _store()).submit_file(path, batch_id=batch_id, default_max_tokens=max_tokens)
-    except (KafkaError, DBAPIError, ConnectionError, TimeoutError) as exc:
+    except (KafkaError, *_store_unreachable()) as exc:
         # Kafka or Postgres unreachable: try again later (max_retries, default_retry_delay). What
         # the failed attempt did is redone idempotently: rows by job id, and the worker writes a
         # job delivered twice once.
@@ -103,13 +109,11 @@ def finalize_batch(
     def result(outcome: Finalized, status: str | None) -> dict[str, Any]:
         return {"batch_id": batch_id, "outcome": outcome.value, "status": status}
 
-    from sqlalchemy.exc import DBAPIError
-
     store = _store()
     try:
         b = store.get_batch(batch_id)
         completed = b is not None and b.status == "open" and store.finalize_batch(batch_id)
-    except (DBAPIError, ConnectionError, TimeoutError) as exc:
+    except _store_unreachable() as exc:
         # the database is unreachable: an outage must not end the batch's checks
         log.warning("finalize: batch %s not checked (%s: %s); retrying", batch_id, type(exc).__name__, exc)
         raise self.retry(countdown=recheck_delay(self.request.retries, every, most)) from exc
@@ -145,11 +149,9 @@ def cancel(self: Any, job_ids: list[str] | None = None, batch_id: str | None = N
     """Cancel jobs (or a batch): mark queued/running rows cancelled and tell the GPU workers to
     abort them. Returns the rows cancelled. Retried while the database is unreachable (both
     steps are idempotent)."""
-    from sqlalchemy.exc import DBAPIError
-
     try:
         n = _store().cancel(job_ids=job_ids or (), batch_id=batch_id)
-    except (DBAPIError, ConnectionError, TimeoutError) as exc:
+    except _store_unreachable() as exc:
         log.warning("cancel: the store is unreachable (%s: %s); retrying", type(exc).__name__, exc)
         raise self.retry(exc=exc) from exc
     broadcast_cancel(job_ids or (), batch_id)
