@@ -433,6 +433,35 @@ def test_cancel_running_jobs(cluster: Cluster):
         print(f"cancel: 6 running jobs aborted {aborted_s:.1f} s after the cancel")
 
 
+def rows_at_exit(cluster: Cluster, batch: str, want: dict[str, int], old: str) -> dict:
+    """The rows a stopped GPU worker left: each complete and its own, and not all of the batch."""
+    at_exit = {r.id: r for r in cluster.rows(batch) if r.status.terminal}
+    assert all(r.status is JobStatus.SUCCEEDED and r.worker == old for r in at_exit.values())
+    assert all(r.usage.completion_tokens == want[jid] for jid, r in at_exit.items())
+    assert 0 < len(at_exit) < len(want), f"{len(at_exit)} of {len(want)} rows: nothing was left to hand back"
+    return at_exit
+
+
+def successor_finishes_the_rest(
+    cluster: Cluster, batch: str, want: dict[str, int], at_exit: dict, old: str, new: str
+) -> None:
+    """Start `new` in place of the stopped `old`: every job ends with one row, those `old` wrote are
+    never written again, and `new` ran only the jobs handed back (`old` committed what it wrote)."""
+    n = len(want)
+    cluster.replace_gpu_worker(old, new)
+    wait_until(lambda: terminal_count(cluster.store, batch) == n, 90, f"all {n} rows after the restart")
+    assert cluster.row_count(batch) == n
+    rows = {r.id: r for r in cluster.rows(batch)}
+    assert set(rows) == set(want)
+    for jid, r in rows.items():
+        assert r.status is JobStatus.SUCCEEDED and r.usage.completion_tokens == want[jid], r
+    for jid, r in at_exit.items():
+        assert (rows[jid].worker, rows[jid].updated_at, rows[jid].text) == (old, r.updated_at, r.text)
+    assert {jid for jid, r in rows.items() if r.worker == new} == set(rows) - set(at_exit)
+    counters = cluster.gpu_stats()["counters"]
+    assert counters["succeeded"] == n - len(at_exit), counters
+
+
 def test_sigquit_stops_gpu_worker_at_once_and_another_finishes(cluster: Cluster):
     """Cold shutdown: the GPU worker stops without draining, and leaves its successor in its place."""
     batch = f"quit-{uuid.uuid4().hex[:8]}"
@@ -460,24 +489,8 @@ def test_sigquit_stops_gpu_worker_at_once_and_another_finishes(cluster: Cluster)
         wait_until(lambda: cluster.group_members() == [], 5, "the stopped worker to be out of the group")
 
         # what it wrote before it stopped is complete and final; the long jobs were handed back
-        at_exit = {r.id: r for r in cluster.rows(batch) if r.status.terminal}
-        assert all(r.status is JobStatus.SUCCEEDED and r.worker == old for r in at_exit.values())
-        assert all(r.usage.completion_tokens == want[jid] for jid, r in at_exit.items())
-        assert 0 < len(at_exit) < n, f"{len(at_exit)} of {n} rows: nothing was left to hand back"
-
-        cluster.replace_gpu_worker(old, "gpu1")
-        wait_until(lambda: terminal_count(cluster.store, batch) == n, 90, f"all {n} rows after the restart")
-        assert cluster.row_count(batch) == n
-        rows = {r.id: r for r in cluster.rows(batch)}
-        assert set(rows) == set(want)
-        for jid, r in rows.items():
-            assert r.status is JobStatus.SUCCEEDED and r.usage.completion_tokens == want[jid], r
-        for jid, r in at_exit.items():  # never written again
-            assert (rows[jid].worker, rows[jid].updated_at, rows[jid].text) == (old, r.updated_at, r.text)
-        assert {jid for jid, r in rows.items() if r.worker == "gpu1"} == set(rows) - set(at_exit)
-        # it committed what it wrote: the successor ran only the jobs handed back
-        counters = cluster.gpu_stats()["counters"]
-        assert counters["succeeded"] == n - len(at_exit), counters
+        at_exit = rows_at_exit(cluster, batch, want, old)
+        successor_finishes_the_rest(cluster, batch, want, at_exit, old, "gpu1")
         print(f"SIGQUIT: exit {rc} in {took:.1f} s with {len(at_exit)}/{n} rows written; the rest by gpu1")
 
 
@@ -506,24 +519,6 @@ def test_sigterm_drains_gpu_worker_and_another_finishes(cluster: Cluster):
         assert rc == 0, f"the GPU worker exited with {rc} after SIGTERM"
 
         # what the drained worker wrote: every row it finished is there, complete and final
-        at_exit = {r.id: r for r in cluster.rows(batch) if r.status.terminal}
-        assert all(r.status is JobStatus.SUCCEEDED and r.worker == old for r in at_exit.values())
-        assert all(r.usage.completion_tokens == want[jid] for jid, r in at_exit.items())
-        assert 0 < len(at_exit) < n, f"{len(at_exit)} of {n} rows: nothing was left to hand back"
-
-        cluster.replace_gpu_worker(old, "gpu2")
-        wait_until(lambda: terminal_count(cluster.store, batch) == n, 90, f"all {n} rows after the restart")
-
-        assert cluster.row_count(batch) == n
-        rows = {r.id: r for r in cluster.rows(batch)}
-        assert set(rows) == set(want)
-        for jid, r in rows.items():
-            assert r.status is JobStatus.SUCCEEDED and r.usage.completion_tokens == want[jid], r
-        # the first worker's rows were never written again, and only the rest went to the second
-        for jid, r in at_exit.items():
-            assert (rows[jid].worker, rows[jid].updated_at, rows[jid].text) == (old, r.updated_at, r.text)
-        assert {jid for jid, r in rows.items() if r.worker == "gpu2"} == set(rows) - set(at_exit)
-        # the drained worker committed what it wrote: the second one ran only the jobs handed back
-        counters = cluster.gpu_stats()["counters"]
-        assert counters["succeeded"] == n - len(at_exit), counters
+        at_exit = rows_at_exit(cluster, batch, want, old)
+        successor_finishes_the_rest(cluster, batch, want, at_exit, old, "gpu2")
         print(f"SIGTERM: exit 0 in {took:.1f} s with {len(at_exit)}/{n} rows written; the rest by gpu2")
