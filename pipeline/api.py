@@ -3,32 +3,75 @@
 `create_app()` builds the app; the store and the queue are created on startup (never at import)
 from the settings, unless passed in (tests, the embedded mode). Cancellation marks the rows and
 tells the GPU workers through `canceller` (a Celery broadcast by default).
+
+Every route but /healthz needs `Authorization: Bearer <key>` with a key of FIRSTTOKEN_API_KEYS;
+each key has an owner, and an owner sees, cancels and adds to only its own jobs and batches
+(another owner's are 404, as if they did not exist). Without keys the app refuses to start unless
+authentication is switched off explicitly (FIRSTTOKEN_API_NO_AUTH, for local use).
+
+Bodies are read up to a limit (413 past it) and parsed on a worker thread, never on the event
+loop. Errors are `{"error": {"code", "message"}}`; a 422 names the field and the rule, never
+echoes the input.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeline.batch_io import read_batch
-from pipeline.producer import Producer
+from pipeline.batch_io import batch_format, bytes_digest, result_lines
+from pipeline.producer import BatchConflict, JobCheck, Producer
 from pipeline.queue.base import JobQueue
 from pipeline.settings import Settings, get_settings
-from pipeline.store import JobRecord, ResultStore
+from pipeline.store import BatchRecord, JobRecord, ResultStore
 from pipeline.store.tables import LATENCY_METRICS
-from schemas.batchfile import LineFormat, format_output_line
-from schemas.job import JobRequest, new_job_id
+from schemas.batchfile import BatchLineError, LineFormat, loads_strict, parse_line
+from schemas.job import ErrorCode, JobStatus, job_id_of_owner, new_job_id
 
 log = logging.getLogger(__name__)
 
 Canceller = Callable[[Sequence[str], "str | None"], None]
+
+_CODE_STATUS = {ErrorCode.TOO_LARGE: 413}
+
+
+class ApiError(Exception):
+    """An error answered as `{"error": {"code", "message"}}` with `status`."""
+
+    def __init__(self, status: int, code: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.extra = extra
+
+
+class ConfigError(RuntimeError):
+    """The API cannot start with these settings (e.g. no API keys and auth not switched off)."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the owner of the API key (None when authentication is off: sees everything)."""
+
+    owner: str | None
+
+    def may_see(self, owner: str | None) -> bool:
+        """True if this caller may read or change a job or batch of `owner`."""
+        return self.owner is None or self.owner == owner
 
 
 def celery_canceller(job_ids: Sequence[str], batch_id: str | None) -> None:
@@ -38,21 +81,105 @@ def celery_canceller(job_ids: Sequence[str], batch_id: str | None) -> None:
     broadcast_cancel(list(job_ids), batch_id)
 
 
+def _error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, **extra}}
+
+
 def _job_view(rec: JobRecord) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": rec.id,
+        "custom_id": rec.custom_id,
         "batch_id": rec.batch_id,
+        "line": rec.line_no,
         "status": rec.status.value,
         "created_at": rec.created_at,
         "updated_at": rec.updated_at,
     }
     result = rec.result()
     if result is not None:
-        out.update(result.model_dump(mode="json", exclude={"id", "batch_id", "status"}))
+        out.update(result.model_dump(mode="json", exclude={"id", "batch_id", "status", "custom_id"}))
     else:
         out["timings"] = rec.timings.model_dump(mode="json")
         out["worker"] = rec.worker
     return out
+
+
+def _batch_view(b: BatchRecord) -> dict[str, Any]:
+    p = b.progress
+    total = p.total if p.total is not None else p.recorded
+    return {
+        "id": b.id,
+        "status": b.status,
+        "input_format": b.input_format,
+        "total": p.total,
+        "recorded": p.recorded,
+        "done": p.done,
+        "complete": p.complete,
+        "counts": {k.value: v for k, v in p.counts.items()},
+        "request_counts": {
+            "total": total,
+            "completed": p.count(JobStatus.SUCCEEDED),
+            "failed": p.count(JobStatus.FAILED) + p.count(JobStatus.CANCELLED),
+        },
+        "created_at": b.created_at,
+        "finished_at": b.finished_at,
+    }
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `limit` bytes."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, ErrorCode.TOO_LARGE, f"the body is {length} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, ErrorCode.TOO_LARGE, f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _authenticator(settings: Settings) -> Callable[[Request], Principal]:
+    keys = settings.api_key_owners
+    if not keys and not settings.api_no_auth:
+        raise ConfigError(
+            "no API keys: set FIRSTTOKEN_API_KEYS=owner:key,... (keys of 16+ characters), or switch "
+            "authentication off for local use with FIRSTTOKEN_API_NO_AUTH=true (`firsttoken api --no-auth`)"
+        )
+    if settings.api_no_auth:
+        return lambda request: Principal(None)
+    pairs = [(k.encode(), owner) for k, owner in keys.items()]
+
+    def authenticate(request: Request) -> Principal:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "unauthorized", "send an API key: Authorization: Bearer <key>")
+        given = token.strip().encode("utf-8", "replace")
+        found = None
+        for key, owner in pairs:  # every key compared, in constant time each
+            if hmac.compare_digest(key, given):
+                found = owner
+        if found is None:
+            raise ApiError(401, "unauthorized", "the API key is not valid")
+        return Principal(found)
+
+    return authenticate
+
+
+def _batch_lines(raw: bytes) -> list[bytes | str]:
+    """A POST /v1/batches body as batch-file lines: JSONL, or one JSON list of objects."""
+    if raw.lstrip()[:1] != b"[":
+        return raw.splitlines()  # type: ignore[return-value]
+    try:
+        items = loads_strict(raw)
+    except (ValueError, RecursionError) as exc:
+        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else type(exc).__name__
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, f"body: not a valid JSON list ({msg})") from None
+    if not isinstance(items, list):
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, "body: send JSONL lines or one JSON list")
+    return [json.dumps(x, ensure_ascii=False) for x in items]
 
 
 def create_app(
@@ -61,13 +188,19 @@ def create_app(
     store: ResultStore | None = None,
     queue: JobQueue | None = None,
     canceller: Canceller | None = celery_canceller,
+    check: JobCheck | None = None,
 ) -> FastAPI:
-    """The API app. Without `store`/`queue`, they are built from `settings` at startup."""
-    state: dict[str, Any] = {"store": store, "queue": queue}
+    """The API app. Without `store`/`queue`, they are built from `settings` at startup. `check`
+    (default: the settings' check_model's context check, when set) runs on each job at submission.
+
+    Raises ConfigError when there are no API keys and authentication is not switched off.
+    """
+    s = settings or get_settings()
+    authenticate = _authenticator(s)
+    state: dict[str, Any] = {"store": store, "queue": queue, "check": check}
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):  # type: ignore[no-untyped-def]
-        s = settings or get_settings()
         own = []
         if state["store"] is None:
             state["store"] = ResultStore.from_url(s.database_url, batch_rows=s.store_batch_rows)
@@ -77,13 +210,39 @@ def create_app(
 
             state["queue"] = KafkaQueue(s)
             own.append(state["queue"])
+        if state["check"] is None and s.check_model:
+            from workers.engine.prompts import SubmitCheck
+
+            state["check"] = SubmitCheck.for_model(s.check_model, s.check_max_model_len)
         try:
             yield
         finally:
             for x in own:
                 x.close()
 
-    app = FastAPI(title="firsttoken", version="0.1", lifespan=lifespan)
+    app = FastAPI(title="firsttoken", version="0.2", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(_error_body(exc.code, exc.message, **exc.extra), exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for e in exc.errors()[:10]:
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body", "query", "path"))
+            parts.append(f"{loc or 'request'}: {str(e.get('msg', 'invalid'))[:200]}")
+        return JSONResponse(_error_body(ErrorCode.INVALID_REQUEST, "; ".join(parts)), 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(_error_body("http_error", str(exc.detail)[:500]), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled %s in the API", type(exc).__name__, exc_info=exc)
+        return JSONResponse(_error_body(ErrorCode.INTERNAL_ERROR, "internal error"), 500)
 
     def st() -> ResultStore:
         return state["store"]
@@ -99,6 +258,22 @@ def create_app(
         except Exception as exc:  # the rows are cancelled anyway; a worker finishing one writes nothing
             log.warning("could not reach the GPU workers to cancel: %s", exc)
 
+    def find_job(who: Principal, job_id: str) -> JobRecord:
+        """The caller's job by firsttoken's id, or by the custom id it gave a single job."""
+        s_ = st()
+        rec = s_.get_job(job_id)
+        if rec is None or not who.may_see(rec.owner):
+            rec = s_.get_job(job_id_of_owner(who.owner, job_id))
+        if rec is None or not who.may_see(rec.owner):
+            raise ApiError(404, "not_found", f"no job {job_id[:200]!r}")
+        return rec
+
+    def find_batch(who: Principal, batch_id: str) -> BatchRecord:
+        b = st().get_batch(batch_id)
+        if b is None or not who.may_see(b.owner):
+            raise ApiError(404, "not_found", f"no batch {batch_id[:200]!r}")
+        return b
+
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
         from sqlalchemy import text
@@ -107,139 +282,138 @@ def create_app(
             with st().engine.connect() as conn:
                 conn.execute(text("SELECT 1"))
         except Exception as exc:
-            raise HTTPException(503, f"database: {type(exc).__name__}") from None
+            raise ApiError(503, "unavailable", f"database: {type(exc).__name__}") from None
         return {"ok": True}
 
-    @app.post("/v1/jobs", status_code=202)
-    def submit_job(job: JobRequest) -> dict[str, Any]:
-        stamped = job.submitted(time.time())
-        producer().submit([stamped])
-        return {"id": stamped.id, "status": "queued", "submitted_at": stamped.submitted_at}
+    Who = Annotated[Principal, Depends(authenticate)]
+    router = APIRouter()
 
-    @app.post("/v1/batches", status_code=202)
+    @router.post("/v1/jobs", status_code=202)
+    async def submit_job(request: Request, who: Who) -> dict[str, Any]:
+        raw = await _read_body(request, s.api_max_body_bytes)
+        return await run_in_threadpool(_submit_job, raw, who)
+
+    def _submit_job(raw: bytes, who: Principal) -> dict[str, Any]:
+        item = parse_line(raw, 1)
+        if item is None:
+            raise ApiError(422, ErrorCode.INVALID_REQUEST, "the body is empty: send one job as a JSON object")
+        if isinstance(item, BatchLineError):
+            message = item.message.removeprefix("line 1: ")
+            raise ApiError(_CODE_STATUS.get(item.code, 422), item.code, message)
+        if item.format is not LineFormat.PLAIN:
+            raise ApiError(422, ErrorCode.INVALID_REQUEST, "an OpenAI batch line goes to POST /v1/batches")
+        custom = item.job.id
+        job_id = new_job_id() if custom is None else job_id_of_owner(who.owner, custom)
+        job = item.job.to_request(job_id, owner=who.owner)
+        problem = None if state["check"] is None else state["check"](job)
+        if problem is not None:
+            raise ApiError(422, problem[0], problem[1])
+        job.submitted_at = time.time()  # the server's clock, never the client's
+        if not st().record_queued([job]):
+            raise ApiError(
+                409, ErrorCode.DUPLICATE_ID, f"you already have a job with id {custom!r}", job_id=job_id
+            )
+        try:
+            state["queue"].publish([job])
+        except Exception as exc:
+            st().forget_queued([job_id])  # nothing was queued: the same id may be sent again
+            log.warning("job %s not queued: %s", job_id, type(exc).__name__)
+            raise ApiError(503, "unavailable", "the job queue is unreachable; send the job again") from None
+        return {"id": job_id, "custom_id": custom, "status": "queued", "submitted_at": job.submitted_at}
+
+    @router.post("/v1/batches", status_code=202)
     async def submit_batch(
         request: Request,
-        batch_id: str | None = Query(default=None),
-        max_tokens: int | None = Query(default=None, ge=1),
+        who: Who,
+        batch_id: str | None = Query(default=None, min_length=1, max_length=200, pattern=r"^\S(.*\S)?$"),
+        max_tokens: int | None = Query(default=None, ge=1, le=1 << 20),
     ) -> dict[str, Any]:
-        raw = await request.body()
-        if raw.lstrip()[:1] == b"[":
-            try:
-                items = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise HTTPException(400, f"body: not valid JSON: {exc.msg}") from None
-            lines: list[str | bytes] = [json.dumps(x) for x in items]
-        else:
-            lines = raw.splitlines()
-        bid = batch_id or f"batch-{new_job_id()}"
-        batch = read_batch(lines, bid, default_max_tokens=max_tokens)
-        if not batch.refs:
-            raise HTTPException(400, "body: no jobs (send JSONL lines or a JSON list)")
+        raw = await _read_body(request, s.api_max_batch_bytes)
+        return await run_in_threadpool(_submit_batch, raw, batch_id, max_tokens, who)
 
-        def work() -> None:
-            s = st()
-            s.create_batch(bid, input_format=batch.input_format, source="api")
-            if batch.failures:
-                s.upsert_results(batch.failures)
-            producer().submit(batch.jobs)
-            s.set_batch_total(bid, len({r.job_id for r in batch.refs}))
-
-        from starlette.concurrency import run_in_threadpool
-
-        await run_in_threadpool(work)
+    def _submit_batch(raw: bytes, batch_id: str | None, max_tokens: int | None, who: Principal) -> dict[str, Any]:
+        if batch_id is not None and not batch_id.isprintable():
+            raise ApiError(422, ErrorCode.INVALID_REQUEST, "batch_id: must be printable characters")
+        lines = _batch_lines(raw)
+        if not any(line.strip() for line in lines):
+            raise ApiError(400, ErrorCode.INVALID_REQUEST, "body: no jobs (send JSONL lines or a JSON list)")
+        bid = batch_id or f"batch_{new_job_id()}"
+        try:
+            summary = producer().submit_batch(
+                lines,
+                batch_id=bid,
+                input_digest=bytes_digest(raw),
+                source="api",
+                default_max_tokens=max_tokens,
+                owner=who.owner,
+                check=state["check"],
+            )
+        except BatchConflict as exc:
+            if exc.reason == "owner":
+                raise ApiError(403, "forbidden", f"batch id {bid!r} is taken; choose another") from None
+            raise ApiError(409, "conflict", str(exc)) from None
         return {
             "batch_id": bid,
-            "submitted": len(batch.jobs),
-            "invalid": len(batch.failures),
+            "lines": summary.lines,
+            "submitted": summary.submitted,
+            "invalid": summary.invalid,
+            "resumed": summary.resumed,
             "errors": [
-                {"id": f.id, "error_code": f.error_code, "error": f.error_message}
-                for f in batch.failures[:100]
+                {"custom_id": f.custom_id, "error_code": f.error_code, "error": f.error_message}
+                for f in summary.errors
             ],
         }
 
-    @app.get("/v1/jobs/{job_id}")
-    def get_job(job_id: str) -> dict[str, Any]:
-        rec = st().get_job(job_id)
-        if rec is None:
-            raise HTTPException(404, f"no job {job_id!r}")
-        return _job_view(rec)
+    @router.get("/v1/jobs/{job_id}")
+    def get_job(job_id: str, who: Who) -> dict[str, Any]:
+        return _job_view(find_job(who, job_id))
 
-    @app.delete("/v1/jobs/{job_id}")
-    def cancel_job(job_id: str) -> dict[str, Any]:
-        s = st()
-        rec = s.get_job(job_id)
-        if rec is None:
-            raise HTTPException(404, f"no job {job_id!r}")
-        n = s.cancel(job_ids=[job_id])
-        cancel([job_id], None)
-        rec = s.get_job(job_id)
-        return {"id": job_id, "cancelled": n > 0, "status": rec.status.value if rec else None}
+    @router.delete("/v1/jobs/{job_id}")
+    def cancel_job(job_id: str, who: Who) -> dict[str, Any]:
+        rec = find_job(who, job_id)
+        n = st().cancel(job_ids=[rec.id])
+        cancel([rec.id], None)
+        after = st().get_job(rec.id)
+        return {"id": rec.id, "cancelled": n > 0, "status": after.status.value if after else None}
 
-    @app.get("/v1/batches/{batch_id}")
-    def get_batch(batch_id: str) -> dict[str, Any]:
-        b = st().get_batch(batch_id)
-        if b is None:
-            raise HTTPException(404, f"no batch {batch_id!r}")
-        p = b.progress
-        return {
-            "id": b.id,
-            "status": b.status,
-            "input_format": b.input_format,
-            "total": p.total,
-            "recorded": p.recorded,
-            "done": p.done,
-            "complete": p.complete,
-            "counts": {k.value: v for k, v in p.counts.items()},
-            "created_at": b.created_at,
-            "finished_at": b.finished_at,
-        }
+    @router.get("/v1/batches/{batch_id}")
+    def get_batch(batch_id: str, who: Who) -> dict[str, Any]:
+        return _batch_view(find_batch(who, batch_id))
 
-    @app.delete("/v1/batches/{batch_id}")
-    def cancel_batch(batch_id: str) -> dict[str, Any]:
-        s = st()
-        if s.get_batch(batch_id) is None:
-            raise HTTPException(404, f"no batch {batch_id!r}")
-        n = s.cancel(batch_id=batch_id)
-        cancel([], batch_id)
-        return {"id": batch_id, "cancelled": n}
+    @router.delete("/v1/batches/{batch_id}")
+    def cancel_batch(batch_id: str, who: Who) -> dict[str, Any]:
+        b = find_batch(who, batch_id)
+        n = st().cancel(batch_id=b.id)
+        cancel([], b.id)
+        return {"id": b.id, "cancelled": n}
 
-    @app.get("/v1/batches/{batch_id}/results")
-    def batch_results(batch_id: str) -> StreamingResponse:
-        s = st()
-        b = s.get_batch(batch_id)
-        if b is None:
-            raise HTTPException(404, f"no batch {batch_id!r}")
-        fmt = LineFormat(b.input_format) if b.input_format in set(LineFormat) else LineFormat.PLAIN
+    @router.get("/v1/batches/{batch_id}/results")
+    def batch_results(batch_id: str, who: Who) -> StreamingResponse:
+        b = find_batch(who, batch_id)
+        lines: Iterator[str] = result_lines(st(), b.id, batch_format(b.input_format))
+        return StreamingResponse(lines, media_type="application/x-ndjson")
 
-        def lines() -> Iterator[str]:
-            after = None
-            while True:
-                page = s.list_jobs(batch_id=batch_id, limit=1000, after=after)
-                if not page:
-                    return
-                for rec in page:
-                    result = rec.result()
-                    if result is not None:
-                        yield format_output_line(result, fmt)
-                after = page[-1].id
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-    @app.get("/v1/latency")
+    @router.get("/v1/latency")
     def latency(
+        who: Who,
         since: float | None = Query(default=None, description="epoch seconds (finished_at >= since)"),
         until: float | None = Query(default=None, description="epoch seconds (finished_at < until)"),
-        metrics: str = Query(default="ttft_ms,queue_ms,engine_ttft_ms,tpot_ms"),
-        by: str = Query(default="", description="comma-separated: worker, model"),
+        metrics: str = Query(default="ttft_ms,queue_ms,engine_ttft_ms,tpot_ms", max_length=500),
+        by: str = Query(default="", max_length=100, description="comma-separated: worker, model"),
+        batch_id: str | None = Query(default=None, max_length=200),
     ) -> dict[str, Any]:
+        if any(t is not None and not math.isfinite(t) for t in (since, until)):
+            raise ApiError(400, ErrorCode.INVALID_REQUEST, "since/until: must be finite epoch seconds")
         ms = [m for m in metrics.split(",") if m]
         groups = [g for g in by.split(",") if g]
-        bad = [m for m in ms if m not in LATENCY_METRICS] + [
-            g for g in groups if g not in ("worker", "model")
-        ]
+        bad = [m for m in ms if m not in LATENCY_METRICS] + [g for g in groups if g not in ("worker", "model")]
         if bad:
-            raise HTTPException(400, f"unknown metric or grouping {bad[0]!r}")
-        stats = st().latency_stats(since=since, until=until, metrics=ms, by=groups)
+            raise ApiError(400, ErrorCode.INVALID_REQUEST, f"unknown metric or grouping {bad[0][:50]!r}")
+        if batch_id is not None:
+            find_batch(who, batch_id)
+        stats = st().latency_stats(
+            since=since, until=until, metrics=ms, by=groups, owner=who.owner, batch_id=batch_id
+        )
         return {
             "since": since,
             "until": until,
@@ -258,4 +432,5 @@ def create_app(
             ],
         }
 
+    app.include_router(router)
     return app

@@ -1,111 +1,92 @@
-"""Batch files in and out: a JSONL file read into jobs (bad lines into `failed` results) and the
-results written back as JSONL in input order, each line in the format its input line had."""
+"""Batch files in and out: naming a batch after its input, and writing a batch's results back as
+JSONL in input order, each line in the format its input line had, to a file that appears whole
+or not at all."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import TextIO
 
-from pipeline.store import ResultStore
-from schemas.batchfile import BatchLineError, LineFormat, ParsedLine, format_output_line, parse_lines
-from schemas.job import JobRequest, JobResult
-
-
-def default_batch_id(path: str | Path) -> str:
-    """A stable batch id for a file (from its absolute path), so a re-run resumes the same batch."""
-    digest = hashlib.blake2b(str(Path(path).resolve()).encode("utf-8"), digest_size=6).hexdigest()
-    return f"{Path(path).stem[:40]}-{digest}"
+from pipeline.store import JobRecord, ResultStore
+from schemas.batchfile import LineFormat, format_output_line
 
 
-def line_job_id(batch_id: str, line_no: int) -> str:
-    """The id of a line that has none of its own: stable across runs of the same batch."""
-    return f"{batch_id}-L{line_no}"
-
-
-@dataclass(frozen=True)
-class LineRef:
-    """Where one input line's result is found, and how to write it."""
-
-    line_no: int
-    job_id: str
-    format: LineFormat
-
-
-@dataclass
-class ReadBatch:
-    """A batch file read: one ref per non-blank line (input order), the valid jobs, and a
-    `failed` result for each line that is not a valid job."""
-
-    batch_id: str
-    refs: list[LineRef]
-    jobs: list[JobRequest]
-    failures: list[JobResult]
-
-    @property
-    def input_format(self) -> str:
-        """The format of the first line ("plain", "openai_chat", ...), or "empty"."""
-        return self.refs[0].format.value if self.refs else "empty"
-
-
-def read_batch(
-    lines: Iterable[bytes | str],
-    batch_id: str,
-    *,
-    default_max_tokens: int | None = None,
-) -> ReadBatch:
-    """Parse batch-file lines. `default_max_tokens` applies to lines that do not set max_tokens."""
-    out = ReadBatch(batch_id, [], [], [])
-    for item in parse_lines(lines, batch_id=batch_id, id_prefix=f"{batch_id}-L"):
-        if isinstance(item, ParsedLine):
-            job = item.job
-            if default_max_tokens is not None and "max_tokens" not in job.sampling.model_fields_set:
-                sampling = job.sampling.model_copy(update={"max_tokens": default_max_tokens})
-                job = job.model_copy(update={"sampling": sampling})
-            out.refs.append(LineRef(item.line_no, job.id, item.format))
-            out.jobs.append(job)
-        else:
-            out.refs.append(_failed_line(out, item, batch_id))
-    return out
-
-
-def _failed_line(out: ReadBatch, err: BatchLineError, batch_id: str) -> LineRef:
-    result = err.result(batch_id=batch_id, fallback_id=line_job_id(batch_id, err.line_no))
-    assert result is not None
-    out.failures.append(result)
-    return LineRef(err.line_no, result.id, err.format or LineFormat.PLAIN)
-
-
-def read_batch_file(path: str | Path, batch_id: str, **kwargs: object) -> ReadBatch:
-    """read_batch over a file's lines (bytes, so undecodable lines become `failed` results)."""
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file's bytes (hex): what names its input when a batch is resumed."""
     with Path(path).open("rb") as f:
-        return read_batch(f, batch_id, **kwargs)  # type: ignore[arg-type]
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def iter_results(
-    store: ResultStore, refs: list[LineRef], chunk: int = 1000
-) -> Iterator[tuple[LineRef, JobResult | None]]:
-    """Each ref with its stored result (None while its job is not terminal), in input order."""
-    for i in range(0, len(refs), chunk):
-        part = refs[i : i + chunk]
-        rows = store.get_jobs([r.job_id for r in part])
-        for ref in part:
-            rec = rows.get(ref.job_id)
-            yield ref, None if rec is None else rec.result()
+def bytes_digest(data: bytes) -> str:
+    """sha256 of `data` (hex)."""
+    return hashlib.sha256(data).hexdigest()
 
 
-def write_results(store: ResultStore, refs: list[LineRef], out: TextIO | BinaryIO) -> int:
-    """Write the result line of each ref, in input order; skips jobs not yet terminal. Returns lines written."""
+def default_batch_id(path: str | Path, digest: str | None = None) -> str:
+    """A batch id for a file: its name and a digest of its path and content. Running the same
+    file again resumes its batch; an edited file is a new batch."""
+    h = hashlib.blake2b(str(Path(path).resolve()).encode("utf-8"), digest_size=6)
+    h.update((digest or file_digest(path)).encode("ascii"))
+    return f"{Path(path).stem[:40]}-{h.hexdigest()}"
+
+
+def _format_of(rec: JobRecord, fallback: LineFormat) -> LineFormat:
+    if rec.line_format in LineFormat._value2member_map_:
+        return LineFormat(rec.line_format)
+    return fallback
+
+
+def batch_format(input_format: str | None) -> LineFormat:
+    """The format a batch's lines answer in when a row does not say (its first line's)."""
+    return LineFormat(input_format) if input_format in LineFormat._value2member_map_ else LineFormat.PLAIN
+
+
+def result_lines(store: ResultStore, batch_id: str, fallback: LineFormat = LineFormat.PLAIN) -> Iterator[str]:
+    """The output line of every terminal job of the batch, in input order, each in its line's
+    format (jobs still queued or running are left out)."""
+    for rec in store.iter_batch(batch_id):
+        result = rec.result()
+        if result is not None:
+            yield format_output_line(result, _format_of(rec, fallback))
+
+
+def write_results(store: ResultStore, batch_id: str, out: TextIO, fallback: LineFormat = LineFormat.PLAIN) -> int:
+    """Write `result_lines` to `out`. Returns lines written."""
     n = 0
-    for ref, result in iter_results(store, refs):
-        if result is None:
-            continue
-        line = format_output_line(result, ref.format)
-        if isinstance(out, TextIO) or hasattr(out, "encoding"):
-            out.write(line)  # type: ignore[arg-type]
-        else:
-            out.write(line.encode("utf-8"))  # type: ignore[arg-type]
+    for line in result_lines(store, batch_id, fallback):
+        out.write(line)
         n += 1
     return n
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | Path) -> Iterator[TextIO]:
+    """A text file that appears at `path` only when the block ends without an error: written to
+    a temporary file beside it, flushed to disk, then renamed over it. A killed run leaves the
+    old file (or none), never a truncated one."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """True when `a` and `b` name the same file (or the same path, if `b` does not exist yet)."""
+    pa, pb = Path(a), Path(b)
+    try:
+        return pa.samefile(pb)
+    except FileNotFoundError:
+        return pa.resolve() == pb.resolve()

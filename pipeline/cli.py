@@ -1,4 +1,9 @@
-"""The `firsttoken` command line."""
+"""The `firsttoken` command line.
+
+Exit codes: 0 when every line (job) succeeded; 3 when the command ran but some lines failed or
+were cancelled (each has its error in the output); 1 when it could not run (a missing file, an
+unknown model, a batch id holding another input: one line on stderr); 2 for bad arguments.
+"""
 
 from __future__ import annotations
 
@@ -7,67 +12,91 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+EXIT_OK = 0  # every line (job) succeeded
+EXIT_ERROR = 1  # the command could not run: a missing file, an unknown model, a batch id conflict, ...
+EXIT_USAGE = 2  # bad arguments (argparse's own code)
+EXIT_SOME_FAILED = 3  # it ran, but some lines failed or were cancelled: their errors are in the output
 
-def _read_prompts(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
-    """Yield (line number, parsed line or None, error or None) for each non-blank line."""
-    with path.open("rb") as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                yield n, None, "undecodable: line is not UTF-8"
-                continue
-            except json.JSONDecodeError as e:
-                yield n, None, f"invalid_json: {e.msg}"
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                yield n, None, 'invalid_request: each line needs {"id": ..., "prompt": "..."}'
-                continue
-            yield n, obj, None
+
+class CliError(Exception):
+    """An error the user can fix, printed as one line (no traceback) with EXIT_ERROR."""
+
+
+def _input_file(path: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise CliError(f"{path}: no such file")
+    if p.is_dir():
+        raise CliError(f"{path}: is a directory, not a JSONL file")
+    try:
+        with p.open("rb"):
+            pass
+    except OSError as exc:
+        raise CliError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    return p
+
+
+def _output_file(path: str | None, *inputs: Path) -> Path | None:
+    if path is None:
+        return None
+    from pipeline.batch_io import same_file
+
+    out = Path(path)
+    for p in inputs:
+        if same_file(p, out):
+            raise CliError(f"--output {path} is the input file: it would be overwritten; choose another path")
+    if out.is_dir():
+        raise CliError(f"--output {path}: is a directory")
+    if not out.parent.exists():
+        raise CliError(f"--output {path}: directory {out.parent} does not exist")
+    return out
 
 
 def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     """Generate for every prompt of a JSONL file with the engine in this process."""
-    from schemas.sampling import SamplingParams
+    from schemas.batchfile import BatchLineError, parse_lines
     from workers.engine import InvalidRequestError, LLMEngine
+    from workers.engine.prompts import prompt_token_ids
 
+    path = _input_file(args.file)
     cfg = _engine_config(args)
     t0 = time.perf_counter()
     engine = LLMEngine(args.model, cfg)
     load_s = time.perf_counter() - t0
     order: list[str] = []
     results: dict[str, dict[str, Any]] = {}
-    for n, obj, err in _read_prompts(Path(args.file)):
-        if obj is None:
-            rid = f"line-{n}"
+    with path.open("rb") as f:
+        for item in parse_lines(f):
+            rid = f"line-{item.line_no}"
             order.append(rid)
-            code, _, msg = (err or "").partition(": ")
-            results[rid] = {"id": rid, "status": "failed", "error_code": code, "error": msg}
-            continue
-        rid = str(obj.get("id", f"line-{n}"))
-        order.append(rid)
-        try:
-            sp = SamplingParams(
-                max_tokens=args.max_tokens, temperature=args.temperature, **(obj.get("sampling") or {})
-            )
-            engine.add_request(rid, prompt=obj["prompt"], sampling=sp)
-        except InvalidRequestError as e:
-            results[rid] = {"id": rid, "status": "failed", "error_code": e.code, "error": e.message}
-        except (TypeError, ValueError) as e:
-            results[rid] = {"id": rid, "status": "failed", "error_code": "invalid_sampling", "error": str(e)}
+            if isinstance(item, BatchLineError):
+                results[rid] = {"id": item.job_id, "line": item.line_no, "status": "failed",
+                                "error_code": item.code.value, "error": item.message}
+                continue
+            job = item.job
+            base = {"id": job.id, "line": item.line_no}
+            sp = job.sampling
+            if "max_tokens" not in sp.model_fields_set:
+                sp = sp.model_copy(update={"max_tokens": args.max_tokens})
+            if "temperature" not in sp.model_fields_set:
+                sp = sp.model_copy(update={"temperature": args.temperature})
+            turns = None if job.messages is None else [(m.role, m.content) for m in job.messages]
+            try:
+                ids = prompt_token_ids(engine.tokenizer, job.prompt, turns)
+                engine.add_request(rid, prompt_token_ids=ids, sampling=sp)
+            except InvalidRequestError as e:
+                results[rid] = {**base, "status": "failed", "error_code": e.code, "error": e.message}
+                continue
+            results[rid] = base
     t1 = time.perf_counter()
     n_tokens = 0
     while engine.has_unfinished():
         for f in engine.step().finished:
             n_tokens += f.usage.completion_tokens
-            results[f.request_id] = {
-                "id": f.request_id,
+            results[f.request_id].update({
                 "status": "succeeded",
                 "text": f.text,
                 "finish_reason": f.finish_reason,
@@ -78,9 +107,11 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
                 },
                 "engine_ttft_ms": round(f.timings.engine_ttft_ms or 0.0, 3),
                 "tpot_ms": None if f.tpot_ms is None else round(f.tpot_ms, 3),
-            }
+            })
     gen_s = time.perf_counter() - t1
+    failed = 0
     for rid in order:
+        failed += results[rid].get("status") != "succeeded"
         out.write(json.dumps(results[rid], ensure_ascii=False) + "\n")
     st = engine.stats()
     print(
@@ -89,7 +120,7 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
         f"device {engine.runner.device}",
         file=sys.stderr,
     )
-    return 0
+    return EXIT_SOME_FAILED if failed else EXIT_OK
 
 
 def _engine_config(args: argparse.Namespace) -> Any:
@@ -107,15 +138,18 @@ def _db_url(args: argparse.Namespace) -> str:
 
 def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
     """The whole pipeline in this process: local queue, SQLite, the engine; resumable."""
+    from pipeline.batch_io import atomic_output
     from pipeline.embedded import run_file
     from pipeline.settings import normalize_database_url
 
+    path = _input_file(args.file)
+    output = _output_file(args.output, path)
     db = normalize_database_url(args.db) if args.db else "sqlite:///firsttoken.db"
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        f = stack.enter_context(open(args.output, "w", encoding="utf-8")) if args.output else out
+        f = stack.enter_context(atomic_output(output)) if output is not None else out
         s = run_file(
-            args.file,
+            path,
             model=args.model,
             db_url=db,
             output=f,
@@ -125,12 +159,12 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
         )
     counts = ", ".join(f"{n} {k}" for k, n in sorted(s.counts.items()))
     print(
-        f"# batch {s.batch_id}: {s.lines} lines ({s.invalid} invalid), ran {s.ran}, skipped {s.skipped} "
-        f"already done; {counts}; {time.perf_counter() - t0:.2f}s; db {db}"
-        + (f"; output {args.output}" if args.output else ""),
+        f"# batch {s.batch_id} {s.batch_status}: {s.lines} lines ({s.invalid} invalid), ran {s.ran}, "
+        f"skipped {s.skipped} already done; {counts}; {time.perf_counter() - t0:.2f}s; db {db}"
+        + (f"; output {output}" if output else ""),
         file=sys.stderr,
     )
-    return 0
+    return EXIT_OK if s.all_succeeded else EXIT_SOME_FAILED
 
 
 def cmd_submit(args: argparse.Namespace, out: TextIO) -> int:
@@ -140,20 +174,41 @@ def cmd_submit(args: argparse.Namespace, out: TextIO) -> int:
     from pipeline.settings import get_settings
     from pipeline.store import ResultStore
 
+    path = _input_file(args.file)
+    check = None
+    if args.model:  # the workers' model: prompts that cannot fit its context fail now
+        from workers.engine.prompts import SubmitCheck
+
+        check = SubmitCheck.for_model(args.model, args.max_model_len)
     settings = get_settings()
     store = None if args.no_db else ResultStore.from_url(_db_url(args))
     queue = KafkaQueue(settings)
     try:
         s = Producer(queue, store).submit_file(
-            args.file, batch_id=args.batch_id, default_max_tokens=args.max_tokens
+            path, batch_id=args.batch_id, default_max_tokens=args.max_tokens, check=check
         )
     finally:
         queue.close()
         if store is not None:
             store.close()
-    out.write(json.dumps({"batch_id": s.batch_id, "submitted": s.submitted, "invalid": s.invalid}) + "\n")
+    out.write(
+        json.dumps(
+            {
+                "batch_id": s.batch_id,
+                "lines": s.lines,
+                "submitted": s.submitted,
+                "invalid": s.invalid,
+                "duplicates": s.duplicates,
+                "already_done": s.already_done,
+                "resumed": s.resumed,
+            }
+        )
+        + "\n"
+    )
+    for e in s.errors[:20]:
+        print(f"# {e.error_code}: {e.error_message}", file=sys.stderr)
     print(f"# {s.submitted} jobs in {s.seconds:.2f}s ({s.jobs_per_s:.0f} jobs/s)", file=sys.stderr)
-    return 0
+    return EXIT_SOME_FAILED if s.invalid else EXIT_OK
 
 
 def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
@@ -181,7 +236,26 @@ def cmd_api(args: argparse.Namespace, out: TextIO) -> int:
     """Serve the HTTP API."""
     import uvicorn
 
-    uvicorn.run("pipeline.api:create_app", factory=True, host=args.host, port=args.port, log_level="info")
+    from pipeline.api import ConfigError, create_app
+    from pipeline.settings import get_settings
+
+    settings = get_settings()
+    if args.no_auth:
+        settings = settings.model_copy(update={"api_no_auth": True})
+    try:
+        app = create_app(settings)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    if settings.api_no_auth:
+        print(
+            f"firsttoken api: WARNING: authentication is OFF (--no-auth / FIRSTTOKEN_API_NO_AUTH): anyone who "
+            f"can reach {args.host}:{args.port} can submit, read and cancel every job. For local use only.",
+            file=sys.stderr,
+        )
+    else:
+        owners = sorted(set(settings.api_key_owners.values()))
+        print(f"# API keys for {len(owners)} owner(s): {', '.join(owners)}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 
@@ -196,32 +270,31 @@ def cmd_migrate(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_results(args: argparse.Namespace, out: TextIO) -> int:
-    """A batch's terminal results as JSONL (OpenAI lines for an OpenAI batch)."""
+    """A batch's terminal results as JSONL, in input order, each line in its input line's format."""
+    from pipeline.batch_io import atomic_output, batch_format, write_results
     from pipeline.store import ResultStore
-    from schemas.batchfile import LineFormat, format_output_line
+    from schemas.job import JobStatus
 
+    output = _output_file(args.output)
     store = ResultStore.from_url(_db_url(args))
     try:
         batch = store.get_batch(args.batch_id)
         if batch is None:
-            print(f"no batch {args.batch_id!r}", file=sys.stderr)
-            return 1
-        fmt = LineFormat(batch.input_format) if batch.input_format in set(LineFormat) else LineFormat.PLAIN
-        after = None
-        while True:
-            page = store.list_jobs(batch_id=args.batch_id, limit=1000, after=after)
-            if not page:
-                break
-            for rec in page:
-                result = rec.result()
-                if result is not None:
-                    out.write(format_output_line(result, fmt))
-            after = page[-1].id
+            raise CliError(f"no batch {args.batch_id!r}")
+        with contextlib.ExitStack() as stack:
+            f = stack.enter_context(atomic_output(output)) if output is not None else out
+            write_results(store, batch.id, f, batch_format(batch.input_format))
         p = batch.progress
-        print(f"# batch {batch.id} {batch.status}: {p.done}/{p.total or p.recorded} done", file=sys.stderr)
+        total = p.total if p.total is not None else p.recorded
+        print(
+            f"# batch {batch.id} {batch.status}: {p.done}/{total} done, "
+            f"{p.count(JobStatus.SUCCEEDED)} succeeded, {p.count(JobStatus.FAILED)} failed, "
+            f"{p.count(JobStatus.CANCELLED)} cancelled",
+            file=sys.stderr,
+        )
     finally:
         store.close()
-    return 0
+    return EXIT_OK if p.count(JobStatus.SUCCEEDED) == total else EXIT_SOME_FAILED
 
 
 def _engine_args(a: argparse.ArgumentParser, model_default: str | None = "tiny") -> None:
@@ -264,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=None, help="for lines that do not set max_tokens")
     s.add_argument("--db", default=None, help="database URL (default: FIRSTTOKEN_DATABASE_URL)")
     s.add_argument("--no-db", action="store_true", help="do not record queued rows")
+    s.add_argument("--model", default=None,
+                   help="the workers' model (preset or checkpoint directory): check prompts against its context now")
+    s.add_argument("--max-model-len", type=int, default=None, help="the workers' --max-model-len, with --model")
     s.set_defaults(func=cmd_submit)
 
     w = sub.add_parser("worker", help="a GPU worker without Celery (Kafka -> engine -> database)")
@@ -273,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("api", help="serve the HTTP API")
     a.add_argument("--host", default="127.0.0.1")
     a.add_argument("--port", type=int, default=8000)
+    a.add_argument("--no-auth", action="store_true",
+                   help="serve without API keys (local use only; otherwise FIRSTTOKEN_API_KEYS is required)")
     a.set_defaults(func=cmd_api)
 
     m = sub.add_parser("migrate", help="alembic upgrade head")
@@ -281,14 +359,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     res = sub.add_parser("results", help="a batch's results as JSONL")
     res.add_argument("batch_id")
+    res.add_argument("--output", "-o", default=None, help="output JSONL (default: stdout)")
     res.add_argument("--db", default=None, help="database URL (default: FIRSTTOKEN_DATABASE_URL)")
     res.set_defaults(func=cmd_results)
     return p
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the user's to fix: one line on stderr, no traceback."""
+    from pipeline.producer import BatchConflict
+    from workers.engine.errors import CheckpointError
+
+    return (CliError, BatchConflict, CheckpointError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args, sys.stdout)
+    try:
+        return args.func(args, sys.stdout)
+    except _user_errors() as exc:
+        print(f"firsttoken {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"firsttoken {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from pipeline.batch_io import default_batch_id, read_batch_file, write_results
+from pipeline.batch_io import batch_format, default_batch_id, file_digest, write_results
+from pipeline.producer import Producer
 from pipeline.queue import LocalQueue
 from pipeline.store import ResultStore, migrate
 
@@ -28,12 +29,18 @@ class RunSummary:
 
     batch_id: str
     lines: int  # non-blank input lines
-    invalid: int  # lines that were not valid jobs (failed rows)
+    invalid: int  # lines that got a `failed` row at submission (unparseable, invalid, duplicate id, too long)
     skipped: int  # jobs already terminal in the database (resume)
     ran: int  # jobs run through the engine now
     counts: dict[str, int]  # rows of the batch by status, at the end
     seconds: float
     written: int  # output lines
+    batch_status: str  # the batch's status at the end (completed once every line has its result)
+
+    @property
+    def all_succeeded(self) -> bool:
+        """True when every line's job succeeded."""
+        return self.lines > 0 and self.counts.get("succeeded", 0) == self.lines
 
 
 def run_file(
@@ -48,69 +55,80 @@ def run_file(
     worker_name: str | None = None,
 ) -> RunSummary:
     """Run every job of a JSONL batch file in this process; write results to the database and,
-    in input order, to `output` (stdout when None)."""
+    in input order, to `output` (stdout when None).
+
+    Lines are checked against the model's context as they are submitted (prompt_too_long at
+    once). Raises BatchConflict when `batch_id` already holds another input.
+    """
+    from workers.engine import EngineConfig
+    from workers.engine.prompts import SubmitCheck
+
     t0 = time.perf_counter()
     path = Path(path)
-    batch_id = batch_id or default_batch_id(path)
+    digest = file_digest(path)
+    batch_id = batch_id or default_batch_id(path, digest)
+    cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig()
+    check = SubmitCheck.for_model(model, cfg.max_model_len)
     migrate(db_url)
     store = ResultStore.from_url(db_url)
     try:
-        batch = read_batch_file(path, batch_id, default_max_tokens=default_max_tokens)
-        store.create_batch(batch_id, input_format=batch.input_format, source=str(path.resolve()))
-        store.set_batch_total(batch_id, len({r.job_id for r in batch.refs}))
-        if batch.failures:
-            store.upsert_results(batch.failures)
-        existing = store.get_jobs([j.id for j in batch.jobs])
-        seen: set[str] = set()
-        todo = []
-        for j in batch.jobs:
-            rec = existing.get(j.id)
-            if (rec is not None and rec.status.terminal) or j.id in seen:
-                continue
-            seen.add(j.id)
-            todo.append(j)
-        skipped = len({j.id for j in batch.jobs}) - len(todo)
-        if todo:
-            store.insert_queued(todo)
-            _run_jobs(todo, store, model, engine_config, worker_name)
+        existing = store.get_batch(batch_id)
+        queue = LocalQueue(partitions=1)
+        # the engine starts before the jobs are stamped submitted, so a job's TTFT is not its
+        # wait for the model to load; a batch already ended needs no engine at all
+        worker = None
+        if existing is None or existing.status == "open":
+            worker = _start_worker(queue, store, model, cfg, worker_name)
+        try:
+            sub = Producer(queue, store).submit_file(
+                path, batch_id=batch_id, default_max_tokens=default_max_tokens, check=check
+            )
+            if sub.submitted:
+                if worker is None:  # rows of an ended batch were removed: run them after all
+                    worker = _start_worker(queue, store, model, cfg, worker_name)
+                _wait_until_done(queue, worker)
+        finally:
+            if worker is not None:
+                worker.stop(drain=True, timeout_s=5.0)
         store.finalize_batch(batch_id)
-        written = write_results(store, batch.refs, output if output is not None else sys.stdout)
-        progress = store.batch_progress(batch_id)
+        b = store.get_batch(batch_id)
+        assert b is not None
+        written = write_results(store, batch_id, output if output is not None else sys.stdout,
+                                batch_format(b.input_format))
     finally:
         store.close()
+    log.info("ran %d jobs", sub.submitted)
     return RunSummary(
         batch_id=batch_id,
-        lines=len(batch.refs),
-        invalid=len(batch.failures),
-        skipped=skipped,
-        ran=len(todo),
-        counts={s.value: n for s, n in progress.counts.items()},
+        lines=sub.lines,
+        invalid=sub.invalid,
+        skipped=sub.already_done,
+        ran=sub.submitted,
+        counts={s.value: n for s, n in b.progress.counts.items()},
         seconds=time.perf_counter() - t0,
         written=written,
+        batch_status=b.status,
     )
 
 
-def _run_jobs(
-    todo: list, store: ResultStore, model: str, engine_config: object | None, worker_name: str | None
-) -> None:
-    from workers.engine import EngineConfig, LLMEngine
+def _start_worker(
+    queue: LocalQueue, store: ResultStore, model: str, cfg: object, worker_name: str | None
+) -> object:
+    from workers.engine import LLMEngine
     from workers.worker import Worker, WorkerConfig
 
-    cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig()
-    engine = LLMEngine(model, cfg)
-    queue = LocalQueue(partitions=1)
+    engine = LLMEngine(model, cfg)  # type: ignore[arg-type]
     worker = Worker(
         engine, queue.consumer(), store, WorkerConfig(name=worker_name or "embedded"), model_name=model
     )
     worker.start()
-    try:
-        for i in range(0, len(todo), 10_000):
-            queue.publish(todo[i : i + 10_000])
-        end = queue.end_offsets()
-        while queue.committed() != end:
-            if worker.failed_with is not None:
-                raise RuntimeError(f"the engine failed: {worker.failed_with!r}") from worker.failed_with
-            time.sleep(0.02)
-    finally:
-        worker.stop(drain=True, timeout_s=5.0)
-    log.info("ran %d jobs", len(todo))
+    return worker
+
+
+def _wait_until_done(queue: LocalQueue, worker: object) -> None:
+    end = queue.end_offsets()
+    while queue.committed() != end:
+        failed = worker.failed_with  # type: ignore[attr-defined]
+        if failed is not None:
+            raise RuntimeError(f"the engine failed: {failed!r}") from failed
+        time.sleep(0.02)

@@ -11,16 +11,26 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.batch_io import default_batch_id
+from pipeline.batch_io import default_batch_id, file_digest
 from pipeline.queue.base import JobQueue
 from pipeline.store import ResultStore
-from schemas.batchfile import ParsedLine, parse_lines
-from schemas.job import JobRequest, JobResult
+from schemas.batchfile import BatchLineError, ParsedLine, parse_lines
+from schemas.job import ErrorCode, JobRequest, JobResult, job_id_of_line
+
+
+class BatchConflict(Exception):
+    """A batch id that cannot take this input: another owner's batch (`reason` "owner"), or a
+    batch made from a different input ("input")."""
+
+    def __init__(self, batch_id: str, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.batch_id = batch_id
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -28,13 +38,23 @@ class SubmitSummary:
     """What a submission did."""
 
     batch_id: str | None
-    submitted: int  # jobs acknowledged by the queue
-    invalid: int  # lines that were not valid jobs
+    submitted: int  # jobs published to the queue now
+    invalid: int  # lines that got a `failed` row (unparseable, invalid, too large, duplicate id)
     seconds: float
+    lines: int = 0  # non-blank input lines
+    duplicates: int = 0  # of `invalid`: lines whose id an earlier line of the batch has
+    already_done: int = 0  # jobs of a resumed batch that were already terminal (not sent again)
+    resumed: bool = False  # the batch existed (same owner, same input): this submission resumed it
+    errors: tuple[JobResult, ...] = ()  # the first line errors (at most 100)
 
     @property
     def jobs_per_s(self) -> float:
         return self.submitted / self.seconds if self.seconds > 0 else 0.0
+
+
+# A job at submission: None if it may go, else (ErrorCode, message) (e.g. the model's context).
+JobCheck = Callable[[JobRequest], "tuple[ErrorCode, str] | None"]
+MAX_REPORTED_ERRORS = 100
 
 
 def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
@@ -75,23 +95,13 @@ class Producer:
         self.chunk = chunk
 
     def submit(self, jobs: Iterable[JobRequest]) -> int:
-        """Stamp `submitted_at`, record, and publish; returns the jobs acknowledged."""
-        return self._submit(jobs, owned=False)
-
-    def _submit(self, jobs: Iterable[JobRequest], *, owned: bool) -> int:
-        # owned: the jobs were made here (parsed from a file), so they are stamped in place
-        # instead of copied (a model_copy is ~10 us, a fifth of a bulk submission's own work).
+        """Stamp `submitted_at` (now, whatever the job held), record, and publish; returns the
+        jobs acknowledged."""
         n = 0
         with _gc_paused():
             for chunk in _chunks(jobs, self.chunk):
                 now = time.time()
-                if owned:
-                    for j in chunk:
-                        if j.submitted_at is None:
-                            j.submitted_at = now
-                    stamped = chunk
-                else:
-                    stamped = [j.submitted(now) for j in chunk]
+                stamped = [j.model_copy(update={"submitted_at": now}) for j in chunk]
                 if self.store is not None:
                     self.store.insert_queued(stamped)
                 self.queue.publish(stamped)
@@ -99,41 +109,202 @@ class Producer:
         return n
 
     def submit_file(
-        self, path: str | Path, *, batch_id: str | None = None, default_max_tokens: int | None = None
+        self,
+        path: str | Path,
+        *,
+        batch_id: str | None = None,
+        default_max_tokens: int | None = None,
+        owner: str | None = None,
+        check: JobCheck | None = None,
     ) -> SubmitSummary:
-        """Submit every valid line of a JSONL batch file (plain or OpenAI lines) under one batch id."""
+        """Submit every line of a JSONL batch file (plain or OpenAI lines) as batch `batch_id`
+        (default: from the file's name and content, so the same file again resumes its batch)."""
+        digest = file_digest(path)
+        batch_id = batch_id or default_batch_id(path, digest)
+        with Path(path).open("rb") as f:
+            return self.submit_batch(
+                f,
+                batch_id=batch_id,
+                input_digest=digest,
+                source=str(Path(path).resolve()),
+                default_max_tokens=default_max_tokens,
+                owner=owner,
+                check=check,
+            )
+
+    def submit_batch(
+        self,
+        lines: Iterable[bytes | str],
+        *,
+        batch_id: str,
+        input_digest: str | None = None,
+        source: str | None = None,
+        default_max_tokens: int | None = None,
+        owner: str | None = None,
+        check: JobCheck | None = None,
+    ) -> SubmitSummary:
+        """Submit batch-file lines as one batch: each valid line a job, each other line a `failed`
+        row of its own with its error code, every row numbered by its line.
+
+        Job ids are scoped to the batch (schemas.job.job_id_in_batch). A second line with an id
+        an earlier line has gets `duplicate_id` (the first one runs). Submitting the same input
+        under the same batch id again resumes the batch: its terminal jobs are not sent again,
+        the others are (a crash between recording and publishing loses nothing). Raises
+        BatchConflict when `batch_id` is another owner's or was made from another input.
+        """
         t0 = time.perf_counter()
-        batch_id = batch_id or default_batch_id(path)
-        failures: list[JobResult] = []
-        total = 0
+        resumed = False
         if self.store is not None:
-            self.store.create_batch(batch_id, source=str(Path(path).resolve()))
-
-        def jobs() -> Iterator[JobRequest]:
-            with Path(path).open("rb") as f:
-                for item in parse_lines(f, batch_id=batch_id, id_prefix=f"{batch_id}-L"):
-                    if isinstance(item, ParsedLine):
-                        job = item.job
-                        if (
-                            default_max_tokens is not None
-                            and "max_tokens" not in job.sampling.model_fields_set
-                        ):
-                            job = job.model_copy(
-                                update={
-                                    "sampling": job.sampling.model_copy(
-                                        update={"max_tokens": default_max_tokens}
-                                    )
-                                }
-                            )
-                        yield job
-                    else:
-                        result = item.result(batch_id=batch_id, fallback_id=f"{batch_id}-L{item.line_no}")
-                        if result is not None:
-                            failures.append(result)
-
-        total = self._submit(jobs(), owned=True)
+            resumed = not self.store.create_batch(
+                batch_id, owner=owner, input_digest=input_digest, source=source
+            )
+            if resumed:
+                self._check_resumable(batch_id, owner, input_digest)
+        run = _BatchRun(self, batch_id, owner, default_max_tokens, check)
+        with _gc_paused():
+            for chunk in _chunks(parse_lines(lines), self.chunk):
+                run.submit_chunk(chunk)
         if self.store is not None:
-            if failures:
-                self.store.upsert_results(failures)
-            self.store.set_batch_total(batch_id, total + len(failures))
-        return SubmitSummary(batch_id, total, len(failures), time.perf_counter() - t0)
+            self.store.set_batch_total(batch_id, run.lines, input_format=run.input_format)
+            self.store.finalize_batch(batch_id)
+        return SubmitSummary(
+            batch_id,
+            submitted=run.published,
+            invalid=run.invalid,
+            seconds=time.perf_counter() - t0,
+            lines=run.lines,
+            duplicates=run.duplicates,
+            already_done=run.already_done,
+            resumed=resumed,
+            errors=tuple(run.errors),
+        )
+
+    def _check_resumable(self, batch_id: str, owner: str | None, input_digest: str | None) -> None:
+        assert self.store is not None
+        b = self.store.get_batch(batch_id)
+        if b is None:  # deleted meanwhile: nothing to resume against
+            return
+        if b.owner != owner:
+            raise BatchConflict(batch_id, "owner", f"batch {batch_id!r} belongs to another owner")
+        if input_digest is not None and b.input_digest is not None and b.input_digest != input_digest:
+            raise BatchConflict(
+                batch_id,
+                "input",
+                f"batch {batch_id!r} already exists with a different input; submit this one under another batch id",
+            )
+
+
+class _BatchRun:
+    """One submission of a batch's lines, a chunk at a time."""
+
+    def __init__(
+        self,
+        producer: Producer,
+        batch_id: str,
+        owner: str | None,
+        default_max_tokens: int | None,
+        check: JobCheck | None,
+    ) -> None:
+        self.p = producer
+        self.batch_id = batch_id
+        self.owner = owner
+        self.default_max_tokens = default_max_tokens
+        self.check = check
+        self.lines = 0
+        self.published = 0
+        self.invalid = 0
+        self.duplicates = 0
+        self.already_done = 0
+        self.input_format: str | None = None
+        self.errors: list[JobResult] = []
+        self._seen: set[str] | None = set() if producer.store is None else None  # no store: ids kept here
+
+    def submit_chunk(self, items: list[ParsedLine | BatchLineError]) -> None:
+        failures: list[tuple[JobResult, int, str | None]] = []  # (result, line_no, line format)
+        first: dict[str, JobRequest] = {}
+        for item in items:
+            self.lines += 1
+            if self.input_format is None and item.format is not None:
+                self.input_format = item.format.value
+            if isinstance(item, BatchLineError):
+                fmt = None if item.format is None else item.format.value
+                failures.append((item.result(self.batch_id), item.line_no, fmt))
+                continue
+            job = item.request(self.batch_id, owner=self.owner, default_max_tokens=self.default_max_tokens)
+            problem = None if self.check is None else self.check(job)
+            if problem is not None:
+                failures.append((self._line_failure(job, *problem), item.line_no, job.line_format))
+            elif job.id in first:
+                failures.append((self._duplicate(job, first[job.id].line_no), item.line_no, job.line_format))
+            else:
+                first[job.id] = job
+        publish = self._new_or_unfinished(list(first.values()), failures)
+        now = time.time()
+        for j in publish:  # stamped here, by the server: a client never sets submitted_at
+            j.submitted_at = now
+        if publish:
+            self.p.queue.publish(publish)
+            self.published += len(publish)
+        if failures:
+            self.invalid += len(failures)
+            room = MAX_REPORTED_ERRORS - len(self.errors)
+            self.errors.extend(f for f, _, _ in failures[: max(0, room)])
+            if self.p.store is not None:
+                self.p.store.upsert_results(
+                    [f for f, _, _ in failures],
+                    lines={
+                        f.id: {"owner": self.owner, "line_no": line_no, "line_format": fmt}
+                        for f, line_no, fmt in failures
+                    },
+                )
+
+    def _new_or_unfinished(
+        self, jobs: list[JobRequest], failures: list[tuple[JobResult, int, str | None]]
+    ) -> list[JobRequest]:
+        """The jobs to publish: new ones (recorded as queued now), and those of a resumed batch
+        that are not terminal yet. An id another line of the batch holds is that line's duplicate."""
+        store = self.p.store
+        if store is None:
+            assert self._seen is not None
+            out = []
+            for j in jobs:
+                if j.id in self._seen:
+                    failures.append((self._duplicate(j, None), j.line_no or 0, j.line_format))
+                else:
+                    self._seen.add(j.id)
+                    out.append(j)
+            return out
+        now = time.time()
+        for j in jobs:  # the queued row's submitted_at; the message's is stamped just before publishing
+            j.submitted_at = now
+        inserted = store.record_queued(jobs)
+        if len(inserted) == len(jobs):
+            return jobs
+        others = [j for j in jobs if j.id not in inserted]
+        rows = store.get_jobs([j.id for j in others])
+        out = [j for j in jobs if j.id in inserted]
+        for j in others:
+            rec = rows.get(j.id)
+            if rec is not None and rec.line_no not in (None, j.line_no):
+                failures.append((self._duplicate(j, rec.line_no), j.line_no or 0, j.line_format))
+            elif rec is not None and rec.status.terminal:
+                self.already_done += 1
+            else:  # this very line, recorded by an earlier submission that may not have published it
+                out.append(j)
+        return out
+
+    def _line_failure(self, job: JobRequest, code: ErrorCode, message: str) -> JobResult:
+        return JobResult.failure(
+            job_id_of_line(self.batch_id, job.line_no or 0),
+            code,
+            f"line {job.line_no}: {message}",
+            batch_id=self.batch_id,
+            custom_id=job.custom_id,
+        )
+
+    def _duplicate(self, job: JobRequest, first_line: int | None) -> JobResult:
+        self.duplicates += 1
+        where = "an earlier line" if first_line is None else f"line {first_line}"
+        return self._line_failure(
+            job, ErrorCode.DUPLICATE_ID, f"id {job.custom_id!r} is already used by {where} of this batch (that one runs)"
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from functools import lru_cache
 from typing import Literal
 
@@ -27,6 +28,27 @@ def normalize_database_url(url: str) -> str:
     if parsed.get_backend_name() not in ("postgresql", "sqlite"):
         raise ValueError(f"unsupported database {parsed.get_backend_name()!r}: use postgresql or sqlite")
     return url
+
+
+def parse_api_keys(text: str) -> dict[str, str]:
+    """`owner:key,owner2:key2` (or bare keys) -> {key: owner}. Raises ValueError naming the
+    entry at fault (by position: a key never appears in an error)."""
+    out: dict[str, str] = {}
+    for i, item in enumerate((x.strip() for x in text.split(",")), start=1):
+        if not item:
+            continue
+        owner, sep, key = item.partition(":")
+        if not sep:
+            owner, key = "key-" + hashlib.sha256(item.encode()).hexdigest()[:12], item
+        owner, key = owner.strip(), key.strip()
+        if not owner or len(owner) > 200 or not owner.isprintable():
+            raise ValueError(f"API key entry {i}: the owner must be 1 to 200 printable characters")
+        if len(key) < 16:
+            raise ValueError(f"API key entry {i}: a key needs at least 16 characters")
+        if key in out:
+            raise ValueError(f"API key entry {i}: the same key is given twice")
+        out[key] = owner
+    return out
 
 
 class Settings(BaseSettings):
@@ -108,6 +130,31 @@ class Settings(BaseSettings):
         "(a warning is logged; the batch stays open)",
     )
 
+    # --- HTTP API ---
+    api_keys: str = Field(
+        default="",
+        repr=False,
+        description="comma-separated API keys, each `owner:key` (or a bare key, owned by "
+        "`key-<sha256 prefix>`): Bearer tokens of the API; each owner sees only its own jobs and batches",
+    )
+    api_no_auth: bool = Field(
+        default=False,
+        description="serve the API without authentication (local use only): every request may "
+        "read and cancel every job. Needed to start the API without api_keys",
+    )
+    api_max_body_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=1024, description="largest body of POST /v1/jobs"
+    )
+    api_max_batch_bytes: int = Field(
+        default=256 * 1024 * 1024, ge=1024, description="largest body of POST /v1/batches"
+    )
+    check_model: str | None = Field(
+        default=None,
+        description="the workers' model (preset or checkpoint directory): when set, the API and "
+        "`firsttoken submit` check each prompt against its context at submission (prompt_too_long at once)",
+    )
+    check_max_model_len: int | None = Field(default=None, ge=2, description="the workers' --max-model-len")
+
     # --- this process ---
     worker_name: str | None = Field(
         default=None, description="name written with each result; host:pid when None"
@@ -142,6 +189,17 @@ class Settings(BaseSettings):
         if self.finalize_max_every_s < self.finalize_every_s:
             raise ValueError("finalize_max_every_s must be at least finalize_every_s")
         return self
+
+    @field_validator("api_keys")
+    @classmethod
+    def _api_keys(cls, v: str) -> str:
+        parse_api_keys(v)
+        return v
+
+    @property
+    def api_key_owners(self) -> dict[str, str]:
+        """API key -> owner."""
+        return parse_api_keys(self.api_keys)
 
     @property
     def kafka_bootstrap_servers(self) -> list[str]:

@@ -4,14 +4,17 @@ Two input formats, told apart line by line:
 
 - plain: `{"id": "a1", "prompt": "..."}` or `{"id": ..., "messages": [...]}`, with optional
   `sampling` (an object) or sampling fields at the top level (`"max_tokens": 16`), `priority`,
-  `prefix_key`, `metadata`, `batch_id`;
+  `prefix_key`, `metadata` (fields the server sets, such as `batch_id` or `submitted_at`, are
+  refused);
 - OpenAI Batch API: `{"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
   "body": {"model": ..., "messages": [...], "max_tokens": 16, ...}}` (or `/v1/completions` with
   `"prompt"`).
 
-A line that cannot become a JobRequest gives a `BatchLineError` with an ErrorCode, a message
-naming the field and rule, and the job id the line claims when it has a usable one, so that the
-caller can record a `failed` row for it instead of stopping.
+A line's id (`id` or `custom_id`) is the client's: the job's own id is scoped to its batch
+(`ParsedLine.request`), so the same id in two batches is two jobs. A line that cannot become a
+job gives a `BatchLineError` with an ErrorCode, a message naming the field and rule, and the id
+the line claims when it has a usable one, so that the caller can record a `failed` row for that
+line instead of stopping. Nothing a line holds makes the parser raise.
 """
 
 from __future__ import annotations
@@ -25,14 +28,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from schemas.job import (
+    SERVER_FIELDS,
     ErrorCode,
+    JobInput,
     JobRequest,
     JobResult,
     JobStatus,
     describe_validation_error,
     error_code_for,
     job_id_hint,
+    job_id_in_batch,
+    job_id_of_line,
 )
+from schemas.limits import MAX_JSON_DEPTH, MAX_LINE_BYTES
 from schemas.sampling import SamplingParams
 
 
@@ -50,7 +58,7 @@ OPENAI_URLS = {
 }
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
-_PLAIN_FIELDS = frozenset(JobRequest.model_fields)
+_PLAIN_FIELDS = frozenset(JobInput.model_fields)
 
 # OpenAI body fields taken as they are, renamed, or accepted only at their default (no-op) value.
 _OPENAI_SAMPLING = {
@@ -84,11 +92,30 @@ _OPENAI_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
 
 @dataclass(frozen=True)
 class ParsedLine:
-    """A batch-file line that became a job."""
+    """A batch-file line that became a job (as the client wrote it: ids are not scoped yet)."""
 
     line_no: int  # 1-based line number in the file
     format: LineFormat
-    job: JobRequest
+    job: JobInput
+
+    def request(
+        self, batch_id: str, *, owner: str | None = None, default_max_tokens: int | None = None
+    ) -> JobRequest:
+        """The job of this line in batch `batch_id`: its id scoped to the batch (the line's own
+        id, or its line number when it has none), `max_tokens` defaulted when the line has none."""
+        job = self.job
+        sampling = job.sampling
+        if default_max_tokens is not None and "max_tokens" not in sampling.model_fields_set:
+            sampling = sampling.model_copy(update={"max_tokens": default_max_tokens})
+        job_id = job_id_of_line(batch_id, self.line_no) if job.id is None else job_id_in_batch(batch_id, job.id)
+        return job.to_request(
+            job_id,
+            batch_id=batch_id,
+            owner=owner,
+            line_no=self.line_no,
+            line_format=self.format.value,
+            sampling=sampling,
+        )
 
 
 @dataclass(frozen=True)
@@ -99,21 +126,31 @@ class BatchLineError:
     format: LineFormat | None  # None when the line is not even a JSON object
     code: ErrorCode
     message: str
-    job_id: str | None  # the id the line claims, when it has a usable one
+    job_id: str | None  # the client's id the line claims, when it has a usable one
 
-    def result(self, *, batch_id: str | None = None, fallback_id: str | None = None) -> JobResult | None:
-        """A `failed` result for this line, under its own id or `fallback_id`; None if it has neither."""
-        job_id = self.job_id or fallback_id
-        if job_id is None:
-            return None
-        return JobResult.failure(job_id, self.code, f"line {self.line_no}: {self.message}", batch_id=batch_id)
+    def result(self, batch_id: str) -> JobResult:
+        """The `failed` result of this line in batch `batch_id`, in a row of the line's own (so it
+        never takes the place of another line's job that has the same id)."""
+        return JobResult.failure(
+            job_id_of_line(batch_id, self.line_no),
+            self.code,
+            f"line {self.line_no}: {self.message}",
+            batch_id=batch_id,
+            custom_id=self.job_id,
+        )
 
 
-class _LineError(Exception):
+class LineError(Exception):
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def _server_field(key: str, where: str = "") -> LineError:
+    return LineError(
+        ErrorCode.INVALID_REQUEST, f"{where}{key}: set by the server, not by a line (remove it)"
+    )
 
 
 def _plain_request(obj: dict[str, Any]) -> dict[str, Any]:
@@ -126,17 +163,19 @@ def _plain_request(obj: dict[str, Any]) -> dict[str, Any]:
             request[k] = v
         elif k in _SAMPLING_FIELDS:
             sampling_top[k] = v
+        elif k in SERVER_FIELDS:
+            raise _server_field(k)
         else:
             unknown.append(k)
     if unknown:
-        raise _LineError(ErrorCode.INVALID_REQUEST, f"{min(unknown)}: unknown field (plain line)")
+        raise LineError(ErrorCode.INVALID_REQUEST, f"{min(unknown)}: unknown field (plain line)")
     if sampling_top:
         nested = request.get("sampling") or {}
         if not isinstance(nested, dict):
-            raise _LineError(ErrorCode.INVALID_REQUEST, "sampling: must be an object")
+            raise LineError(ErrorCode.INVALID_REQUEST, "sampling: must be an object")
         both = sorted(set(nested) & set(sampling_top))
         if both:
-            raise _LineError(
+            raise LineError(
                 ErrorCode.INVALID_REQUEST, f"{both[0]}: given both at the top level and in 'sampling'"
             )
         request["sampling"] = {**nested, **sampling_top}
@@ -146,21 +185,25 @@ def _plain_request(obj: dict[str, Any]) -> dict[str, Any]:
 def _openai_request(obj: dict[str, Any]) -> tuple[LineFormat, dict[str, Any]]:
     unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
     if unknown:
-        raise _LineError(ErrorCode.INVALID_REQUEST, f"{unknown[0]}: unknown field (OpenAI batch line)")
+        raise LineError(ErrorCode.INVALID_REQUEST, f"{unknown[0]}: unknown field (OpenAI batch line)")
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        raise _LineError(ErrorCode.INVALID_REQUEST, "custom_id: must be a non-empty string")
+        raise LineError(ErrorCode.INVALID_REQUEST, "custom_id: must be a non-empty string")
     if obj.get("method", "POST") != "POST":
-        raise _LineError(ErrorCode.INVALID_REQUEST, "method: must be POST")
+        raise LineError(ErrorCode.INVALID_REQUEST, "method: must be POST")
     url = obj.get("url")
     if url not in OPENAI_URLS:
-        raise _LineError(ErrorCode.INVALID_REQUEST, f"url: must be one of {sorted(OPENAI_URLS)}, got {url!r}")
+        raise LineError(ErrorCode.INVALID_REQUEST, f"url: must be one of {sorted(OPENAI_URLS)}, got {_short(url)}")
     fmt = OPENAI_URLS[url]
     body = obj.get("body")
     if not isinstance(body, dict):
-        raise _LineError(ErrorCode.INVALID_REQUEST, "body: must be an object")
+        raise LineError(ErrorCode.INVALID_REQUEST, "body: must be an object")
+    return fmt, openai_body_request(body, fmt, custom_id)
 
-    request: dict[str, Any] = {"id": custom_id}
+
+def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | None = None) -> dict[str, Any]:
+    """The JobInput fields of an OpenAI (chat) completions request body. Raises LineError."""
+    request: dict[str, Any] = {} if custom_id is None else {"id": custom_id}
     sampling: dict[str, Any] = {}
     metadata: dict[str, Any] = {}
     for key, value in body.items():
@@ -170,7 +213,7 @@ def _openai_request(obj: dict[str, Any]) -> tuple[LineFormat, dict[str, Any]]:
             if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
                 value = value[0]
             if not isinstance(value, str):
-                raise _LineError(
+                raise LineError(
                     ErrorCode.INVALID_REQUEST, "body.prompt: must be a string (or a list of one string)"
                 )
             request["prompt"] = value
@@ -178,31 +221,37 @@ def _openai_request(obj: dict[str, Any]) -> tuple[LineFormat, dict[str, Any]]:
             if value is not None:
                 name = _OPENAI_SAMPLING[key]
                 if name in sampling:
-                    raise _LineError(
+                    raise LineError(
                         ErrorCode.INVALID_REQUEST,
                         f"body.{key}: given twice (max_tokens/max_completion_tokens)",
                     )
                 sampling[name] = value
         elif key in _OPENAI_IGNORED:
             if key == "model" and isinstance(value, str):
-                metadata["model"] = value
+                metadata["model"] = value[:200]
             elif key == "metadata" and isinstance(value, dict):
                 metadata.update(value)
         elif key in _OPENAI_DEFAULT_ONLY:
             if value not in _OPENAI_DEFAULT_ONLY[key]:
-                raise _LineError(
+                raise LineError(
                     ErrorCode.INVALID_REQUEST, f"body.{key}: not supported (only its default value)"
                 )
         else:
-            raise _LineError(ErrorCode.INVALID_REQUEST, f"body.{key}: unknown or unsupported field")
+            raise LineError(ErrorCode.INVALID_REQUEST, f"body.{str(key)[:60]}: unknown or unsupported field")
     if fmt is LineFormat.OPENAI_CHAT and "messages" not in request:
-        raise _LineError(ErrorCode.INVALID_REQUEST, "body.messages: required for /v1/chat/completions")
+        raise LineError(ErrorCode.INVALID_REQUEST, "body.messages: required for /v1/chat/completions")
     if fmt is LineFormat.OPENAI_COMPLETIONS and "prompt" not in request:
-        raise _LineError(ErrorCode.INVALID_REQUEST, "body.prompt: required for /v1/completions")
+        raise LineError(ErrorCode.INVALID_REQUEST, "body.prompt: required for /v1/completions")
     request["sampling"] = sampling
     if metadata:
         request["metadata"] = metadata
-    return fmt, request
+    return request
+
+
+def _short(value: object, limit: int = 60) -> str:
+    """repr(value) cut to `limit` characters: an error message never echoes a huge input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _describe(exc: ValidationError, fmt: LineFormat) -> str:
@@ -212,62 +261,101 @@ def _describe(exc: ValidationError, fmt: LineFormat) -> str:
     return describe_validation_error(exc, prefix="body.").replace("body.sampling.", "body.")
 
 
-def parse_line(
-    line: str | bytes,
-    line_no: int,
-    *,
-    batch_id: str | None = None,
-    default_id: str | None = None,
-) -> ParsedLine | BatchLineError | None:
-    """Parse one batch-file line. Blank lines give None.
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
-    `batch_id` is set on the job unless the line has its own; `default_id` is the job id of a
-    plain line without an `id` (a fresh uuid when None).
+
+def loads_strict(text: str | bytes) -> Any:
+    """json.loads that refuses NaN and Infinity (not JSON, and not storable in JSONB).
+
+    Raises ValueError (json.JSONDecodeError, too many digits in an integer, NaN) or
+    RecursionError (nesting deeper than the interpreter's stack)."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def json_depth_error(obj: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """Why `obj` nests too deeply (more than `limit` lists/objects), or None."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            children: Iterable[Any] = v.values()
+        elif isinstance(v, list):
+            children = v
+        else:
+            continue
+        d += 1
+        if d > limit:
+            return f"JSON nests deeper than {limit} levels"
+        deepest = max(deepest, d)
+        stack.extend((c, d) for c in children)
+    return None
+
+
+def parse_json_object(raw: str | bytes, *, max_bytes: int = MAX_LINE_BYTES) -> dict[str, Any]:
+    """One JSON object from a line or a request body, within the size and nesting limits.
+
+    Raises LineError with the code and message of the first rule it breaks; never anything else.
     """
-    if isinstance(line, bytes):
+    if len(raw) > max_bytes:
+        raise LineError(ErrorCode.TOO_LARGE, f"{len(raw)} bytes; the limit is {max_bytes}")
+    if isinstance(raw, bytes):
         try:
-            line = line.decode("utf-8")
+            raw = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            return BatchLineError(
-                line_no, None, ErrorCode.UNDECODABLE, f"line is not valid UTF-8 (byte {exc.start})", None
-            )
+            raise LineError(ErrorCode.UNDECODABLE, f"not valid UTF-8 (byte {exc.start})") from None
+    try:
+        obj = loads_strict(raw)
+    except json.JSONDecodeError as exc:
+        raise LineError(ErrorCode.INVALID_REQUEST, f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+    except RecursionError:
+        raise LineError(ErrorCode.TOO_LARGE, f"JSON nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # an integer of more than 4300 digits, NaN, Infinity
+        raise LineError(ErrorCode.INVALID_REQUEST, f"not valid JSON: {str(exc)[:120]}") from None
+    if not isinstance(obj, dict):
+        raise LineError(ErrorCode.INVALID_REQUEST, "must be a JSON object")
+    deep = json_depth_error(obj)
+    if deep is not None:
+        raise LineError(ErrorCode.TOO_LARGE, deep)
+    return obj
+
+
+def parse_line(line: str | bytes, line_no: int) -> ParsedLine | BatchLineError | None:
+    """Parse one batch-file line into a ParsedLine or a BatchLineError; blank lines give None.
+
+    Never raises: whatever is wrong with the line (bad bytes, bad JSON, too big, too deep, an
+    invalid field, an unexpected error) is that line's BatchLineError.
+    """
     if not line.strip():
         return None
+    fmt: LineFormat | None = None
+    obj: Any = None
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return BatchLineError(
-            line_no, None, ErrorCode.INVALID_REQUEST, f"not valid JSON: {exc.msg} at column {exc.colno}", None
-        )
-    if not isinstance(obj, dict):
-        return BatchLineError(line_no, None, ErrorCode.INVALID_REQUEST, "a line must be a JSON object", None)
-
-    fmt = LineFormat.PLAIN
-    try:
+        obj = parse_json_object(line)
+        fmt = LineFormat.PLAIN
         if "custom_id" in obj:
             fmt = OPENAI_URLS.get(obj.get("url"), LineFormat.OPENAI_CHAT)  # type: ignore[arg-type]
             fmt, request = _openai_request(obj)
         else:
             request = _plain_request(obj)
-            if "id" not in request and default_id is not None:
-                request["id"] = default_id
-        if batch_id is not None and request.get("batch_id") is None:
-            request["batch_id"] = batch_id
-        job = JobRequest.model_validate(request)
-    except _LineError as exc:
+        job = JobInput.model_validate(request)
+    except LineError as exc:
         return BatchLineError(line_no, fmt, exc.code, exc.message, job_id_hint(obj))
     except ValidationError as exc:
+        assert fmt is not None
         return BatchLineError(line_no, fmt, error_code_for(exc), _describe(exc, fmt), job_id_hint(obj))
+    except Exception as exc:  # a line must never stop the batch
+        return BatchLineError(
+            line_no, fmt, ErrorCode.INVALID_REQUEST, f"could not be read ({type(exc).__name__})", job_id_hint(obj)
+        )
     return ParsedLine(line_no, fmt, job)
 
 
-def parse_lines(
-    lines: Iterable[str | bytes], *, batch_id: str | None = None, id_prefix: str | None = None
-) -> Iterator[ParsedLine | BatchLineError]:
-    """Parse every non-blank line; plain lines without an id get `{id_prefix}{line_no}` when given."""
+def parse_lines(lines: Iterable[str | bytes]) -> Iterator[ParsedLine | BatchLineError]:
+    """Parse every non-blank line (numbered from 1, blank lines counted)."""
     for line_no, line in enumerate(lines, start=1):
-        default_id = None if id_prefix is None else f"{id_prefix}{line_no}"
-        parsed = parse_line(line, line_no, batch_id=batch_id, default_id=default_id)
+        parsed = parse_line(line, line_no)
         if parsed is not None:
             yield parsed
 
@@ -279,6 +367,8 @@ _HTTP_STATUS = {
     ErrorCode.PROMPT_TOO_LONG: 400,
     ErrorCode.INVALID_SAMPLING: 400,
     ErrorCode.UNDECODABLE: 400,
+    ErrorCode.DUPLICATE_ID: 400,
+    ErrorCode.TOO_LARGE: 413,
     ErrorCode.CANCELLED: 499,
     ErrorCode.ENGINE_ERROR: 500,
     ErrorCode.INTERNAL_ERROR: 500,
@@ -286,8 +376,11 @@ _HTTP_STATUS = {
 
 
 def plain_output(result: JobResult) -> dict[str, Any]:
-    """The plain output object of one result: the JobResult's fields, JSON-ready."""
-    return result.model_dump(mode="json")
+    """The plain output object of one result: `id` is the client's id (null for a line that had
+    none), `job_id` firsttoken's, then the JobResult's fields, JSON-ready."""
+    out: dict[str, Any] = {"id": result.custom_id, "job_id": result.id}
+    out.update(result.model_dump(mode="json", exclude={"id", "custom_id"}))
+    return out
 
 
 def openai_output(result: JobResult, fmt: LineFormat) -> dict[str, Any]:
@@ -330,7 +423,7 @@ def openai_output(result: JobResult, fmt: LineFormat) -> dict[str, Any]:
         }
     return {
         "id": f"batch_req_{result.id}",
-        "custom_id": result.id,
+        "custom_id": result.custom_id,
         "response": {"status_code": status_code, "request_id": result.id, "body": body},
         "error": None,
     }

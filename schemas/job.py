@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from enum import StrEnum
 from typing import Annotated, Any
@@ -9,6 +11,7 @@ from typing import Annotated, Any
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     JsonValue,
@@ -19,6 +22,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from schemas.limits import MAX_MESSAGES, MAX_METADATA_BYTES, MAX_METADATA_DEPTH, MAX_PROMPT_CHARS
 from schemas.sampling import SamplingParams
 
 
@@ -37,6 +41,29 @@ Identifier = Annotated[str, AfterValidator(_check_identifier)]
 def new_job_id() -> str:
     """A fresh job id (uuid4, 32 hex digits)."""
     return uuid.uuid4().hex
+
+
+def _scoped_id(kind: str, scope: str, key: str) -> str:
+    # 96 bits: two of 10M jobs collide with probability ~6e-16
+    digest = hashlib.blake2b(f"{kind}\0{scope}\0{key}".encode(), digest_size=12).hexdigest()
+    return f"job-{digest}"
+
+
+def job_id_in_batch(batch_id: str, custom_id: str) -> str:
+    """The job id of the line `custom_id` of batch `batch_id`: the same custom id in two batches is
+    two jobs, and the same line submitted again (a resumed batch) is the same job."""
+    return _scoped_id("batch", batch_id, custom_id)
+
+
+def job_id_of_line(batch_id: str, line_no: int) -> str:
+    """The id of the row that holds line `line_no`'s error when the line is not a job of its own
+    (unparseable, invalid without a usable id, or a duplicate id)."""
+    return _scoped_id("line", batch_id, str(line_no))
+
+
+def job_id_of_owner(owner: str | None, custom_id: str) -> str:
+    """The job id of a single job (no batch) with the client's id `custom_id`, per owner."""
+    return _scoped_id("owner", owner or "", custom_id)
 
 
 class JobStatus(StrEnum):
@@ -66,6 +93,8 @@ class ErrorCode(StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens do not fit the model's context
     INVALID_SAMPLING = "invalid_sampling"  # a sampling parameter is out of range
     UNDECODABLE = "undecodable"  # the input bytes are not valid UTF-8 text
+    DUPLICATE_ID = "duplicate_id"  # another line of the batch already has this id (the first one runs)
+    TOO_LARGE = "too_large"  # the line, or a field of it, is over a size or nesting limit
     ENGINE_ERROR = "engine_error"  # the engine failed on this job
     CANCELLED = "cancelled"  # a user cancelled the job or its batch
     INTERNAL_ERROR = "internal_error"  # anything else on our side
@@ -116,7 +145,7 @@ class ChatMessage(BaseModel):
     role: Annotated[str, StringConstraints(pattern=r"^(system|developer|user|assistant|tool)$")] = Field(
         description="system, developer, user, assistant or tool"
     )
-    content: str = Field(description="the turn's text")
+    content: str = Field(max_length=MAX_PROMPT_CHARS, description="the turn's text")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -129,28 +158,67 @@ class ChatMessage(BaseModel):
         return _check_utf8(v)
 
 
-class JobRequest(BaseModel):
-    """One prompt job as a producer submits it.
+def _json_depth(value: object) -> int:
+    """How deeply `value` nests lists and objects (a scalar is 0), walked without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            children: Any = v.values()
+        elif isinstance(v, list):
+            children = v
+        else:
+            continue
+        d += 1
+        deepest = max(deepest, d)
+        if deepest > MAX_METADATA_DEPTH:
+            return deepest
+        stack.extend((c, d) for c in children)
+    return deepest
+
+
+def _check_metadata(value: object) -> object:
+    if _json_depth(value) > MAX_METADATA_DEPTH:
+        raise PydanticCustomError(
+            "too_large", "nests deeper than {depth} levels", {"depth": MAX_METADATA_DEPTH}
+        )
+    try:
+        size = len(json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError):
+        return value  # not JSON: the JsonValue validation names the field at fault
+    if size > MAX_METADATA_BYTES:
+        raise PydanticCustomError(
+            "too_large", "is {size} characters of JSON; the limit is {limit}",
+            {"size": size, "limit": MAX_METADATA_BYTES},
+        )
+    return value
+
+
+class JobBody(BaseModel):
+    """What a job asks for: a prompt or chat turns, sampling, priority, routing key, metadata.
 
     Exactly one of `prompt` (raw text) or `messages` (chat turns) is given. `priority`: higher is
     served first. `prefix_key` routes the job (Kafka key): jobs with one key land on one partition,
     hence one worker and its prefix cache; when absent it is derived from the prompt's start.
-    `submitted_at` (epoch seconds) is set once, at submission.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    id: Identifier = Field(default_factory=new_job_id, description="the client's id, or a generated uuid")
-    batch_id: Identifier | None = Field(default=None, description="the batch this job belongs to")
-    prompt: str | None = Field(default=None, min_length=1, description="raw prompt text")
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1, description="chat turns")
+    prompt: str | None = Field(
+        default=None, min_length=1, max_length=MAX_PROMPT_CHARS, description="raw prompt text"
+    )
+    messages: list[ChatMessage] | None = Field(
+        default=None, min_length=1, max_length=MAX_MESSAGES, description="chat turns"
+    )
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     priority: int = Field(default=0, ge=-(2**31), lt=2**31, description="higher is served first")
     prefix_key: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = Field(
         default=None, description="routing key for prefix-cache locality"
     )
-    metadata: dict[str, JsonValue] = Field(default_factory=dict, description="the client's, returned as is")
-    submitted_at: float | None = Field(default=None, ge=0, description="epoch seconds, set at submission")
+    metadata: Annotated[dict[str, JsonValue], BeforeValidator(_check_metadata)] = Field(
+        default_factory=dict, description="the client's, returned as is"
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -158,11 +226,19 @@ class JobRequest(BaseModel):
         return None if v is None else _check_utf8(v)
 
     @model_validator(mode="after")
-    def _one_input(self) -> JobRequest:
+    def _one_input(self) -> JobBody:
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError(
                 "prompt_or_messages", "exactly one of 'prompt' or 'messages' must be given"
             )
+        if self.messages is not None:
+            chars = sum(len(m.content) for m in self.messages)
+            if chars > MAX_PROMPT_CHARS:
+                raise PydanticCustomError(
+                    "too_large",
+                    "the turns hold {chars} characters; the limit is {limit}",
+                    {"chars": chars, "limit": MAX_PROMPT_CHARS},
+                )
         return self
 
     def prefix_text(self) -> str:
@@ -171,6 +247,62 @@ class JobRequest(BaseModel):
             return self.prompt
         assert self.messages is not None
         return "".join(f"<{m.role}>{m.content}" for m in self.messages)
+
+
+# Fields the server sets; a client (a batch line, a POST body) that sends one gets an error
+# naming it instead of having it silently applied or dropped.
+SERVER_FIELDS = frozenset({"batch_id", "submitted_at", "owner", "custom_id", "line_no", "line_format"})
+
+
+class JobInput(JobBody):
+    """One job as a client sends it (a plain batch line, `POST /v1/jobs`). `id` is the client's own
+    id, unique within its batch (or, for a single job, among the owner's jobs)."""
+
+    id: Identifier | None = Field(default=None, description="the client's id for this job")
+
+    def to_request(self, job_id: str, **server: Any) -> JobRequest:
+        """The JobRequest of this job under firsttoken's `job_id`, with the server's fields
+        (batch_id, owner, line_no, line_format, sampling with defaults applied, ...)."""
+        fields: dict[str, Any] = {
+            "prompt": self.prompt,
+            "messages": self.messages,
+            "sampling": self.sampling,
+            "priority": self.priority,
+            "prefix_key": self.prefix_key,
+            "metadata": self.metadata,
+            "custom_id": self.id,
+            "batch_id": None,
+            "owner": None,
+            "line_no": None,
+            "line_format": None,
+            "submitted_at": None,
+        }
+        fields.update(server)
+        # the fields were validated as a JobInput: no second validation per line of a bulk submission
+        return JobRequest.model_construct(id=job_id, **fields)
+
+
+class JobRequest(JobBody):
+    """One job as it travels on the queue: the client's job plus what the server decided.
+
+    `id` is the job's id everywhere inside firsttoken (rows, queue, engine): derived from the
+    batch and the client's `custom_id` (`job_id_in_batch`), or from the owner and the custom id
+    for a single job. `submitted_at` (epoch seconds) is stamped by the producer, never taken
+    from a client. `line_no` and `line_format` say where in the batch's input the job came from.
+    """
+
+    id: Identifier = Field(default_factory=new_job_id, description="the job's id inside firsttoken")
+    custom_id: Identifier | None = Field(default=None, description="the client's id (default: id)")
+    batch_id: Identifier | None = Field(default=None, description="the batch this job belongs to")
+    owner: Identifier | None = Field(default=None, description="who submitted it (the API key's owner)")
+    line_no: int | None = Field(default=None, ge=1, description="its line in the batch's input")
+    line_format: str | None = Field(default=None, max_length=32, description="that line's format")
+    submitted_at: float | None = Field(default=None, ge=0, description="epoch seconds, set at submission")
+
+    @property
+    def client_id(self) -> str:
+        """The id the client knows this job by."""
+        return self.custom_id if self.custom_id is not None else self.id
 
     def submitted(self, now: float) -> JobRequest:
         """This job with `submitted_at` set to `now` unless it already has one."""
@@ -279,6 +411,7 @@ class JobResult(BaseModel):
 
     id: Identifier
     batch_id: Identifier | None = None
+    custom_id: Identifier | None = Field(default=None, description="the client's id (default: id)")
     status: JobStatus
     text: str = ""
     finish_reason: FinishReason | None = None
@@ -313,6 +446,7 @@ class JobResult(BaseModel):
         message: str,
         *,
         batch_id: str | None = None,
+        custom_id: str | None = None,
         submitted_at: float | None = None,
         finished_at: float | None = None,
         worker: str | None = None,
@@ -323,6 +457,7 @@ class JobResult(BaseModel):
         return cls(
             id=job_id,
             batch_id=batch_id,
+            custom_id=custom_id,
             status=status,
             finish_reason=FinishReason.ABORT if status is JobStatus.CANCELLED else FinishReason.ERROR,
             timings=JobTimings.from_instants(
@@ -356,15 +491,17 @@ def error_code_for(exc: ValidationError) -> ErrorCode:
         for e in errors
     ):
         return ErrorCode.UNDECODABLE
+    if any(e["type"] in ("too_large", "string_too_long", "too_long") for e in errors):
+        return ErrorCode.TOO_LARGE
     if errors and all(e["loc"] and e["loc"][0] == "sampling" for e in errors):
         return ErrorCode.INVALID_SAMPLING
     return ErrorCode.INVALID_REQUEST
 
 
 def job_id_hint(raw: Any) -> str | None:
-    """The job id a raw (maybe invalid) request object claims, if it is a usable id, else None."""
+    """The client's id a raw (maybe invalid) line or body claims (`id` or `custom_id`), if usable."""
     if isinstance(raw, dict):
-        value = raw.get("id", raw.get("custom_id"))
+        value = raw.get("custom_id", raw.get("id"))
         if (
             isinstance(value, str)
             and 0 < len(value) <= 200

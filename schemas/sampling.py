@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from schemas.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS
 
 
 class SamplingParams(BaseModel):
@@ -15,13 +19,17 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_tokens: int = Field(default=256, ge=1, description="most output tokens to generate")
+    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS, description="most output tokens to generate")
     temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 means greedy")
     top_k: int | None = Field(default=None, ge=0, description="keep the k most likely tokens; None or 0: all")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus mass kept, in (0, 1]")
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="per-request RNG seed")
-    stop: list[str] = Field(default_factory=list, description="strings that end generation (not in output)")
-    stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end generation")
+    stop: list[str] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS, description="strings that end generation (not in output)"
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="token ids that end generation"
+    )
     ignore_eos: bool = Field(default=False, description="keep going past the model's end-of-sequence ids")
 
     @field_validator("stop", mode="before")
@@ -36,6 +44,8 @@ class SamplingParams(BaseModel):
     def _no_empty_stop(cls, v: list[str]) -> list[str]:
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"a stop string may hold at most {MAX_STOP_CHARS} characters")
         return v
 
     @property

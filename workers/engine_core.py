@@ -44,6 +44,7 @@ from typing import Any, Protocol
 from schemas.sampling import SamplingParams
 from workers.engine import EngineConfig, FinishedRequest, InvalidRequestError, LLMEngine
 from workers.engine.outputs import EngineStats
+from workers.engine.prompts import prompt_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -81,27 +82,12 @@ class EngineCoreError(RuntimeError):
     """The engine core failed or went away; the worker stops (uncommitted jobs are redelivered)."""
 
 
-def render_prompt(tokenizer: object, prompt: str | None, messages: Sequence[tuple[str, str]] | None) -> str:
-    """The prompt text of a job: `prompt`, or the chat turns rendered with the checkpoint's chat
-    template. A model without a template (the random presets) gets a plain `role: content`
-    transcript ending in `assistant:`."""
-    if prompt is not None:
-        return prompt
-    turns = [{"role": role, "content": content} for role, content in messages or ()]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(turns)  # type: ignore[attr-defined]
-    return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
-
-
 def _add(engine: LLMEngine, req: AddRequest, rejected: list[tuple[str, str, str]]) -> None:
     try:
-        try:
-            text = render_prompt(engine.tokenizer, req.prompt, req.messages)
-        except Exception as exc:  # a template that refuses these turns
-            raise InvalidRequestError("chat_template", f"chat template: {exc}") from None
+        ids = prompt_token_ids(engine.tokenizer, req.prompt, req.messages)
         engine.add_request(
             req.request_id,
-            prompt=text,
+            prompt_token_ids=ids,
             sampling=req.sampling,
             priority=req.priority,
             arrival_time=req.arrival_time,

@@ -200,4 +200,14 @@ class ResultSink:
         messages = [m for o in batch for m in o.messages]
         if messages:
             self._on_durable(messages)
+        self._finalize({o.result.batch_id for o in batch if o.result.batch_id is not None})
         return True
+
+    def _finalize(self, batch_ids: set[str]) -> None:
+        """Mark the batches these results may have ended completed (a cheap probe while a batch
+        has jobs left). A failure here loses nothing: the next write, or finalize_batch, retries."""
+        for batch_id in batch_ids:
+            try:
+                self.store.finalize_batch(batch_id)
+            except Exception as exc:
+                log.debug("batch %s not finalized now: %s", batch_id, exc)

@@ -25,6 +25,10 @@ class JobRecord:
     id: str
     batch_id: str | None
     status: JobStatus
+    custom_id: str | None  # the client's id (None: a batch line that had none)
+    owner: str | None
+    line_no: int | None  # its line in the batch's input
+    line_format: str | None  # that line's format (schemas.batchfile.LineFormat), when known
     prompt: str | None
     messages: list[ChatMessage] | None
     sampling: SamplingParams | None
@@ -48,7 +52,11 @@ class JobRecord:
             return None
         return JobRequest(
             id=self.id,
+            custom_id=self.custom_id,
             batch_id=self.batch_id,
+            owner=self.owner,
+            line_no=self.line_no,
+            line_format=self.line_format,
             prompt=self.prompt,
             messages=self.messages,
             sampling=self.sampling or SamplingParams(),
@@ -65,6 +73,7 @@ class JobRecord:
         return JobResult(
             id=self.id,
             batch_id=self.batch_id,
+            custom_id=self.custom_id,
             status=self.status,
             text=self.text or "",
             finish_reason=self.finish_reason,
@@ -96,6 +105,15 @@ class BatchProgress:
         return sum(n for s, n in self.counts.items() if s.terminal)
 
     @property
+    def pending(self) -> int:
+        """Jobs queued or running."""
+        return self.recorded - self.done
+
+    def count(self, status: JobStatus) -> int:
+        """Jobs in `status`."""
+        return self.counts.get(status, 0)
+
+    @property
     def complete(self) -> bool:
         """True when every job of the batch is terminal (and, if announced, all of them have rows)."""
         expected = self.total if self.total is not None else self.recorded
@@ -108,6 +126,8 @@ class BatchRecord:
 
     id: str
     status: str
+    owner: str | None
+    input_digest: str | None  # sha256 of the input it was made from
     input_format: str | None
     source: str | None
     output: str | None

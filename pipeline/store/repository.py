@@ -6,7 +6,7 @@ import json
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import (
@@ -18,6 +18,7 @@ from sqlalchemy import (
     bindparam,
     cast,
     column,
+    delete,
     func,
     literal_column,
     or_,
@@ -50,7 +51,11 @@ _MAX_PARAMS = 30_000
 # Result columns that keep the stored value when the incoming one is null (e.g. submitted_at
 # recorded at submission, admitted_at and worker recorded by mark_running).
 _KEEP_IF_NULL = ("submitted_at", "admitted_at", "first_token_at", "worker", "model")
-_REQUEST_COLUMNS = ("prompt", "messages", "sampling", "prefix_key", "metadata")
+_REQUEST_COLUMNS = (
+    "prompt", "messages", "sampling", "prefix_key", "metadata", "custom_id", "owner", "line_no", "line_format"
+)
+# What a row that holds a line's error (no JobRequest) may be given besides the result.
+LINE_COLUMNS = frozenset({"owner", "line_no", "line_format"})
 # JSON on SQLite, JSONB on Postgres.
 _JSON_COLUMNS = frozenset(c.name for c in jobs.columns if isinstance(c.type, JSON))
 _JSON_NULL = literal_column("'null'::jsonb")
@@ -77,13 +82,19 @@ def _request_row(job: JobRequest, status: JobStatus, now: float) -> dict[str, An
         "priority": job.priority,
         "prefix_key": job.prefix_key,
         "metadata": dict(job.metadata),
+        "custom_id": job.custom_id,
+        "owner": job.owner,
+        "line_no": job.line_no,
+        "line_format": job.line_format,
         "submitted_at": job.submitted_at,
         "created_at": now,
         "updated_at": now,
     }
 
 
-def _result_row(result: JobResult, request: JobRequest | None, now: float) -> dict[str, Any]:
+def _result_row(
+    result: JobResult, request: JobRequest | None, now: float, line: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     t, u = result.timings, result.usage
     row: dict[str, Any] = {
         "id": result.id,
@@ -94,6 +105,10 @@ def _result_row(result: JobResult, request: JobRequest | None, now: float) -> di
         "sampling": None,
         "prefix_key": None,
         "metadata": None,
+        "custom_id": result.custom_id,
+        "owner": None,
+        "line_no": None,
+        "line_format": None,
         "status": result.status.value,
         "text": result.text,
         "finish_reason": None if result.finish_reason is None else result.finish_reason.value,
@@ -117,6 +132,11 @@ def _result_row(result: JobResult, request: JobRequest | None, now: float) -> di
         "created_at": now,
         "updated_at": now,
     }
+    if line:
+        bad = set(line) - LINE_COLUMNS
+        if bad:
+            raise ValueError(f"not a line column: {sorted(bad)}")
+        row.update(line)
     if request is not None:
         req = _request_row(request, result.status, now)
         for col in (*_REQUEST_COLUMNS, "priority"):
@@ -190,6 +210,10 @@ def _job_record(row: Row[Any]) -> JobRecord:
         id=m["id"],
         batch_id=m["batch_id"],
         status=JobStatus(m["status"]),
+        custom_id=m["custom_id"],
+        owner=m["owner"],
+        line_no=m["line_no"],
+        line_format=m["line_format"],
         prompt=m["prompt"],
         messages=None if messages is None else [ChatMessage.model_validate(x) for x in messages],
         sampling=None if sampling is None else SamplingParams.model_validate(sampling),
@@ -236,7 +260,7 @@ class ResultStore:
         else:
             raise ValueError(f"unsupported database dialect {dialect!r}")
         self.dialect = dialect
-        self._stmts: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._stmts: dict[tuple[str, tuple[str, ...], bool], Any] = {}
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> ResultStore:
@@ -251,12 +275,16 @@ class ResultStore:
 
     def insert_queued(self, requests: Iterable[JobRequest]) -> int:
         """Record jobs as queued; jobs that already have a row are left alone. Returns rows inserted."""
+        return len(self.record_queued(requests))
+
+    def record_queued(self, requests: Iterable[JobRequest]) -> set[str]:
+        """Record jobs as queued; jobs that already have a row are left alone. Returns the ids inserted."""
         now = self._clock()
         rows = [_request_row(j, JobStatus.QUEUED, now) for j in _first_by_id(requests, lambda j: j.id)]
         if not rows:
-            return 0
+            return set()
         with self.engine.begin() as conn:
-            return self._execute_many(conn, "queued", rows)
+            return self._returning_many(conn, "queued", rows)
 
     def mark_running(
         self,
@@ -297,17 +325,25 @@ class ResultStore:
         return written
 
     def upsert_results(
-        self, results: Iterable[JobResult], requests: Mapping[str, JobRequest] | None = None
+        self,
+        results: Iterable[JobResult],
+        requests: Mapping[str, JobRequest] | None = None,
+        lines: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> int:
         """Write terminal results, all in one transaction (many rows per statement).
 
         Idempotent by job id: a row already terminal is never overwritten, so a result delivered
         twice writes once. A result without a row inserts one, with its request's fields when
-        `requests` has them. Returns the rows written (inserted or updated).
+        `requests` has them, or with the `lines` columns (owner, line_no, line_format) of a row that
+        holds a batch line's error. Returns the rows written (inserted or updated).
         """
         now = self._clock()
         requests = requests or {}
-        rows = [_result_row(r, requests.get(r.id), now) for r in _first_by_id(results, lambda r: r.id)]
+        lines = lines or {}
+        rows = [
+            _result_row(r, requests.get(r.id), now, lines.get(r.id))
+            for r in _first_by_id(results, lambda r: r.id)
+        ]
         if not rows:
             return 0
         with self.engine.begin() as conn:
@@ -338,12 +374,26 @@ class ResultStore:
                 written += len(conn.execute(stmt, chunk).all())
         return written
 
-    def _bulk_stmt(self, kind: str, names: tuple[str, ...]) -> Any:
-        key = (kind, names)
+    def _returning_many(self, conn: Connection, kind: str, rows: list[dict[str, Any]]) -> set[str]:
+        """`_execute_many`, returning the ids of the rows written instead of their count."""
+        names = tuple(rows[0])
+        stmt = self._bulk_stmt(kind, names, returning=True)
+        ids: set[str] = set()
+        if self.dialect == "postgresql":
+            for chunk in _chunks(rows, 1, self.batch_rows):
+                ids.update(r[0] for r in conn.execute(stmt, {"rows": json.dumps(chunk)}))
+        else:
+            for chunk in _chunks(rows, len(names), self.batch_rows):
+                ids.update(r[0] for r in conn.execute(stmt, chunk).all())
+        return ids
+
+    def _bulk_stmt(self, kind: str, names: tuple[str, ...], *, returning: bool = False) -> Any:
+        key = (kind, names, returning)
         stmt = self._stmts.get(key)
         if stmt is None:
             stmt = _on_conflict(kind, self._bulk_insert(names))
-            if self.dialect != "postgresql":  # executemany's rowcount is not reliable: count RETURNING
+            # executemany's rowcount is not reliable on SQLite: count RETURNING
+            if returning or self.dialect != "postgresql":
                 stmt = stmt.returning(jobs.c.id)
             self._stmts[key] = stmt
         return stmt
@@ -361,6 +411,15 @@ class ResultStore:
         stmt = postgresql.insert(jobs).from_select(list(names), select(*cols))
         # rows written = the INSERT's rowcount (conflicting rows the WHERE skips are not counted)
         return stmt.execution_options(preserve_rowcount=True)
+
+    def forget_queued(self, job_ids: Sequence[str]) -> int:
+        """Delete rows still queued (a job recorded whose publish failed, so that it can be sent
+        again under the same id). Returns rows deleted."""
+        if not job_ids:
+            return 0
+        stmt = delete(jobs).where(jobs.c.id.in_(list(job_ids)), jobs.c.status == JobStatus.QUEUED.value)
+        with self.engine.begin() as conn:
+            return _count(conn, stmt.returning(jobs.c.id))
 
     def cancel(
         self, *, job_ids: Sequence[str] = (), batch_id: str | None = None, reason: str = "cancelled"
@@ -406,6 +465,8 @@ class ResultStore:
         output: str | None = None,
         total_jobs: int | None = None,
         metadata: Mapping[str, Any] | None = None,
+        owner: str | None = None,
+        input_digest: str | None = None,
     ) -> bool:
         """Record a batch (open). Idempotent: returns False when it already exists."""
         now = self._clock()
@@ -414,6 +475,8 @@ class ResultStore:
             .values(
                 id=batch_id,
                 status=BATCH_OPEN,
+                owner=owner,
+                input_digest=input_digest,
                 input_format=input_format,
                 source=source,
                 output=output,
@@ -427,18 +490,36 @@ class ResultStore:
         with self.engine.begin() as conn:
             return _count(conn, stmt.returning(batches.c.id)) == 1
 
-    def set_batch_total(self, batch_id: str, total_jobs: int) -> None:
-        """Announce how many jobs a batch has (once its input is fully read)."""
+    def set_batch_total(self, batch_id: str, total_jobs: int, *, input_format: str | None = None) -> None:
+        """Announce how many rows a batch has (once its input is fully read), and its input's format."""
+        values: dict[str, Any] = {"total_jobs": total_jobs, "updated_at": self._clock()}
+        if input_format is not None:
+            values["input_format"] = input_format
         with self.engine.begin() as conn:
-            conn.execute(
-                update(batches)
-                .where(batches.c.id == batch_id)
-                .values(total_jobs=total_jobs, updated_at=self._clock())
-            )
+            conn.execute(update(batches).where(batches.c.id == batch_id).values(**values))
 
     def finalize_batch(self, batch_id: str) -> bool:
-        """Mark an open batch completed if every one of its jobs is terminal. Returns True if it is now completed."""
-        progress = self.batch_progress(batch_id)
+        """Mark an open batch completed if every one of its jobs is terminal. Returns True if it is now completed.
+
+        Cheap while the batch has work left (one indexed probe for a queued or running job), so
+        the sink can call it after every write: the jobs are counted only once none is pending.
+        """
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(batches.c.status, batches.c.total_jobs).where(batches.c.id == batch_id)
+            ).first()
+            if row is None:
+                return False
+            if row[0] != BATCH_OPEN:
+                return row[0] == BATCH_COMPLETED
+            if row[1] is None:  # its input is still being read
+                return False
+            pending = conn.execute(
+                select(jobs.c.id).where(jobs.c.batch_id == batch_id, jobs.c.status.in_(_NOT_TERMINAL)).limit(1)
+            ).first()
+            if pending is not None:
+                return False
+            progress = self._progress(conn, batch_id)
         if not progress.complete:
             return False
         now = self._clock()
@@ -477,17 +558,53 @@ class ResultStore:
         status: JobStatus | str | None = None,
         limit: int = 100,
         after: str | None = None,
+        owner: str | None = None,
     ) -> list[JobRecord]:
-        """Jobs in id order, filtered by batch and/or status; `after` is the last id of the previous page."""
+        """Jobs in id order, filtered by batch, status and/or owner; `after` is the last id of the previous page."""
         q = select(jobs).order_by(jobs.c.id).limit(limit)
         if batch_id is not None:
             q = q.where(jobs.c.batch_id == batch_id)
+        if owner is not None:
+            q = q.where(jobs.c.owner == owner)
         if status is not None:
             q = q.where(jobs.c.status == JobStatus(status).value)
         if after is not None:
             q = q.where(jobs.c.id > after)
         with self.engine.connect() as conn:
             return [_job_record(r) for r in conn.execute(q)]
+
+    def iter_batch(self, batch_id: str, *, page: int = 1000) -> Iterator[JobRecord]:
+        """Every row of a batch in its input's order (line number; rows without one, written
+        before line numbers were kept, after them by id), a page per query."""
+        after: tuple[int, str] | None = None
+        while True:
+            q = (
+                select(jobs)
+                .where(jobs.c.batch_id == batch_id, jobs.c.line_no.is_not(None))
+                .order_by(jobs.c.line_no, jobs.c.id)
+                .limit(page)
+            )
+            if after is not None:
+                q = q.where(
+                    or_(jobs.c.line_no > after[0], and_(jobs.c.line_no == after[0], jobs.c.id > after[1]))
+                )
+            with self.engine.connect() as conn:
+                rows = [_job_record(r) for r in conn.execute(q)]
+            yield from rows
+            if len(rows) < page:
+                break
+            after = (rows[-1].line_no or 0, rows[-1].id)
+        last: str | None = None
+        while True:
+            q = select(jobs).where(jobs.c.batch_id == batch_id, jobs.c.line_no.is_(None))
+            if last is not None:
+                q = q.where(jobs.c.id > last)
+            with self.engine.connect() as conn:
+                rows = [_job_record(r) for r in conn.execute(q.order_by(jobs.c.id).limit(page))]
+            yield from rows
+            if len(rows) < page:
+                return
+            last = rows[-1].id
 
     def batch_progress(self, batch_id: str) -> BatchProgress:
         """Job counts by status for one batch (from the jobs table)."""
@@ -515,6 +632,8 @@ class ResultStore:
         return BatchRecord(
             id=m["id"],
             status=m["status"],
+            owner=m["owner"],
+            input_digest=m["input_digest"],
             input_format=m["input_format"],
             source=m["source"],
             output=m["output"],
@@ -537,9 +656,12 @@ class ResultStore:
         by: Sequence[str] = ("worker", "model"),
         time_column: str = "finished_at",
         status: JobStatus | None = JobStatus.SUCCEEDED,
+        owner: str | None = None,
+        batch_id: str | None = None,
     ) -> list[LatencyStats]:
         """p50/p90/p99, mean and count of each metric over jobs whose `time_column` lies in
-        [since, until), grouped by `by` (a subset of worker, model; empty: one group).
+        [since, until), grouped by `by` (a subset of worker, model; empty: one group), of one
+        owner's and/or one batch's jobs when given.
 
         Postgres computes percentile_cont in SQL; SQLite has no percentile aggregate, so the
         values are fetched and interpolated the same way in Python.
@@ -559,6 +681,10 @@ class ResultStore:
             conds.append(tcol < until)
         if status is not None:
             conds.append(jobs.c.status == JobStatus(status).value)
+        if owner is not None:
+            conds.append(jobs.c.owner == owner)
+        if batch_id is not None:
+            conds.append(jobs.c.batch_id == batch_id)
         groups = [jobs.c[g] for g in by]
         if self.dialect == "postgresql":
             return self._latency_sql(metrics, by, groups, conds)

@@ -20,9 +20,15 @@ ID_LEN = 200
 jobs = Table(
     "jobs",
     metadata,
+    # firsttoken's job id: derived from (batch, custom_id) for a batch's jobs (schemas.job)
     Column("id", String(ID_LEN), primary_key=True),
     Column("batch_id", String(ID_LEN), nullable=True),
     Column("status", String(16), nullable=False),
+    # the client's id, who submitted it, and where in its batch's input it came from
+    Column("custom_id", String(ID_LEN), nullable=True),
+    Column("owner", String(ID_LEN), nullable=True),
+    Column("line_no", Integer, nullable=True),
+    Column("line_format", String(32), nullable=True),
     # the request (null when a result arrives for a job that was never recorded as queued)
     Column("prompt", Text, nullable=True),
     Column("messages", JsonDoc, nullable=True),
@@ -58,6 +64,8 @@ jobs = Table(
     Index("ix_jobs_status", "status"),
     Index("ix_jobs_submitted_at", "submitted_at"),
     Index("ix_jobs_finished_at", "finished_at"),
+    Index("ix_jobs_batch_line", "batch_id", "line_no"),
+    Index("ix_jobs_owner", "owner"),
 )
 
 batches = Table(
@@ -65,6 +73,9 @@ batches = Table(
     metadata,
     Column("id", String(ID_LEN), primary_key=True),
     Column("status", String(16), nullable=False),
+    Column("owner", String(ID_LEN), nullable=True),
+    # sha256 of the input the batch was made from: the same input again resumes the batch
+    Column("input_digest", String(64), nullable=True),
     Column("input_format", String(32), nullable=True),
     Column("source", Text, nullable=True),
     Column("output", Text, nullable=True),
@@ -74,6 +85,7 @@ batches = Table(
     Column("updated_at", Float, nullable=False),
     Column("finished_at", Float, nullable=True),
     Index("ix_batches_created_at", "created_at"),
+    Index("ix_batches_owner", "owner"),
 )
 
 # Columns a result writes; the request columns are written only when the row is first inserted.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -14,7 +15,18 @@ from schemas.batchfile import (
     parse_line,
     parse_lines,
 )
-from schemas.job import ErrorCode, FinishReason, JobResult, JobStatus, JobTimings, Usage
+from schemas.job import (
+    ErrorCode,
+    FinishReason,
+    JobResult,
+    JobStatus,
+    JobTimings,
+    Usage,
+    job_id_in_batch,
+    job_id_of_line,
+    job_id_of_owner,
+)
+from schemas.limits import MAX_LINE_BYTES
 
 
 def _ok(line: str | bytes, **kw) -> ParsedLine:
@@ -30,15 +42,30 @@ def _err(line: str | bytes, **kw) -> BatchLineError:
 
 
 def test_plain_line_with_top_level_sampling_and_batch():
-    p = _ok('{"id": "a1", "prompt": "hi", "max_tokens": 4, "temperature": 0, "priority": 2}', batch_id="b1")
+    p = _ok('{"id": "a1", "prompt": "hi", "max_tokens": 4, "temperature": 0, "priority": 2}')
     assert p.format is LineFormat.PLAIN
-    assert p.job.id == "a1" and p.job.batch_id == "b1" and p.job.priority == 2
+    assert p.job.id == "a1" and p.job.priority == 2
     assert p.job.sampling.max_tokens == 4 and p.job.sampling.greedy
+    job = p.request("b1", owner="alice")
+    assert job.id == job_id_in_batch("b1", "a1") and job.custom_id == "a1" and job.client_id == "a1"
+    assert (job.batch_id, job.owner, job.line_no, job.line_format) == ("b1", "alice", 1, "plain")
+    assert job.submitted_at is None and job.sampling.max_tokens == 4
 
 
-def test_plain_line_nested_sampling_and_default_id():
-    p = _ok('{"prompt": "hi", "sampling": {"seed": 5}}', default_id="b1-3")
-    assert p.job.id == "b1-3" and p.job.sampling.seed == 5
+def test_ids_are_scoped_to_the_batch():
+    p = _ok('{"id": "a1", "prompt": "hi"}')
+    assert p.request("b1").id != p.request("b2").id  # the same custom id in two batches: two jobs
+    assert p.request("b1").id == p.request("b1").id  # the same line again: the same job (resume)
+    assert job_id_in_batch("b1", "a1") != job_id_of_line("b1", 1) != job_id_of_owner(None, "a1")
+
+
+def test_plain_line_nested_sampling_and_no_id():
+    p = _ok('{"prompt": "hi", "sampling": {"seed": 5}}')
+    job = p.request("b1", default_max_tokens=7)
+    assert p.job.id is None and job.custom_id is None and job.id == job_id_of_line("b1", 1)
+    assert job.sampling.seed == 5 and job.sampling.max_tokens == 7
+    # a line's own max_tokens wins over the default
+    assert _ok('{"prompt": "hi", "max_tokens": 3}').request("b", default_max_tokens=7).sampling.max_tokens == 3
 
 
 def test_plain_line_sampling_given_twice():
@@ -65,9 +92,9 @@ def test_openai_chat_line():
             },
         }
     )
-    p = _ok(line, batch_id="b")
+    p = _ok(line)
     assert p.format is LineFormat.OPENAI_CHAT
-    assert p.job.id == "req-1" and p.job.batch_id == "b"
+    assert p.job.id == "req-1" and p.request("b").custom_id == "req-1"
     assert p.job.messages is not None and [m.role for m in p.job.messages] == ["system", "user"]
     assert p.job.sampling.max_tokens == 8 and p.job.sampling.temperature == 0.5
     assert p.job.metadata == {"model": "tiny"}
@@ -83,7 +110,22 @@ def test_openai_completions_line_prompt_list_of_one():
     ("line", "code", "message", "job_id"),
     [
         ("not json", ErrorCode.INVALID_REQUEST, "not valid JSON", None),
-        ("[1, 2]", ErrorCode.INVALID_REQUEST, "a line must be a JSON object", None),
+        ("[1, 2]", ErrorCode.INVALID_REQUEST, "must be a JSON object", None),
+        # a line may not set what the server decides
+        ('{"id": "s", "prompt": "a", "batch_id": "other"}', ErrorCode.INVALID_REQUEST, "batch_id: set by the server", "s"),
+        ('{"id": "s", "prompt": "a", "submitted_at": 1}', ErrorCode.INVALID_REQUEST, "submitted_at: set by the server", "s"),
+        # what used to raise out of the parser and stop the whole batch
+        ("[" * 3000 + "]" * 3000, ErrorCode.TOO_LARGE, "nests deeper than", None),
+        ('{"id": "d", "prompt": "a", "metadata": ' + '{"k": ' * 20 + "1" + "}" * 20 + "}", ErrorCode.TOO_LARGE, "nests deeper", "d"),
+        ('{"id": "n", "prompt": "a", "max_tokens": ' + "9" * 4301 + "}", ErrorCode.INVALID_REQUEST, "not valid JSON", None),
+        ('{"id": "n", "prompt": "a", "temperature": NaN}', ErrorCode.INVALID_REQUEST, "NaN is not a JSON number", None),
+        ('{"id": "n", "prompt": "a", "top_p": Infinity}', ErrorCode.INVALID_REQUEST, "Infinity", None),
+        ('{"id": "l", "prompt": "' + "x" * 1_000_001 + '"}', ErrorCode.TOO_LARGE, "prompt:", "l"),
+        ('{"id": "l", "prompt": "a", "stop": [' + ",".join(['"s"'] * 17) + "]}", ErrorCode.TOO_LARGE, "stop", "l"),
+        ('{"id": "l", "prompt": "a", "stop": ["' + "s" * 1001 + '"]}', ErrorCode.INVALID_SAMPLING, "stop", "l"),
+        ('{"id": "l", "prompt": "a", "max_tokens": 2000000}', ErrorCode.INVALID_SAMPLING, "max_tokens", "l"),
+        ('{"id": "l", "prompt": "a", "stop_token_ids": [-1]}', ErrorCode.INVALID_SAMPLING, "stop_token_ids", "l"),
+        ('{"id": "' + "i" * 201 + '", "prompt": "a"}', ErrorCode.INVALID_REQUEST, "id:", None),
         (b'{"id": "u", "prompt": "\xff"}', ErrorCode.UNDECODABLE, "not valid UTF-8", None),
         ('{"id": "u", "prompt": "a\\udc80"}', ErrorCode.UNDECODABLE, "prompt:", "u"),
         (
@@ -146,18 +188,37 @@ def test_bad_lines(line, code, message, job_id):
     assert e.job_id == job_id
 
 
-def test_bad_line_becomes_failed_result():
+def test_line_too_large_is_refused_before_parsing():
+    e = _err(b'{"prompt": "' + b"x" * (MAX_LINE_BYTES + 1) + b'"}')
+    assert e.code is ErrorCode.TOO_LARGE and f"limit is {MAX_LINE_BYTES}" in e.message
+
+
+def test_bad_line_becomes_failed_result_in_a_row_of_its_own():
     e = _err('{"id": "p", "prompt": "a", "max_tokens": 0}')
-    r = e.result(batch_id="b")
-    assert r is not None and r.status is JobStatus.FAILED and r.error_code is ErrorCode.INVALID_SAMPLING
+    r = e.result("b")
+    assert r.status is JobStatus.FAILED and r.error_code is ErrorCode.INVALID_SAMPLING
     assert r.error_message is not None and r.error_message.startswith("line 7: ")
-    assert _err("nope").result() is None
-    assert _err("nope").result(fallback_id="b-7").id == "b-7"
+    # keyed by its line, not its id: a valid line with the same id keeps its own job
+    assert r.id == job_id_of_line("b", 7) != job_id_in_batch("b", "p") and r.custom_id == "p"
+    assert _err("nope").result("b").custom_id is None
 
 
 def test_parse_lines_skips_blanks_and_numbers_lines():
-    out = list(parse_lines(['{"prompt": "a"}', "", "  ", '{"prompt": "b"}'], id_prefix="b-"))
-    assert [p.job.id for p in out if isinstance(p, ParsedLine)] == ["b-1", "b-4"]
+    out = list(parse_lines(['{"prompt": "a"}', "", "  ", '{"prompt": "b"}']))
+    assert [p.line_no for p in out] == [1, 4]
+
+
+def test_no_line_makes_the_parser_raise():
+    # whatever a line holds, parse_line returns its result or its error
+    rng = random.Random(7)
+    pieces = ['{"', '"prompt"', ":", '"x"', "[", "]", "{", "}", ",", "1e999", "-0", "null", "\\u", '"\\ud800"',
+              "9" * 50, "true", " ", "\n", "NaN", '"id"', '"custom_id"', '"body"', '"messages"']
+    for n in range(2000):
+        line = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 30)))
+        parsed = parse_line(line, n + 1)
+        assert parsed is None or isinstance(parsed, (ParsedLine, BatchLineError))
+    for raw in (b"\x00\x01", b"\xc3\x28", b"{\"prompt\": \"\xed\xa0\x80\"}"):
+        assert isinstance(parse_line(raw, 1), BatchLineError)
 
 
 def _result(status=JobStatus.SUCCEEDED, **kw) -> JobResult:
@@ -174,14 +235,17 @@ def _result(status=JobStatus.SUCCEEDED, **kw) -> JobResult:
 
 
 def test_output_plain():
-    out = json.loads(format_output_line(_result(), LineFormat.PLAIN))
-    assert out["id"] == "r1" and out["text"] == "hello" and out["usage"]["cached_prompt_tokens"] == 2
-    assert JobResult.model_validate(out) == _result()
+    out = json.loads(format_output_line(_result(custom_id="mine"), LineFormat.PLAIN))
+    assert out["id"] == "mine" and out["job_id"] == "r1"
+    assert out["text"] == "hello" and out["usage"]["cached_prompt_tokens"] == 2
+    job_id = out.pop("job_id")
+    back = {**out, "id": job_id, "custom_id": "mine"}
+    assert JobResult.model_validate(back) == _result(custom_id="mine")
 
 
 def test_output_openai_chat_and_completions():
-    chat = json.loads(format_output_line(_result(), LineFormat.OPENAI_CHAT))
-    assert chat["custom_id"] == "r1" and chat["error"] is None
+    chat = json.loads(format_output_line(_result(custom_id="req-9"), LineFormat.OPENAI_CHAT))
+    assert chat["custom_id"] == "req-9" and chat["error"] is None
     body = chat["response"]["body"]
     assert chat["response"]["status_code"] == 200
     assert body["object"] == "chat.completion" and body["created"] == 1700000000

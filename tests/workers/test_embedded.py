@@ -7,8 +7,9 @@ import json
 
 from sqlalchemy import text
 
-from pipeline.cli import main
+from pipeline.cli import EXIT_ERROR, EXIT_OK, EXIT_SOME_FAILED, main
 from pipeline.store import ResultStore
+from schemas.job import JobStatus, job_id_in_batch, job_id_of_line
 
 LINES = [
     {"id": "a", "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0},
@@ -43,27 +44,12 @@ def write_input(path):
         f.write("\n")  # blank lines are skipped
 
 
-def run(tmp_path, db):
+def run(tmp_path, db, *extra, expect=EXIT_SOME_FAILED, batch="B1", src="in.jsonl"):
     out = tmp_path / "out.jsonl"
-    assert (
-        main(
-            [
-                "run",
-                str(tmp_path / "in.jsonl"),
-                "--model",
-                "tiny",
-                "--db",
-                db,
-                "-o",
-                str(out),
-                "--batch-id",
-                "B1",
-                "--max-tokens",
-                "4",
-            ]
-        )
-        == 0
-    )
+    argv = ["run", str(tmp_path / src), "--model", "tiny", "--db", db, "-o", str(out), "--max-tokens", "4"]
+    if batch is not None:
+        argv += ["--batch-id", batch]
+    assert main([*argv, *extra]) == expect
     return [json.loads(x) for x in out.read_text().splitlines()]
 
 
@@ -75,29 +61,154 @@ def test_run_good_and_bad_lines_in_order_then_resume(tmp_path, capsys):
     assert (
         out[0]["id"] == "a" and out[0]["status"] == "succeeded" and out[0]["usage"]["completion_tokens"] == 5
     )
-    assert out[1]["id"] == "B1-L2" and out[1]["error_code"] == "invalid_request"
+    assert out[1]["id"] is None and out[1]["error_code"] == "invalid_request"
+    assert out[1]["error_message"].startswith("line 2: not valid JSON")
     assert out[2]["id"] == "bad-sampling" and out[2]["error_code"] == "invalid_sampling"
     assert out[3]["custom_id"] == "oa" and out[3]["response"]["status_code"] == 200
     assert out[3]["response"]["body"]["object"] == "chat.completion"
     assert (
-        out[4]["id"] == "B1-L5"
+        out[4]["id"] is None
+        and out[4]["job_id"] == job_id_of_line("B1", 5)
         and out[4]["status"] == "succeeded"
         and out[4]["usage"]["completion_tokens"] <= 4
     )
+    # refused at submission (3000 bytes > the tiny model's 2048 tokens), before any engine saw it
     assert out[5]["id"] == "long" and out[5]["error_code"] == "prompt_too_long"
+    assert out[5]["error_message"] == "line 6: prompt has 3000 tokens; the model's context is 2048"
     assert out[6]["custom_id"] == "oc" and out[6]["response"]["body"]["object"] == "text_completion"
-    assert "ran 5" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "ran 4" in err and "batch B1 completed" in err
 
     # resume: everything is terminal, nothing runs again, same output
     assert run(tmp_path, db) == out
-    assert "ran 0, skipped 5" in capsys.readouterr().err
+    assert "ran 0, skipped 4" in capsys.readouterr().err
 
     # a half-done batch: only the missing jobs run
     store = ResultStore.from_url(db)
     with store.engine.begin() as conn:
-        conn.execute(text("DELETE FROM jobs WHERE id IN ('a', 'oc')"))
+        conn.execute(
+            text("DELETE FROM jobs WHERE id IN (:a, :b)"),
+            {"a": job_id_in_batch("B1", "a"), "b": job_id_in_batch("B1", "oc")},
+        )
     store.close()
     again = run(tmp_path, db)
-    assert "ran 2, skipped 3" in capsys.readouterr().err
+    assert "ran 2, skipped 2" in capsys.readouterr().err
     assert [x.get("id") for x in again] == [x.get("id") for x in out]
     assert again[0]["text"] == out[0]["text"]  # greedy: the same output
+
+
+def _write(path, lines):
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+
+
+def test_ids_belong_to_their_batch_and_duplicates_fail_alone(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path / 'run.db'}"
+    first = [{"id": f"q{i}", "prompt": f"prompt {i}", "temperature": 0} for i in range(3)]
+    _write(tmp_path / "in.jsonl", first)
+    out1 = run(tmp_path, db, batch="one", expect=EXIT_OK)
+    assert [x["status"] for x in out1] == ["succeeded"] * 3
+
+    # the same custom ids in another batch are other jobs: they run, with their own prompts
+    second = [
+        {"id": "q0", "prompt": "another prompt", "temperature": 0},
+        {"id": "q1", "prompt": "first q1", "temperature": 0},
+        {"id": "q1", "prompt": "second q1 (duplicate)", "temperature": 0},  # a duplicate: its own error
+        {"id": "q2", "prompt": "bad", "max_tokens": 0},  # invalid, then a valid line with the same id
+        {"id": "q2", "prompt": "good q2", "temperature": 0},
+        {"id": "q3", "prompt": "p", "batch_id": "one"},  # a line may not write into another batch
+    ]
+    _write(tmp_path / "in.jsonl", second)
+    out2 = run(tmp_path, db, batch="two")
+    assert [(x["id"], x["status"], x.get("error_code")) for x in out2] == [
+        ("q0", "succeeded", None),
+        ("q1", "succeeded", None),
+        ("q1", "failed", "duplicate_id"),
+        ("q2", "failed", "invalid_sampling"),
+        ("q2", "succeeded", None),
+        ("q3", "failed", "invalid_request"),
+    ]
+    assert "line 2" in out2[2]["error_message"] and "batch_id: set by the server" in out2[5]["error_message"]
+    assert out2[0]["job_id"] != out1[0]["job_id"] and out2[0]["text"] != out1[0]["text"]
+    # the duplicate ran nothing: one job for q1
+    store = ResultStore.from_url(db)
+    try:
+        assert store.batch_progress("one").counts == {JobStatus.SUCCEEDED: 3}  # untouched
+        b = store.get_batch("two")
+        assert b is not None and b.status == "completed" and b.finished_at is not None
+        assert b.progress.counts == {JobStatus.SUCCEEDED: 3, JobStatus.FAILED: 3}
+    finally:
+        store.close()
+
+
+def test_lines_that_used_to_kill_the_run_fail_alone(tmp_path):
+    db = f"sqlite:///{tmp_path / 'run.db'}"
+    lines = [
+        {"id": "ok1", "prompt": "fine", "temperature": 0},
+        "[" * 1000 + "]" * 1000,  # 2 KB nested 1000 deep
+        '{"id": "big", "prompt": "x", "max_tokens": ' + "7" * 4301 + "}",  # 4301 digits
+        '{"id": "nan", "prompt": "x", "temperature": NaN}',
+        {"id": "ok2", "prompt": "also fine", "temperature": 0},
+    ]
+    _write(tmp_path / "in.jsonl", lines)
+    out = run(tmp_path, db)
+    assert [(x["id"], x["status"]) for x in out] == [
+        ("ok1", "succeeded"),
+        (None, "failed"),
+        (None, "failed"),
+        (None, "failed"),
+        ("ok2", "succeeded"),
+    ]
+    assert out[1]["error_code"] == "too_large"
+
+
+def test_output_file_is_whole_or_absent_and_never_the_input(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path / 'run.db'}"
+    src = tmp_path / "in.jsonl"
+    _write(src, [{"id": "a", "prompt": "x", "temperature": 0}])
+    before = src.read_bytes()
+    assert main(["run", str(src), "--db", db, "-o", str(src)]) == EXIT_ERROR
+    assert "is the input file" in capsys.readouterr().err and src.read_bytes() == before
+    # an error while running leaves no output file behind, not a truncated one
+    out = tmp_path / "out.jsonl"
+    out.write_text("previous results\n")
+    assert main(["run", str(src), "--db", db, "-o", str(out), "--model", "no-such-model"]) == EXIT_ERROR
+    assert out.read_text() == "previous results\n"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".part")]
+
+
+def test_user_errors_are_one_line_not_a_traceback(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path / 'run.db'}"
+    assert main(["run", str(tmp_path / "missing.jsonl"), "--db", db]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.strip().endswith("missing.jsonl: no such file") and "Traceback" not in err
+    assert main(["run", str(tmp_path), "--db", db]) == EXIT_ERROR
+    assert "is a directory" in capsys.readouterr().err
+    src = tmp_path / "in.jsonl"
+    _write(src, [{"id": "a", "prompt": "x"}])
+    assert main(["run", str(src), "--db", db, "--model", "nope"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "neither a preset" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    bad_ckpt = tmp_path / "ckpt"
+    bad_ckpt.mkdir()
+    (bad_ckpt / "config.json").write_text("{not json")
+    assert main(["run", str(src), "--db", db, "--model", str(bad_ckpt)]) == EXIT_ERROR
+    assert "cannot read config.json" in capsys.readouterr().err
+    # a batch id that already holds another input is refused, not mixed
+    assert main(["run", str(src), "--db", db, "--batch-id", "X", "--max-tokens", "2"]) == EXIT_OK
+    _write(src, [{"id": "a", "prompt": "something else"}])
+    assert main(["run", str(src), "--db", db, "--batch-id", "X"]) == EXIT_ERROR
+    assert "already exists with a different input" in capsys.readouterr().err
+
+
+def test_default_batch_id_follows_the_content(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path / 'run.db'}"
+    src = tmp_path / "in.jsonl"
+    _write(src, [{"id": "a", "prompt": "x", "temperature": 0}])
+    run(tmp_path, db, batch=None, expect=EXIT_OK)
+    first = capsys.readouterr().err
+    run(tmp_path, db, batch=None, expect=EXIT_OK)
+    assert "ran 0, skipped 1" in capsys.readouterr().err  # the same file resumes its batch
+    _write(src, [{"id": "a", "prompt": "edited", "temperature": 0}])
+    run(tmp_path, db, batch=None, expect=EXIT_OK)
+    edited = capsys.readouterr().err
+    assert "ran 1" in edited and first.split()[2] != edited.split()[2]  # an edited file is a new batch

@@ -9,7 +9,6 @@ from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -27,7 +26,7 @@ from workers.engine.outputs import (
     StepOutput,
     Usage,
 )
-from workers.engine.presets import PRESETS
+from workers.engine.prompts import load_tokenizer
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.sequence import PENDING_TOKEN, Request, RequestStatus, RequestTimes
 from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -59,13 +58,7 @@ class LLMEngine:
         self.model_name = model
         self.runner = ModelRunner(model, self.config)
         self.model_config = self.runner.model_config
-        if tokenizer is None:
-            if model in PRESETS:
-                bos, eos = (256, 257) if model == "tiny" else (None, None)
-                tokenizer = Tokenizer.byte_level(bos, eos)
-            else:
-                tokenizer = Tokenizer.from_dir(Path(model))
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         c = self.config

@@ -9,6 +9,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from workers.engine.chat_template import ChatTemplateError, render_chat
 from workers.engine.errors import CheckpointError
 
 
@@ -33,7 +34,16 @@ class Tokenizer:
         tmpl_f = p / "chat_template.jinja"
         if template is None and tmpl_f.is_file():
             template = tmpl_f.read_text()
-        special = {k: cfg.get(k) for k in ("bos_token", "eos_token") if cfg.get(k) is not None}
+        special = {}
+        for k in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            v = cfg.get(k)
+            if isinstance(v, dict):  # a serialized AddedToken
+                v = v.get("content")
+            if isinstance(v, str):
+                special[k] = v
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
         return cls(HFTokenizer.from_file(str(f)), template, special)
 
     @classmethod
@@ -69,19 +79,15 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the checkpoint's own Jinja chat template."""
+        """Render chat messages with the checkpoint's own Jinja chat template, in a sandbox.
+
+        The text already holds the template's special tokens (a BOS, for Llama and Mistral):
+        encode it with `add_special_tokens=False`, as transformers does. Raises ChatTemplateError.
+        """
         if not self.chat_template:
-            raise ValueError("this model has no chat template; send a plain prompt")
-        import jinja2
-
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(msg: str) -> None:
-            raise ValueError(msg)
-
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special
+            raise ChatTemplateError("this model has no chat template; send a plain prompt")
+        return render_chat(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt, special_tokens=self.special
         )
 
 

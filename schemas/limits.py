@@ -1,0 +1,20 @@
+"""Hard limits on what one job (or one batch-file line) may hold, checked before it is queued.
+
+They keep one input from costing the pipeline more than a job is worth (a 100 MB prompt, a
+JSON document nested 10,000 deep) and make it that input's own error. The limits that depend on
+the model (prompt tokens, prompt + max_tokens within the context) are checked at submission when
+the model is known, and again by the engine.
+"""
+
+from __future__ import annotations
+
+MAX_LINE_BYTES = 8 * 1024 * 1024  # one batch-file line or one POST /v1/jobs body
+MAX_JSON_DEPTH = 32  # nesting of lists and objects in one line
+MAX_PROMPT_CHARS = 1_000_000  # a prompt, or all chat turns together (past any context we serve)
+MAX_MESSAGES = 10_000  # chat turns of one job
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1_000  # one stop string
+MAX_STOP_TOKEN_IDS = 1_024
+MAX_TOKENS = 1 << 20  # max_tokens before the model's context is known
+MAX_METADATA_BYTES = 16 * 1024  # the client's metadata, as JSON
+MAX_METADATA_DEPTH = 8

@@ -1,0 +1,120 @@
+"""A job's prompt as token ids, and the engine's admission checks that need no GPU.
+
+Plain prompts are encoded with the tokenizer's special tokens (a BOS where the checkpoint adds
+one); chat turns are rendered with the checkpoint's template, which writes its own special
+tokens, and encoded without adding them again: the ids transformers' `apply_chat_template`
+gives. A model without a template (the random presets) gets a `role: content` transcript.
+
+`SubmitCheck` runs the engine's context checks at submission, where the model is known, so a
+prompt that cannot fit is that line's `prompt_too_long` at once, not minutes later on a worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from schemas.job import ErrorCode, JobRequest
+from workers.engine.chat_template import ChatTemplateError
+from workers.engine.config import ModelConfig
+from workers.engine.errors import CheckpointError, InvalidRequestError
+from workers.engine.presets import PRESETS
+from workers.engine.tokenizer import Tokenizer
+
+
+def _checkpoint_dir(model: str) -> Path:
+    path = Path(model)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory"
+        )
+    return path
+
+
+def load_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer of a preset (byte-level) or of a checkpoint directory. Raises CheckpointError."""
+    if model in PRESETS:
+        bos, eos = (256, 257) if model == "tiny" else (None, None)
+        return Tokenizer.byte_level(bos, eos)
+    path = _checkpoint_dir(model)
+    try:
+        return Tokenizer.from_dir(path)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a broken tokenizer.json (the tokenizers library raises a bare Exception)
+        raise CheckpointError(f"{path}: cannot read its tokenizer ({type(exc).__name__}: {exc})") from None
+
+
+def model_context(model: str, max_model_len: int | None = None) -> int:
+    """The context length the engine serves `model` with (its max_position_embeddings unless
+    capped). Raises CheckpointError."""
+    if model in PRESETS:
+        mc = PRESETS[model]
+    else:
+        path = _checkpoint_dir(model)
+        try:
+            mc = ModelConfig.from_dir(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{path}: cannot read config.json ({type(exc).__name__}: {exc})") from None
+    return max_model_len or mc.max_position_embeddings
+
+
+def prompt_token_ids(
+    tokenizer: Tokenizer, prompt: str | None, messages: Sequence[tuple[str, str]] | None
+) -> list[int]:
+    """The token ids of a job's prompt (text, or (role, content) chat turns).
+
+    Raises InvalidRequestError("chat_template") when the template refuses the turns.
+    """
+    if prompt is not None:
+        return tokenizer.encode(prompt)
+    turns = [{"role": role, "content": content} for role, content in messages or ()]
+    if not tokenizer.chat_template:
+        text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+        return tokenizer.encode(text)
+    try:
+        text = tokenizer.apply_chat_template(turns)
+    except ChatTemplateError as exc:
+        raise InvalidRequestError("chat_template", f"chat template: {exc}") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class SubmitCheck:
+    """The context checks of the engine's admission, for a job about to be submitted.
+
+    Call it with a JobRequest: None when it fits, else (ErrorCode, message).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    @classmethod
+    def for_model(cls, model: str, max_model_len: int | None = None) -> SubmitCheck:
+        """The check for a preset or checkpoint directory (reads its config and tokenizer, no weights)."""
+        context = model_context(model, max_model_len)
+        return cls(load_tokenizer(model), context)
+
+    def __call__(self, job: JobRequest) -> tuple[ErrorCode, str] | None:
+        ctx = self.max_model_len
+        max_tokens = job.sampling.max_tokens
+        if max_tokens >= ctx:
+            return (
+                ErrorCode.INVALID_SAMPLING,
+                f"max_tokens ({max_tokens}) must be below the model's context ({ctx} tokens, prompt included)",
+            )
+        turns = None if job.messages is None else [(m.role, m.content) for m in job.messages]
+        try:
+            n = len(prompt_token_ids(self.tokenizer, job.prompt, turns))
+        except InvalidRequestError as exc:
+            return ErrorCode.INVALID_REQUEST, exc.message
+        if n == 0:
+            return ErrorCode.INVALID_REQUEST, "the prompt has no tokens"
+        if n >= ctx:
+            return ErrorCode.PROMPT_TOO_LONG, f"prompt has {n} tokens; the model's context is {ctx}"
+        if n + max_tokens > ctx:
+            return (
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the context ({ctx})",
+            )
+        return None
