@@ -148,7 +148,11 @@ def _authenticator(settings: Settings) -> Callable[[Request], Principal]:
             "authentication off for local use with FIRSTTOKEN_API_NO_AUTH=true (`firsttoken api --no-auth`)"
         )
     if settings.api_no_auth:
-        return lambda request: Principal(None)
+
+        def anyone(request: Request) -> Principal:
+            return Principal(None)
+
+        return anyone
     pairs = [(k.encode(), owner) for k, owner in keys.items()]
 
     def authenticate(request: Request) -> Principal:
@@ -166,6 +170,14 @@ def _authenticator(settings: Settings) -> Callable[[Request], Principal]:
         return Principal(found)
 
     return authenticate
+
+
+def _principal(request: Request) -> Principal:
+    """The caller, by the app's authenticator (settings-dependent, so kept on app.state)."""
+    return request.app.state.authenticate(request)
+
+
+Who = Annotated[Principal, Depends(_principal)]
 
 
 def _batch_lines(raw: bytes) -> list[bytes | str]:
@@ -285,7 +297,7 @@ def create_app(
             raise ApiError(503, "unavailable", f"database: {type(exc).__name__}") from None
         return {"ok": True}
 
-    Who = Annotated[Principal, Depends(authenticate)]
+    app.state.authenticate = authenticate
     router = APIRouter()
 
     @router.post("/v1/jobs", status_code=202)

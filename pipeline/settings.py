@@ -58,7 +58,10 @@ class Settings(BaseSettings):
     FIRSTTOKEN_DATABASE_URL, FIRSTTOKEN_KAFKA_BOOTSTRAP, FIRSTTOKEN_JOBS_PARTITIONS.
     """
 
-    model_config = SettingsConfigDict(env_prefix="FIRSTTOKEN_", extra="ignore", frozen=True)
+    # hide_input_in_errors: an error names the setting, never its value (API keys, database passwords)
+    model_config = SettingsConfigDict(
+        env_prefix="FIRSTTOKEN_", extra="ignore", frozen=True, hide_input_in_errors=True
+    )
 
     # --- results store ---
     database_url: str = Field(

@@ -1,0 +1,181 @@
+"""The HTTP API on SQLite and the in-process queue: API keys and owners, request limits, errors
+that name the field without echoing the input, and no 500 from any malformed input."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pipeline.api import ConfigError, create_app
+from pipeline.queue import LocalQueue
+from pipeline.settings import Settings, parse_api_keys
+from schemas.job import JobStatus
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fuzz_inputs import bad_lines  # noqa: E402
+
+KEY_A = "alice-key-0123456789"
+KEY_B = "bob-key-0123456789ab"
+ALICE = {"authorization": f"Bearer {KEY_A}"}
+BOB = {"authorization": f"Bearer {KEY_B}"}
+
+
+@pytest.fixture
+def queue():
+    return LocalQueue(partitions=2)
+
+
+@pytest.fixture
+def client(store, queue):
+    settings = Settings(
+        api_keys=f"alice:{KEY_A},bob:{KEY_B}", api_max_body_bytes=64 * 1024, api_max_batch_bytes=4 * 1024 * 1024
+    )
+    with TestClient(create_app(settings, store=store, queue=queue, canceller=None)) as c:
+        yield c
+
+
+def _published(queue: LocalQueue) -> int:
+    return sum(queue.end_offsets().values())
+
+
+def test_no_keys_refuses_to_start_unless_auth_is_switched_off(store, queue):
+    with pytest.raises(ConfigError, match="FIRSTTOKEN_API_KEYS"):
+        create_app(Settings(), store=store, queue=queue)
+    app = create_app(Settings(api_no_auth=True), store=store, queue=queue, canceller=None)
+    with TestClient(app) as c:
+        r = c.post("/v1/jobs", json={"id": "a", "prompt": "hi"})
+        assert r.status_code == 202 and c.get("/v1/jobs/a").json()["status"] == "queued"
+
+
+def test_api_key_settings_are_checked():
+    assert parse_api_keys(f"alice:{KEY_A}, {KEY_B}") == {KEY_A: "alice", KEY_B: parse_api_keys(KEY_B)[KEY_B]}
+    with pytest.raises(ValueError, match="at least 16"):
+        parse_api_keys("alice:short")
+    with pytest.raises(ValueError, match="twice"):
+        parse_api_keys(f"a:{KEY_A},b:{KEY_A}")
+    with pytest.raises(ValueError) as e:
+        Settings(api_keys="alice:tooshortkey")
+    assert "tooshortkey" not in str(e.value)  # a key never appears in an error
+
+
+def test_every_route_but_health_needs_a_valid_key(client):
+    assert client.get("/healthz").status_code == 200
+    for method, path in [
+        ("get", "/v1/jobs/x"),
+        ("post", "/v1/jobs"),
+        ("delete", "/v1/jobs/x"),
+        ("post", "/v1/batches"),
+        ("get", "/v1/batches/x"),
+        ("delete", "/v1/batches/x"),
+        ("get", "/v1/batches/x/results"),
+        ("get", "/v1/latency"),
+    ]:
+        for headers in ({}, {"authorization": "Bearer wrong-key-0123456789"}, {"authorization": KEY_A}):
+            r = client.request(method, path, headers=headers)
+            assert r.status_code == 401, (method, path, headers, r.text)
+            assert r.headers["www-authenticate"] == "Bearer" and r.json()["error"]["code"] == "unauthorized"
+
+
+def test_owners_see_only_their_own(client, queue):
+    a = client.post("/v1/jobs", json={"id": "j1", "prompt": "alice's"}, headers=ALICE)
+    assert a.status_code == 202
+    a_id = a.json()["id"]
+    # the same custom id is another job for another owner
+    b = client.post("/v1/jobs", json={"id": "j1", "prompt": "bob's"}, headers=BOB)
+    assert b.status_code == 202 and b.json()["id"] != a_id
+    assert client.get(f"/v1/jobs/{a_id}", headers=BOB).status_code == 404
+    assert client.get("/v1/jobs/j1", headers=BOB).json()["id"] == b.json()["id"]  # his own j1
+    assert client.delete(f"/v1/jobs/{a_id}", headers=BOB).status_code == 404
+    assert client.get(f"/v1/jobs/{a_id}", headers=ALICE).json()["status"] == "queued"
+
+    r = client.post("/v1/batches", params={"batch_id": "shared-name"}, content='{"prompt": "x"}', headers=ALICE)
+    assert r.status_code == 202
+    assert client.get("/v1/batches/shared-name", headers=BOB).status_code == 404
+    assert client.get("/v1/batches/shared-name/results", headers=BOB).status_code == 404
+    assert client.delete("/v1/batches/shared-name", headers=BOB).status_code == 404
+    add = client.post("/v1/batches", params={"batch_id": "shared-name"}, content='{"prompt": "x"}', headers=BOB)
+    assert add.status_code == 403
+    assert client.get("/v1/latency", params={"batch_id": "shared-name"}, headers=BOB).status_code == 404
+    # alice re-sending the same body resumes it (nothing twice); another body under the id is refused
+    n = _published(queue)
+    again = client.post("/v1/batches", params={"batch_id": "shared-name"}, content='{"prompt": "x"}', headers=ALICE)
+    assert again.status_code == 202 and again.json()["resumed"] and _published(queue) == n + 1  # still queued: sent again
+    other = client.post("/v1/batches", params={"batch_id": "shared-name"}, content='{"prompt": "y"}', headers=ALICE)
+    assert other.status_code == 409
+    assert client.delete("/v1/batches/shared-name", headers=ALICE).json()["cancelled"] == 1
+
+
+def test_a_job_id_used_twice_is_a_conflict(client, queue):
+    r = client.post("/v1/jobs", json={"id": "dup", "prompt": "first"}, headers=ALICE)
+    assert r.status_code == 202
+    r2 = client.post("/v1/jobs", json={"id": "dup", "prompt": "second"}, headers=ALICE)
+    assert r2.status_code == 409 and r2.json()["error"]["code"] == "duplicate_id"
+    assert _published(queue) == 1
+    assert client.get("/v1/jobs/dup", headers=ALICE).json()["id"] == r.json()["id"]
+
+
+def test_the_server_stamps_submission_times(client, store):
+    r = client.post("/v1/jobs", json={"prompt": "x", "submitted_at": 1.0}, headers=ALICE)
+    assert r.status_code == 422 and "submitted_at: set by the server" in r.json()["error"]["message"]
+    r = client.post("/v1/jobs", json={"prompt": "x", "batch_id": "elsewhere"}, headers=ALICE)
+    assert r.status_code == 422 and "batch_id" in r.json()["error"]["message"]
+    ok = client.post("/v1/jobs", json={"prompt": "x"}, headers=ALICE).json()
+    rec = store.get_job(ok["id"])
+    assert rec is not None and rec.timings.submitted_at == ok["submitted_at"] > 1.7e9
+
+
+def test_limits_and_errors_that_do_not_echo_the_input(client):
+    huge = "z" * 70_000
+    r = client.post("/v1/jobs", content=json.dumps({"prompt": huge}), headers=ALICE)
+    assert r.status_code == 413 and huge[:100] not in r.text
+    r = client.post("/v1/batches", content=b"{\"prompt\": \"x\"}\n" * 300_000, headers=ALICE)
+    assert r.status_code == 413
+    secret = "do-not-echo-" + "s" * 50
+    r = client.post("/v1/jobs", json={"prompt": "x", "colour": secret}, headers=ALICE)
+    assert r.status_code == 422 and secret not in r.text and "colour: unknown field" in r.text
+    r = client.post("/v1/jobs", json={"prompt": "x", "max_tokens": secret}, headers=ALICE)
+    assert r.status_code == 422 and secret not in r.text
+    r = client.get("/v1/latency", params={"metrics": secret}, headers=ALICE)
+    assert r.status_code == 400 and secret not in r.text
+    r = client.post("/v1/batches", params={"max_tokens": secret}, content='{"prompt": "x"}', headers=ALICE)
+    assert r.status_code == 422 and secret not in r.text
+    assert client.get("/v1/latency", params={"since": "nan"}, headers=ALICE).status_code == 400
+
+
+def test_fuzz_no_malformed_input_gives_a_500(client, store, queue):
+    bad = bad_lines(n_random=200, seed=3)
+    for body in bad:
+        r = client.post("/v1/jobs", content=body, headers={**ALICE, "content-type": "application/json"})
+        assert 400 <= r.status_code < 500, (body[:80], r.status_code, r.text[:200])
+        assert r.json()["error"]["code"]
+    assert _published(queue) == 0
+    # one batch of every bad line between good ones: each good line queued, each bad one its own row
+    good = [json.dumps({"id": f"good-{i}", "prompt": f"fine {i}"}).encode() for i in range(len(bad) + 1)]
+    lines = [x for pair in zip(good, [*bad, b""]) for x in pair if x]
+    r = client.post("/v1/batches", params={"batch_id": "fuzz"}, content=b"\n".join(lines), headers=ALICE)
+    assert r.status_code == 202, r.text
+    assert r.json()["submitted"] == len(good) and r.json()["invalid"] == len(bad)
+    b = store.get_batch("fuzz")
+    assert b is not None and b.progress.counts == {JobStatus.QUEUED: len(good), JobStatus.FAILED: len(bad)}
+    res = [json.loads(x) for x in client.get("/v1/batches/fuzz/results", headers=ALICE).text.splitlines()]
+    assert len(res) == len(bad)
+    for x in res:  # each in its line's format: OpenAI lines answer as OpenAI error lines
+        if "response" in x:
+            assert x["response"]["status_code"] >= 400 and x["response"]["body"]["error"]["code"]
+        else:
+            assert x["status"] == "failed" and x["error_code"]
+    # odd query strings and paths
+    for path in ["/v1/jobs/%00", "/v1/jobs/" + "x" * 5000, "/v1/batches/%ff%fe", "/v1/batches/%2e%2e"]:
+        assert client.get(path, headers=ALICE).status_code == 404
+    for params in [{"batch_id": ""}, {"batch_id": " x"}, {"batch_id": "x" * 300}, {"max_tokens": "0"},
+                   {"max_tokens": "1e9"}, {"batch_id": "a\u0000b"}]:
+        r = client.post("/v1/batches", params=params, content='{"prompt": "x"}', headers=ALICE)
+        assert r.status_code == 422, (params, r.text)
+    for body in [b"", b"   ", b"[]", b"[1", b"[" * 5000, b"[NaN]"]:
+        r = client.post("/v1/batches", content=body, headers=ALICE)
+        assert 400 <= r.status_code < 500, (body[:40], r.text)
+    assert client.get("/healthz").json() == {"ok": True}
