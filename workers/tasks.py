@@ -40,6 +40,19 @@ def _queue() -> Any:
     return _state["queue"]
 
 
+def _check() -> Any:
+    """The settings' check_model's context check, built once per process (None when unset)."""
+    if "check" not in _state:
+        s = get_settings()
+        if s.check_model:
+            from workers.engine.prompts import SubmitCheck
+
+            _state["check"] = SubmitCheck.for_model(s.check_model, s.check_max_model_len)
+        else:
+            _state["check"] = None
+    return _state["check"]
+
+
 @app.task(name="firsttoken.ingest_batch", bind=True, max_retries=5, default_retry_delay=10)
 def ingest_batch(
     self: Any,
@@ -47,16 +60,20 @@ def ingest_batch(
     batch_id: str | None = None,
     max_tokens: int | None = None,
     finalize_after_s: float | None = None,
+    owner: str | None = None,
 ) -> dict[str, Any]:
     """Validate every line of a batch file, record queued (or failed) rows, produce the jobs to
     Kafka, and schedule the batch's finalization `finalize_after_s` later (None: the settings'
-    finalize_every_s). Safe to retry: rows and results are idempotent."""
+    finalize_every_s). Safe to retry: the same file under the same batch id resumes the batch.
+    Prompts are checked against the settings' check_model's context when it is set."""
     from kafka.errors import KafkaError
 
     from pipeline.producer import Producer
 
     try:
-        summary = Producer(_queue(), _store()).submit_file(path, batch_id=batch_id, default_max_tokens=max_tokens)
+        summary = Producer(_queue(), _store()).submit_file(
+            path, batch_id=batch_id, default_max_tokens=max_tokens, owner=owner, check=_check()
+        )
     except (KafkaError, *_store_unreachable()) as exc:
         # Kafka or Postgres unreachable: try again later (max_retries, default_retry_delay). What
         # the failed attempt did is redone idempotently: rows by job id, and the worker writes a

@@ -4,8 +4,6 @@ that name the field without echoing the input, and no 500 from any malformed inp
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -14,9 +12,7 @@ from pipeline.api import ConfigError, create_app
 from pipeline.queue import LocalQueue
 from pipeline.settings import Settings, parse_api_keys
 from schemas.job import JobStatus
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fuzz_inputs import bad_lines  # noqa: E402
+from tests.fuzz_inputs import bad_lines
 
 KEY_A = "alice-key-0123456789"
 KEY_B = "bob-key-0123456789ab"

@@ -9,7 +9,8 @@ from sqlalchemy import text
 
 from pipeline.cli import EXIT_ERROR, EXIT_OK, EXIT_SOME_FAILED, main
 from pipeline.store import ResultStore
-from schemas.job import JobStatus, job_id_in_batch, job_id_of_line
+from schemas.job import ErrorCode, JobStatus, job_id_in_batch, job_id_of_line
+from tests.fuzz_inputs import bad_lines
 
 LINES = [
     {"id": "a", "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0},
@@ -212,3 +213,25 @@ def test_default_batch_id_follows_the_content(tmp_path, capsys):
     run(tmp_path, db, batch=None, expect=EXIT_OK)
     edited = capsys.readouterr().err
     assert "ran 1" in edited and first.split()[2] != edited.split()[2]  # an edited file is a new batch
+
+
+def test_fuzz_run_every_good_line_succeeds_every_bad_one_fails_alone(tmp_path, capsys):
+    bad = bad_lines(n_random=250, seed=11)
+    good = [json.dumps({"id": f"g{i}", "prompt": f"good line {i}", "max_tokens": 2, "temperature": 0}).encode()
+            for i in range(60)]
+    lines: list[bytes] = []
+    for i, b in enumerate(bad):  # the good lines spread between the bad ones
+        if i % 6 == 0 and good[i // 6 :]:
+            lines.append(good[i // 6])
+        lines.append(b)
+    lines.extend(good[len(bad) // 6 + 1 :])
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    out = run(tmp_path, f"sqlite:///{tmp_path / 'run.db'}")
+    assert len(out) == len(good) + len(bad)
+    ok = [x for x in out if x.get("status") == "succeeded" or x.get("response", {}).get("status_code") == 200]
+    assert sorted(x["id"] for x in ok) == sorted(f"g{i}" for i in range(60))
+    for x in out:
+        if x not in ok:
+            code = x.get("error_code") or x["response"]["body"]["error"]["code"]
+            assert code in {c.value for c in ErrorCode}
+    assert f"{len(bad)} invalid" in capsys.readouterr().err
