@@ -8,7 +8,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
-from store_contract import StoreContract, ok
+from store_contract import StoreContract, check_upgrade_from_0001, ok
 
 from pipeline.store import ResultStore, make_engine, migrate
 from pipeline.store.tables import metadata
@@ -132,3 +132,22 @@ def test_json_columns_keep_one_null_representation(store: ResultStore):
             ).all()
         )
     assert got == {"jn": "null/object", "jr": "null/null"}
+
+
+def test_upgrade_from_0001_on_postgres(postgres_server_url: str):
+    import uuid
+
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+
+    server = make_url(postgres_server_url)
+    name = f"firsttoken_upgrade_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        check_upgrade_from_0001(server.set(database=name).render_as_string(hide_password=False))
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

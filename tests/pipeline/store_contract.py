@@ -220,6 +220,59 @@ class StoreContract:
         assert batch is not None and batch.status == "completed" and batch.finished_at is not None
         assert store.get_batch("nope") is None
 
+    def test_batch_rows_in_input_order_with_their_line_columns(self, store: ResultStore):
+        assert store.create_batch("L", owner="alice", input_digest="d" * 64)
+        jobs = [
+            JobRequest(id=f"L-{n}", custom_id=f"c{n}", batch_id="L", owner="alice", line_no=n,
+                       line_format="openai_chat", prompt="x")
+            for n in (3, 1, 12, 2)
+        ]
+        assert store.record_queued(jobs[:2]) == {"L-3", "L-1"}
+        assert store.record_queued(jobs) == {"L-12", "L-2"}  # the ids inserted, not the ones already there
+        failed = JobResult.failure("L-bad", ErrorCode.DUPLICATE_ID, "dup", batch_id="L", custom_id="c1")
+        store.upsert_results([failed], lines={"L-bad": {"owner": "alice", "line_no": 7, "line_format": "plain"}})
+        with pytest.raises(ValueError, match="not a line column"):
+            store.upsert_results([failed], lines={"L-bad": {"prompt": "sneaky"}})
+        order = [(r.line_no, r.id, r.custom_id) for r in store.iter_batch("L", page=2)]
+        assert order == [(1, "L-1", "c1"), (2, "L-2", "c2"), (3, "L-3", "c3"), (7, "L-bad", "c1"), (12, "L-12", "c12")]
+        rec = store.get_job("L-bad")
+        assert rec is not None and (rec.owner, rec.line_format, rec.result().custom_id) == ("alice", "plain", "c1")
+        b = store.get_batch("L")
+        assert b is not None and b.owner == "alice" and b.input_digest == "d" * 64
+        # a result keeps the request's line columns
+        store.upsert_results([ok("L-2", batch_id="L")])
+        rec = store.get_job("L-2")
+        assert rec is not None and (rec.custom_id, rec.owner, rec.line_no) == ("c2", "alice", 2)
+        assert store.forget_queued(["L-1", "L-2"]) == 1  # only a row still queued goes
+        assert store.get_job("L-1") is None and store.get_job("L-2") is not None
+
+    def test_finalize_waits_for_the_total_and_the_last_job(self, store: ResultStore):
+        store.create_batch("F")
+        store.insert_queued([JobRequest(id="F-1", prompt="x", batch_id="F")])
+        store.upsert_results([ok("F-1", batch_id="F")])
+        assert not store.finalize_batch("F")  # its input is still being read: no total yet
+        store.set_batch_total("F", 2, input_format="plain")
+        assert not store.finalize_batch("F")  # one row missing
+        store.upsert_results([JobResult.failure("F-2", ErrorCode.INVALID_REQUEST, "bad", batch_id="F")])
+        assert store.finalize_batch("F") and store.finalize_batch("F")  # idempotent
+        b = store.get_batch("F")
+        assert b is not None and b.status == "completed" and b.input_format == "plain"
+        assert not store.finalize_batch("nope")
+
+    def test_latency_stats_of_one_owner_or_batch(self, store: ResultStore):
+        store.upsert_results(
+            [ok("o1", ttft=10.0, batch_id="B1"), ok("o2", ttft=20.0, batch_id="B2"), ok("o3", ttft=30.0)],
+            requests={
+                "o1": JobRequest(id="o1", prompt="x", owner="alice"),
+                "o2": JobRequest(id="o2", prompt="x", owner="alice"),
+                "o3": JobRequest(id="o3", prompt="x", owner="bob"),
+            },
+        )
+        alice = store.latency_stats(metrics=("ttft_ms",), by=(), owner="alice")
+        assert alice[0].count == 2 and alice[0].mean == pytest.approx(15.0)
+        b1 = store.latency_stats(metrics=("ttft_ms",), by=(), batch_id="B1")
+        assert b1[0].count == 1 and b1[0].p50 == pytest.approx(10.0)
+
     def test_latency_stats(self, store: ResultStore):
         # w1: ttft 1..100 ms finished in [1000, 1100); w2: ttft 200 ms; one outside the range; one failed
         results = [ok(f"t{i:03d}", worker="w1", ttft=float(i), finished=1000.0 + i) for i in range(1, 101)]
@@ -259,3 +312,41 @@ class StoreContract:
         assert [r.id for r in rows] == ["v1", "v2"]
         assert rows[0].ttft_ms == 12.0 and rows[0].pipeline_overhead_ms == pytest.approx(9.0)
         assert rows[0].cached_prompt_tokens == 3 and rows[0].submitted_time is not None
+
+
+def check_upgrade_from_0001(url: str) -> None:
+    """An existing database (revision 0001) upgrades in place: its jobs keep their ids, which were
+    the clients', now also in custom_id; new columns are empty; the latency view has custom_id."""
+    from alembic import command
+    from sqlalchemy import inspect
+
+    from pipeline.store import make_engine, migrate
+    from pipeline.store.migrate import alembic_config
+
+    migrate(url, "0001")
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO jobs (id, batch_id, status, priority, ttft_ms, finished_at, created_at, updated_at) "
+                "VALUES ('client-7', 'old-batch', 'succeeded', 0, 12.5, 1000.0, 1.0, 1.0)"
+            )
+        )
+        conn.execute(
+            text("INSERT INTO batches (id, status, created_at, updated_at) VALUES ('old-batch', 'open', 1.0, 1.0)")
+        )
+    migrate(url)
+    store = ResultStore(engine)
+    rec = store.get_job("client-7")
+    assert rec is not None and rec.custom_id == "client-7" and rec.owner is None and rec.line_no is None
+    assert [r.id for r in store.iter_batch("old-batch")] == ["client-7"]  # no line numbers: by id
+    b = store.get_batch("old-batch")
+    assert b is not None and b.owner is None and b.input_digest is None
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT custom_id, ttft_ms FROM job_latency")).one()
+    assert tuple(row) == ("client-7", 12.5)
+    command.downgrade(alembic_config(url), "0001")  # and back down
+    with engine.connect() as conn:
+        assert "custom_id" not in {c["name"] for c in inspect(conn).get_columns("jobs")}
+        assert conn.execute(text("SELECT id FROM job_latency")).scalar() == "client-7"
+    engine.dispose()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
-from store_contract import StoreContract
+from store_contract import StoreContract, check_upgrade_from_0001
 
 from pipeline.store import ResultStore, make_engine, migrate
 from pipeline.store.tables import metadata
@@ -45,3 +45,7 @@ def test_in_memory_database(tmp_path):
 
     assert store.upsert_results([ok("mem")]) == 1
     assert store.get_job("mem") is not None
+
+
+def test_upgrade_from_0001_keeps_rows_and_their_ids(tmp_path):
+    check_upgrade_from_0001(f"sqlite:///{tmp_path / 'old.db'}")
