@@ -8,11 +8,14 @@ import io
 import json
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections import defaultdict
 
 import pytest
 from pipeline_util import (
+    ROOT,
     in_process_worker,
     make_jobs,
     read_topic,
@@ -21,6 +24,7 @@ from pipeline_util import (
     tag,
     terminal_count,
     wait_until,
+    worker_env,
 )
 
 from pipeline.embedded import run_file
@@ -37,6 +41,7 @@ from pipeline.queue.kafka import KafkaQueue
 from pipeline.store import ResultStore, make_engine
 from schemas.job import ErrorCode, JobInput, JobRequest, JobStatus
 from schemas.sampling import SamplingParams
+from tests.fuzz_inputs import bad_lines
 
 pytestmark = pytest.mark.integration
 
@@ -152,3 +157,53 @@ def test_two_workers_share_partitions_by_prefix_key(kafka_settings, postgres_url
     assert len(by_key) == 16
     assert all(len(ws) == 1 for ws in by_key.values()), by_key
     assert {w for ws in by_key.values() for w in ws} == {"w0", "w1"}
+
+
+def test_submit_cli_fuzz_every_good_line_succeeds_every_bad_one_fails_alone(
+    kafka_settings, postgres_url, store, engines, tmp_path
+):
+    """`firsttoken submit` of a file with hundreds of bad lines between good ones, on real Kafka
+    and Postgres: each bad line its own failed row and error, each good one run by a worker, the
+    batch completed, `firsttoken results` in input order; the same file again resumes (nothing
+    twice) and another file under the batch id is refused."""
+    s = settings_for(kafka_settings, postgres_url)
+    batch = f"fuzz-{tag()}"
+    bad = bad_lines(n_random=150, seed=5)
+    lines: list[bytes] = []
+    good_lines: list[int] = []
+    for i, b in enumerate(bad):
+        if i % 5 == 0:
+            lines.append(json.dumps({"id": f"g{i}", "prompt": f"good {i}", "max_tokens": 2}).encode())
+            good_lines.append(len(lines))
+        lines.append(b)
+    path = tmp_path / "fuzz.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    env = worker_env(s, "submitter")
+    cmd = [sys.executable, "-m", "pipeline.cli", "submit", str(path), "--batch-id", batch, "--model", "tiny"]
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stderr  # some lines failed
+    summary = json.loads(r.stdout)
+    assert summary["submitted"] == len(good_lines) and summary["invalid"] == len(bad)
+    worker = in_process_worker(s, engines[0], "w-fuzz").start()
+    try:
+        wait_until(lambda: store.get_batch(batch).status == "completed", 120, "the batch to complete")
+    finally:
+        worker.stop()
+    rows = list(store.iter_batch(batch))
+    assert [r.line_no for r in rows] == list(range(1, len(lines) + 1))
+    for row in rows:
+        if row.line_no in good_lines:
+            assert row.status is JobStatus.SUCCEEDED and row.usage.completion_tokens >= 1, row
+        else:
+            assert row.status is JobStatus.FAILED and row.error_code is not None and row.error_message, row
+    out = tmp_path / "out.jsonl"
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "results", batch, "-o", str(out)],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3 and len(out.read_text().splitlines()) == len(lines), r.stderr
+    # the same file again: a resume that sends nothing; another input under the id: refused
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    again = json.loads(r.stdout)
+    assert again["resumed"] and again["submitted"] == 0 and again["already_done"] == len(good_lines)
+    path.write_bytes(lines[good_lines[0] - 1] + b"\n")
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "different input" in r.stderr and "Traceback" not in r.stderr
