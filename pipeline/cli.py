@@ -131,20 +131,28 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
 
 def _db_url(args: argparse.Namespace) -> str:
-    from pipeline.settings import get_settings, normalize_database_url
+    from pipeline.settings import get_settings
 
-    return normalize_database_url(args.db) if getattr(args, "db", None) else get_settings().database_url
+    return _normalized_db(args.db) if getattr(args, "db", None) else get_settings().database_url
+
+
+def _normalized_db(url: str) -> str:
+    from pipeline.settings import normalize_database_url
+
+    try:
+        return normalize_database_url(url)
+    except ValueError as exc:
+        raise CliError(f"--db: {exc}") from None
 
 
 def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
     """The whole pipeline in this process: local queue, SQLite, the engine; resumable."""
     from pipeline.batch_io import atomic_output
     from pipeline.embedded import run_file
-    from pipeline.settings import normalize_database_url
 
     path = _input_file(args.file)
     output = _output_file(args.output, path)
-    db = normalize_database_url(args.db) if args.db else "sqlite:///firsttoken.db"
+    db = _normalized_db(args.db) if args.db else "sqlite:///firsttoken.db"
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         f = stack.enter_context(atomic_output(output)) if output is not None else out
@@ -373,12 +381,36 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (CliError, BatchConflict, CheckpointError)
 
 
+def _service_error(exc: BaseException) -> str | None:
+    """One line for a setting or a service the command could not use, else None."""
+    from kafka.errors import KafkaError
+    from pydantic import ValidationError
+    from sqlalchemy.exc import ArgumentError, OperationalError
+
+    if isinstance(exc, ValidationError):  # FIRSTTOKEN_* settings (their values are never shown)
+        return "invalid settings: " + "; ".join(
+            f"FIRSTTOKEN_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors()
+        )
+    if isinstance(exc, OperationalError | ArgumentError):
+        first = str(exc.orig if isinstance(exc, OperationalError) else exc).strip().splitlines()
+        return f"cannot use the database: {first[0] if first else type(exc).__name__}"
+    if isinstance(exc, KafkaError):
+        return f"cannot use Kafka: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args, sys.stdout)
     except _user_errors() as exc:
         print(f"firsttoken {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:
+        line = _service_error(exc)
+        if line is None:
+            raise
+        print(f"firsttoken {args.command}: error: {line}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"firsttoken {args.command}: interrupted", file=sys.stderr)

@@ -175,3 +175,30 @@ def test_fuzz_no_malformed_input_gives_a_500(client, store, queue):
         r = client.post("/v1/batches", content=body, headers=ALICE)
         assert 400 <= r.status_code < 500, (body[:40], r.text)
     assert client.get("/healthz").json() == {"ok": True}
+
+
+def test_a_big_batch_does_not_block_the_event_loop(client):
+    import threading
+    import time
+
+    body = b"\n".join(json.dumps({"id": f"l{i}", "prompt": f"line {i} " * 20}).encode() for i in range(12_000))
+    done: dict[str, float] = {}
+
+    def submit() -> None:
+        t0 = time.monotonic()
+        r = client.post("/v1/batches", params={"batch_id": "big"}, content=body, headers=ALICE)
+        assert r.status_code == 202
+        done["took"] = time.monotonic() - t0
+
+    t = threading.Thread(target=submit)
+    t.start()
+    waits = []
+    time.sleep(0.2)
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert client.get("/healthz").status_code == 200
+        waits.append(time.monotonic() - t0)
+        time.sleep(0.05)
+    t.join()
+    assert len(waits) >= 3, (done, waits)  # the health checks ran while the batch was being submitted
+    assert max(waits) < done["took"] / 2, (done, waits)

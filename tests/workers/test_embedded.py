@@ -235,3 +235,47 @@ def test_fuzz_run_every_good_line_succeeds_every_bad_one_fails_alone(tmp_path, c
             code = x.get("error_code") or x["response"]["body"]["error"]["code"]
             assert code in {c.value for c in ErrorCode}
     assert f"{len(bad)} invalid" in capsys.readouterr().err
+
+
+def test_service_and_setting_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    from pipeline.settings import get_settings
+
+    assert main(["results", "nope", "--db", "postgresql://nobody@127.0.0.1:1/none"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("firsttoken results: error: cannot use the database") and "Traceback" not in err
+    assert main(["results", "nope", "--db", "mysql://x/y"]) == EXIT_ERROR
+    assert "unsupported database" in capsys.readouterr().err
+    monkeypatch.setenv("FIRSTTOKEN_API_KEYS", "alice:tooshort")
+    get_settings.cache_clear()
+    try:
+        assert main(["api", "--port", "1"]) == EXIT_ERROR
+        err = capsys.readouterr().err
+        assert "FIRSTTOKEN_API_KEYS" in err and "at least 16" in err and "tooshort" not in err
+    finally:
+        get_settings.cache_clear()
+
+
+def test_a_killed_run_leaves_the_previous_output(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "in.jsonl"
+    _write(src, [{"id": f"k{i}", "prompt": f"prompt number {i} " * 8, "max_tokens": 64, "ignore_eos": True}
+                 for i in range(400)])
+    out = tmp_path / "out.jsonl"
+    out.write_text("previous results\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(src), "-o", str(out), "--db", f"sqlite:///{tmp_path / 'k.db'}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "k.db").exists() and time.monotonic() < deadline:  # it is running
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    assert out.read_text() == "previous results\n"
