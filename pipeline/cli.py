@@ -237,6 +237,9 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
         if v is not None
     }
     ws = WorkerSettings(**overrides)
+    from workers.engine.prompts import model_context
+
+    model_context(ws.model, ws.max_model_len)  # an unknown model or a bad checkpoint: one line, before any process starts
     return run_until_signalled(build_worker(worker_settings=ws))
 
 

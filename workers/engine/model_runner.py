@@ -14,6 +14,8 @@ from kernels.ops import KernelOps, get_ops
 from workers.engine.attention import AttentionMetadata
 from workers.engine.config import EngineConfig, ModelConfig
 from workers.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_graphs
+from workers.engine.downloads import resolve_model, unknown_model_message
+from workers.engine.errors import CheckpointError
 from workers.engine.loader import load_checkpoint, random_model, resolve_dtype
 from workers.engine.models.llama import LlamaForCausalLM
 from workers.engine.models.rope import rope_cos_sin
@@ -161,9 +163,15 @@ class ModelRunner:
             if self.device.type == "cpu" and dtype != torch.float32 and self.config.dtype is None:
                 dtype = torch.float32
             return random_model(cfg, self.ops, self.device, dtype, seed=self.config.seed), cfg
-        if not Path(model).exists():
-            raise ValueError(f"model {model!r} is neither a preset {sorted(PRESETS)} nor a directory")
-        dtype = resolve_dtype(self.config.dtype, self.device) if self.config.dtype else None
+        model = resolve_model(model)  # a downloadable model: its converted checkpoint directory
+        if not Path(model).is_dir():
+            raise CheckpointError(unknown_model_message(model))
+        if self.config.dtype:
+            dtype = resolve_dtype(self.config.dtype, self.device)
+        elif self.device.type == "cpu":  # bf16/fp16 matmuls on a CPU are slow and round more: compute in fp32
+            dtype = torch.float32
+        else:
+            dtype = None  # the checkpoint's
         model_, cfg = load_checkpoint(model, self.ops, self.device, dtype)
         return model_, cfg
 

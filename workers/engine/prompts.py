@@ -17,17 +17,16 @@ from pathlib import Path
 from schemas.job import ErrorCode, JobRequest
 from workers.engine.chat_template import ChatTemplateError
 from workers.engine.config import ModelConfig
+from workers.engine.downloads import resolve_model, unknown_model_message
 from workers.engine.errors import CheckpointError, InvalidRequestError
 from workers.engine.presets import PRESETS
 from workers.engine.tokenizer import Tokenizer
 
 
 def _checkpoint_dir(model: str) -> Path:
-    path = Path(model)
+    path = Path(resolve_model(model))
     if not path.is_dir():
-        raise CheckpointError(
-            f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory"
-        )
+        raise CheckpointError(unknown_model_message(model))
     return path
 
 
