@@ -27,7 +27,7 @@ class FlakyProducer:
     def __init__(self, queue, store):
         pass
 
-    def submit_file(self, path, batch_id=None, default_max_tokens=None):
+    def submit_file(self, path, batch_id=None, default_max_tokens=None, owner=None, check=None):
         FlakyProducer.calls += 1
         if FlakyProducer.calls <= FlakyProducer.failures:
             raise KafkaTimeoutError("Kafka is down")
