@@ -32,6 +32,7 @@ COPY schemas schemas
 COPY pipeline pipeline
 COPY workers workers
 COPY kernels kernels
+COPY firsttoken firsttoken
 # crc32c: kafka-python checksums every record batch with CRC32C, in pure Python (a few MB/s)
 # unless this C implementation is installed.
 RUN pip install --upgrade pip && pip install . crc32c

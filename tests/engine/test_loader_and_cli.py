@@ -86,7 +86,7 @@ def test_checkpoint_errors(tmp_path, llama_dir):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "firsttoken.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_generate_cli_with_preset_and_checkpoint(tmp_path, llama_dir):

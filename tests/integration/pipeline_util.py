@@ -129,7 +129,7 @@ def start_worker_process(settings: Settings, name: str, log_dir: Path) -> subpro
     """`firsttoken worker` in a subprocess (its own session, so the test can kill it alone)."""
     log = (log_dir / f"{name}.log").open("wb")
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "worker"],
+        [sys.executable, "-m", "firsttoken.cli", "worker"],
         cwd=ROOT,
         env=worker_env(settings, name),
         stdout=log,

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pipeline_util import in_process_worker, settings_for, tag, wait_until
 
-from pipeline.api import create_app
+from firsttoken.api import create_app
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,7 @@ from pipeline_util import (
     worker_env,
 )
 
-from pipeline.embedded import run_file
+from firsttoken.embedded import run_file
 from pipeline.producer import Producer
 from pipeline.queue import (
     DLQ_ERROR,
@@ -179,7 +179,7 @@ def test_submit_cli_fuzz_every_good_line_succeeds_every_bad_one_fails_alone(
     path = tmp_path / "fuzz.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     env = worker_env(s, "submitter")
-    cmd = [sys.executable, "-m", "pipeline.cli", "submit", str(path), "--batch-id", batch, "--model", "tiny"]
+    cmd = [sys.executable, "-m", "firsttoken.cli", "submit", str(path), "--batch-id", batch, "--model", "tiny"]
     r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 3, r.stderr  # some lines failed
     summary = json.loads(r.stdout)
@@ -197,7 +197,7 @@ def test_submit_cli_fuzz_every_good_line_succeeds_every_bad_one_fails_alone(
         else:
             assert row.status is JobStatus.FAILED and row.error_code is not None and row.error_message, row
     out = tmp_path / "out.jsonl"
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "results", batch, "-o", str(out)],
+    r = subprocess.run([sys.executable, "-m", "firsttoken.cli", "results", batch, "-o", str(out)],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 3 and len(out.read_text().splitlines()) == len(lines), r.stderr
     # the same file again: a resume that sends nothing; another input under the id: refused

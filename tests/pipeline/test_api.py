@@ -8,7 +8,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from pipeline.api import ConfigError, create_app
+from firsttoken.api import ConfigError, create_app
 from pipeline.queue import LocalQueue
 from pipeline.settings import Settings, parse_api_keys
 from schemas.job import JobStatus

@@ -123,7 +123,7 @@ def test_a_gpus_profile_starts_one_worker_per_gpu(services: dict, gpus: int):
 def test_the_commands_exist(services: dict):
     import importlib
 
-    from pipeline.cli import build_parser
+    from firsttoken.cli import build_parser
 
     def firsttoken_has(command: str) -> bool:
         try:

@@ -7,7 +7,7 @@ import json
 
 from sqlalchemy import text
 
-from pipeline.cli import EXIT_ERROR, EXIT_OK, EXIT_SOME_FAILED, main
+from firsttoken.cli import EXIT_ERROR, EXIT_OK, EXIT_SOME_FAILED, main
 from pipeline.store import ResultStore
 from schemas.job import ErrorCode, JobStatus, job_id_in_batch, job_id_of_line
 from tests.fuzz_inputs import bad_lines
@@ -188,7 +188,7 @@ def test_user_errors_are_one_line_not_a_traceback(tmp_path, capsys):
     _write(src, [{"id": "a", "prompt": "x"}])
     assert main(["run", str(src), "--db", db, "--model", "nope"]) == EXIT_ERROR
     err = capsys.readouterr().err
-    assert "neither a preset" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "neither a known model" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     bad_ckpt = tmp_path / "ckpt"
     bad_ckpt.mkdir()
     (bad_ckpt / "config.json").write_text("{not json")
@@ -268,7 +268,7 @@ def test_a_killed_run_leaves_the_previous_output(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text("previous results\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "run", str(src), "-o", str(out), "--db", f"sqlite:///{tmp_path / 'k.db'}"],
+        [sys.executable, "-m", "firsttoken.cli", "run", str(src), "-o", str(out), "--db", f"sqlite:///{tmp_path / 'k.db'}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 60

@@ -147,8 +147,8 @@ def _normalized_db(url: str) -> str:
 
 def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
     """The whole pipeline in this process: local queue, SQLite, the engine; resumable."""
+    from firsttoken.embedded import run_file
     from pipeline.batch_io import atomic_output
-    from pipeline.embedded import run_file
 
     path = _input_file(args.file)
     output = _output_file(args.output, path)
@@ -247,7 +247,7 @@ def cmd_api(args: argparse.Namespace, out: TextIO) -> int:
     """Serve the HTTP API."""
     import uvicorn
 
-    from pipeline.api import ConfigError, create_app
+    from firsttoken.api import ConfigError, create_app
     from pipeline.settings import get_settings
 
     settings = get_settings()

@@ -1,0 +1,54 @@
+"""Which way imports go (ARCHITECTURE.md, and the entry points above everything): schemas
+imports nothing of ours; kernels only torch and triton; workers.engine only kernels and schemas;
+pipeline never imports workers or the entry points; workers never imports the entry points."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = {"schemas", "pipeline", "workers", "kernels", "firsttoken"}
+
+# package (path prefix) -> our top-level packages it may import
+ALLOWED = {
+    "schemas": {"schemas"},
+    "kernels": {"kernels"},
+    "workers/engine": {"workers", "kernels", "schemas"},  # workers: its own modules only (checked below)
+    "pipeline": {"pipeline", "schemas"},
+    "workers": {"workers", "pipeline", "schemas", "kernels"},
+    "firsttoken": OURS,
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module name `path` imports, at any depth (inside functions too)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def _package_of(rel: str) -> str:
+    return next(p for p in sorted(ALLOWED, key=len, reverse=True) if rel.startswith(p + "/"))
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_imports_go_one_way(package):
+    bad = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if _package_of(rel) != package:
+            continue
+        for mod in imports_of(path):
+            top = mod.split(".")[0]
+            if top not in OURS:
+                continue
+            if top not in ALLOWED[package] or (package == "workers/engine" and top == "workers" and not mod.startswith("workers.engine")):
+                bad.append(f"{rel} imports {mod}")
+    assert bad == []
