@@ -63,6 +63,7 @@ class AddRequest:
     sampling: SamplingParams
     priority: int = 0
     arrival_time: float | None = None  # monotonic; None: when the core adds it
+    stream: bool = False  # report its text deltas (CoreOutputs.deltas)
 
 
 @dataclass(slots=True)
@@ -71,11 +72,12 @@ class CoreOutputs:
 
     first_tokens: list[tuple[str, float]] = field(default_factory=list)  # (request id, monotonic)
     finished: list[FinishedRequest] = field(default_factory=list)
+    deltas: list[tuple[str, str, int]] = field(default_factory=list)  # (request id, text, tokens) of streamed ones
     rejected: list[tuple[str, str, str]] = field(default_factory=list)  # (request id, code, message)
     stats: EngineStats | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.first_tokens or self.finished or self.rejected or self.stats is not None)
+        return bool(self.first_tokens or self.finished or self.deltas or self.rejected or self.stats is not None)
 
 
 class EngineCoreError(RuntimeError):
@@ -91,6 +93,7 @@ def _add(engine: LLMEngine, req: AddRequest, rejected: list[tuple[str, str, str]
             sampling=req.sampling,
             priority=req.priority,
             arrival_time=req.arrival_time,
+            stream=req.stream,
         )
     except InvalidRequestError as exc:
         rejected.append((req.request_id, exc.code, exc.message))
@@ -124,6 +127,7 @@ def serve(
             step = engine.step()
             out.first_tokens.extend((ev.request_id, ev.time) for ev in step.first_tokens)
             out.finished.extend(step.finished)
+            out.deltas.extend(step.deltas)
         now = time.monotonic()
         if now - last_stats >= STATS_EVERY_S:
             out.stats = engine.stats()

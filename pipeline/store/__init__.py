@@ -2,12 +2,13 @@
 
 from pipeline.store.engine import make_engine
 from pipeline.store.migrate import migrate
-from pipeline.store.records import BatchProgress, BatchRecord, JobRecord, LatencyStats
+from pipeline.store.records import BatchProgress, BatchRecord, FileRecord, JobRecord, LatencyStats
 from pipeline.store.repository import ResultStore, percentile_cont
 
 __all__ = [
     "BatchProgress",
     "BatchRecord",
+    "FileRecord",
     "JobRecord",
     "LatencyStats",
     "ResultStore",

@@ -140,6 +140,19 @@ class BatchRecord:
 
 
 @dataclass(frozen=True)
+class FileRecord:
+    """One uploaded file (its content is read separately)."""
+
+    id: str
+    owner: str | None
+    purpose: str
+    filename: str
+    bytes: int
+    sha256: str
+    created_at: float
+
+
+@dataclass(frozen=True)
 class LatencyStats:
     """Percentiles (percentile_cont, i.e. linear interpolation) of one latency metric, in ms,
     over one group of jobs (a worker, a model, both, or all when the grouping is empty)."""

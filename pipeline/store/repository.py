@@ -29,8 +29,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.types import JSON
 
 from pipeline.store.engine import make_engine
-from pipeline.store.records import BatchProgress, BatchRecord, JobRecord, LatencyStats
-from pipeline.store.tables import LATENCY_METRICS, RESULT_COLUMNS, batches, jobs
+from pipeline.store.records import BatchProgress, BatchRecord, FileRecord, JobRecord, LatencyStats
+from pipeline.store.tables import LATENCY_METRICS, RESULT_COLUMNS, batches, files, jobs
 from schemas.job import (
     TERMINAL_STATUSES,
     ChatMessage,
@@ -627,7 +627,65 @@ class ResultStore:
             row = conn.execute(select(batches).where(batches.c.id == batch_id)).first()
             if row is None:
                 return None
-            progress = self._progress(conn, batch_id)
+            return self._batch_record(conn, row)
+
+    def list_batches(
+        self, *, owner: str | None = None, limit: int = 20, after: str | None = None
+    ) -> list[BatchRecord]:
+        """Batches newest first (of one owner when given); `after` is the last id of the previous page."""
+        q = select(batches).order_by(batches.c.created_at.desc(), batches.c.id.desc()).limit(limit)
+        if owner is not None:
+            q = q.where(batches.c.owner == owner)
+        with self.engine.connect() as conn:
+            if after is not None:
+                last = conn.execute(select(batches.c.created_at).where(batches.c.id == after)).scalar()
+                if last is None:
+                    return []
+                q = q.where(
+                    or_(batches.c.created_at < last, and_(batches.c.created_at == last, batches.c.id < after))
+                )
+            return [self._batch_record(conn, row) for row in conn.execute(q).all()]
+
+    def set_batch_metadata(self, batch_id: str, metadata: Mapping[str, Any]) -> None:
+        """Replace a batch's metadata (the OpenAI Batch API's fields live there)."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(batches).where(batches.c.id == batch_id).values(metadata=dict(metadata), updated_at=self._clock())
+            )
+
+    # --- files -----------------------------------------------------------------------------------
+
+    def put_file(self, file_id: str, *, owner: str | None, purpose: str, filename: str, content: bytes) -> FileRecord:
+        """Store an uploaded file."""
+        import hashlib
+
+        rec = FileRecord(
+            id=file_id,
+            owner=owner,
+            purpose=purpose,
+            filename=filename,
+            bytes=len(content),
+            sha256=hashlib.sha256(content).hexdigest(),
+            created_at=self._clock(),
+        )
+        with self.engine.begin() as conn:
+            conn.execute(files.insert().values(**rec.__dict__, content=content))
+        return rec
+
+    def get_file(self, file_id: str) -> FileRecord | None:
+        """A file's record (not its content), or None."""
+        cols = [c for c in files.c if c.name != "content"]
+        with self.engine.connect() as conn:
+            row = conn.execute(select(*cols).where(files.c.id == file_id)).first()
+        return None if row is None else FileRecord(**row._mapping)
+
+    def file_content(self, file_id: str) -> bytes | None:
+        """A file's bytes, or None."""
+        with self.engine.connect() as conn:
+            return conn.execute(select(files.c.content).where(files.c.id == file_id)).scalar()
+
+    def _batch_record(self, conn: Connection, row: Row[Any]) -> BatchRecord:
+        progress = self._progress(conn, row._mapping["id"])
         m = row._mapping
         return BatchRecord(
             id=m["id"],

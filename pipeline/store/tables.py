@@ -7,7 +7,19 @@ and changed only by the Alembic migrations under migrations/, which must agree w
 
 from __future__ import annotations
 
-from sqlalchemy import JSON, Column, Float, Index, Integer, MetaData, String, Table, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 
 metadata = MetaData()
@@ -86,6 +98,23 @@ batches = Table(
     Column("finished_at", Float, nullable=True),
     Index("ix_batches_created_at", "created_at"),
     Index("ix_batches_owner", "owner"),
+    Index("ix_batches_owner_created", "owner", "created_at"),
+)
+
+# Uploaded input files (POST /v1/files, purpose "batch"). A batch's output and error files are
+# not stored: they are its rows, read in input order when asked for.
+files = Table(
+    "files",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("owner", String(ID_LEN), nullable=True),
+    Column("purpose", String(32), nullable=False),
+    Column("filename", Text, nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("sha256", String(64), nullable=False),
+    Column("content", LargeBinary, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Index("ix_files_owner_created", "owner", "created_at"),
 )
 
 # Columns a result writes; the request columns are written only when the row is first inserted.

@@ -88,8 +88,11 @@ class LLMEngine:
         sampling: SamplingParams | Mapping[str, Any] | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        stream: bool = False,
     ) -> None:
-        """Queue a request. Raises InvalidRequestError (with a code) for this request only."""
+        """Queue a request. Raises InvalidRequestError (with a code) for this request only.
+
+        `stream`: report its text as it grows (StepOutput.deltas)."""
         if request_id in self.requests:
             raise InvalidRequestError("duplicate_request_id", f"request {request_id!r} is already in the engine")
         sp = self._validate_sampling(sampling)
@@ -133,8 +136,9 @@ class LLMEngine:
             times=RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic()),
             eos_token_ids=frozenset() if sp.ignore_eos else self.eos_token_ids,
         )
+        req.stream = stream
         self.requests[request_id] = req
-        if sp.stop:
+        if sp.stop or stream:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids)
         self.scheduler.add(req)
 
@@ -252,6 +256,8 @@ class LLMEngine:
                 req.pending_row = None
                 self.scheduler.finish(req, reason)
                 result.finished.append(self._finish(req, now))
+            elif req.stream:
+                self._stream_delta(req, pos + 1 - req.num_prompt_tokens, result)
 
     def _check_stop(self, req: Request, tok: int, num_tokens: int) -> str | None:
         """Why the request stops at `tok`, its token number `num_tokens` (prompt included), if it does."""
@@ -262,7 +268,7 @@ class LLMEngine:
         detok = self._detok.get(req.request_id)
         if detok is not None:
             delta = detok.add(tok)
-            if delta:
+            if delta and sp.stop:
                 start = max(0, len(req.text) - max(len(s) for s in sp.stop) + 1)
                 req.text += delta
                 for s in sp.stop:
@@ -271,9 +277,20 @@ class LLMEngine:
                         req.text = req.text[:pos]
                         req.stop_reason = s
                         return "stop"
+            elif delta:
+                req.text += delta
         if num_tokens - req.num_prompt_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    @staticmethod
+    def _stream_delta(req: Request, num_output: int, result: StepOutput) -> None:
+        """Report the text a streamed request gained, short of what might yet become a stop string."""
+        stop = req.sampling.stop
+        safe = len(req.text) - (max(len(s) for s in stop) - 1 if stop else 0)
+        if safe > req.streamed_chars:
+            result.deltas.append((req.request_id, req.text[req.streamed_chars : safe], num_output))
+            req.streamed_chars = safe
 
     def _finish(self, req: Request, now: float) -> FinishedRequest:
         req.times.finished = now

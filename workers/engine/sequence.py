@@ -54,7 +54,9 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the token id or stop string that ended it
-    text: str = ""  # output text so far (kept only when stop strings need it)
+    text: str = ""  # output text so far (kept only when stop strings or streaming need it)
+    stream: bool = False  # report text deltas as tokens arrive (StepOutput.deltas)
+    streamed_chars: int = 0  # how much of `text` the deltas have reported
     # async scheduling: sampled tokens not read back yet sit at the end of token_ids as
     # PENDING_TOKEN (at most two: the step in flight and the one launched after it); the last
     # one's value is at row `pending_row` of its step's sampled tokens on the device
