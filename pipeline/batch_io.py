@@ -8,12 +8,13 @@ import contextlib
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TextIO
 
 from pipeline.store import JobRecord, ResultStore
 from schemas.batchfile import LineFormat, format_output_line
+from schemas.job import JobStatus
 
 
 def file_digest(path: str | Path) -> str:
@@ -46,12 +47,17 @@ def batch_format(input_format: str | None) -> LineFormat:
     return LineFormat(input_format) if input_format in LineFormat._value2member_map_ else LineFormat.PLAIN
 
 
-def result_lines(store: ResultStore, batch_id: str, fallback: LineFormat = LineFormat.PLAIN) -> Iterator[str]:
-    """The output line of every terminal job of the batch, in input order, each in its line's
-    format (jobs still queued or running are left out)."""
+def result_lines(
+    store: ResultStore,
+    batch_id: str,
+    fallback: LineFormat = LineFormat.PLAIN,
+    statuses: Collection[JobStatus] | None = None,
+) -> Iterator[str]:
+    """The output line of every terminal job of the batch (of those `statuses` when given), in
+    input order, each in its line's format (jobs still queued or running are left out)."""
     for rec in store.iter_batch(batch_id):
         result = rec.result()
-        if result is not None:
+        if result is not None and (statuses is None or result.status in statuses):
             yield format_output_line(result, _format_of(rec, fallback))
 
 

@@ -151,6 +151,12 @@ class Settings(BaseSettings):
     api_max_batch_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1024, description="largest body of POST /v1/batches"
     )
+    model: str | None = Field(
+        default=None, description="the model the workers serve (GET /v1/models names it)"
+    )
+    api_completion_timeout_s: float = Field(
+        default=600.0, gt=0, description="how long a completion waits for its result before it is cancelled (504)"
+    )
     check_model: str | None = Field(
         default=None,
         description="the workers' model (preset or checkpoint directory): when set, the API and "

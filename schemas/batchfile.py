@@ -383,10 +383,25 @@ def plain_output(result: JobResult) -> dict[str, Any]:
     return out
 
 
-def openai_output(result: JobResult, fmt: LineFormat) -> dict[str, Any]:
-    """The OpenAI Batch API output object of one result (`custom_id` = job id)."""
-    if fmt is LineFormat.PLAIN:
-        raise ValueError("openai_output needs an OpenAI line format")
+def openai_usage(result: JobResult) -> dict[str, Any]:
+    """The OpenAI `usage` object of a result (cached prompt tokens included)."""
+    return {
+        "prompt_tokens": result.usage.prompt_tokens,
+        "completion_tokens": result.usage.completion_tokens,
+        "total_tokens": result.usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.usage.cached_prompt_tokens},
+    }
+
+
+def firsttoken_extension(result: JobResult) -> dict[str, Any]:
+    """firsttoken's own fields beside an OpenAI response: the job's id and its timings (TTFT first)."""
+    return {"job_id": result.id, "timings": result.timings.model_dump(mode="json")}
+
+
+def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, body) of one result as an OpenAI (chat) completions response; a failed or
+    cancelled job gives its error status and an OpenAI error body. The body carries the job's
+    timings under `firsttoken`."""
     if result.status is JobStatus.SUCCEEDED:
         created = int(result.timings.finished_at or 0)
         finish = result.finish_reason.value if result.finish_reason is not None else None
@@ -401,26 +416,26 @@ def openai_output(result: JobResult, fmt: LineFormat) -> dict[str, Any]:
         else:
             choice = {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None}
             obj, prefix = "text_completion", "cmpl-"
-        body: dict[str, Any] = {
+        return 200, {
             "id": prefix + result.id,
             "object": obj,
             "created": created,
-            "model": result.model,
+            "model": model or result.model,
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": result.usage.prompt_tokens,
-                "completion_tokens": result.usage.completion_tokens,
-                "total_tokens": result.usage.total_tokens,
-                "prompt_tokens_details": {"cached_tokens": result.usage.cached_prompt_tokens},
-            },
+            "usage": openai_usage(result),
+            "firsttoken": firsttoken_extension(result),
         }
-        status_code = 200
-    else:
-        code = result.error_code or ErrorCode.CANCELLED
-        status_code = _HTTP_STATUS[code]
-        body = {
-            "error": {"message": result.error_message or code.value, "type": code.value, "code": code.value}
-        }
+    code = result.error_code or ErrorCode.CANCELLED
+    return _HTTP_STATUS[code], {
+        "error": {"message": result.error_message or code.value, "type": code.value, "code": code.value, "param": None}
+    }
+
+
+def openai_output(result: JobResult, fmt: LineFormat) -> dict[str, Any]:
+    """The OpenAI Batch API output object of one result (`custom_id` = the line's custom id)."""
+    if fmt is LineFormat.PLAIN:
+        raise ValueError("openai_output needs an OpenAI line format")
+    status_code, body = openai_response(result, fmt)
     return {
         "id": f"batch_req_{result.id}",
         "custom_id": result.custom_id,

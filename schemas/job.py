@@ -6,7 +6,7 @@ import hashlib
 import json
 import uuid
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -251,7 +251,9 @@ class JobBody(BaseModel):
 
 # Fields the server sets; a client (a batch line, a POST body) that sends one gets an error
 # naming it instead of having it silently applied or dropped.
-SERVER_FIELDS = frozenset({"batch_id", "submitted_at", "owner", "custom_id", "line_no", "line_format"})
+SERVER_FIELDS = frozenset(
+    {"batch_id", "submitted_at", "owner", "custom_id", "line_no", "line_format", "reply", "job_id"}
+)
 
 
 class JobInput(JobBody):
@@ -276,6 +278,7 @@ class JobInput(JobBody):
             "line_no": None,
             "line_format": None,
             "submitted_at": None,
+            "reply": None,
         }
         fields.update(server)
         # the fields were validated as a JobInput: no second validation per line of a bulk submission
@@ -298,6 +301,9 @@ class JobRequest(JobBody):
     line_no: int | None = Field(default=None, ge=1, description="its line in the batch's input")
     line_format: str | None = Field(default=None, max_length=32, description="that line's format")
     submitted_at: float | None = Field(default=None, ge=0, description="epoch seconds, set at submission")
+    reply: Literal["final", "stream"] | None = Field(
+        default=None, description="publish the result (final) or also text deltas (stream) to a waiter"
+    )
 
     @property
     def client_id(self) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline.queue import JobConsumer, Message
+from pipeline.replies import ReplyPublisher, delta_message, final_message
 from pipeline.settings import Settings
 from pipeline.store import ResultStore
 from schemas.job import (
@@ -120,12 +121,14 @@ class Worker:
         config: WorkerConfig | None = None,
         *,
         model_name: str | None = None,
+        replies: ReplyPublisher | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.core: EngineCoreClient = engine if hasattr(engine, "submit") else InThreadCore(engine)  # type: ignore[arg-type]
         self.config = config or WorkerConfig()
         self.name = self.config.name or default_worker_name()
         self.model_name = model_name or self.core.model_name
+        self.replies = replies  # live replies to the jobs that ask for them (JobRequest.reply)
         self._wall = wall_clock
         self.counters = WorkerCounters()
         # Guards what the intake, the results thread and control calls share: the in-flight
@@ -180,6 +183,8 @@ class Worker:
         self.sink.stop(timeout_s=max(5.0, timeout))
         self.intake.stop()
         self.core.stop()
+        if self.replies is not None:
+            self.replies.close()
         self._stopped.set()
         c = self.counters
         log.info(
@@ -267,6 +272,7 @@ class Worker:
                         job.priority,
                         # the engine's clock: submission time moved onto the monotonic clock
                         mono - max(0.0, wall - submitted),
+                        stream=job.reply == "stream",
                     )
                 )
                 self._inflight[job.id] = _InFlight(job, [msg], submitted, wall, mono)
@@ -274,6 +280,7 @@ class Worker:
             if adds:
                 self.core.submit(adds)  # under the lock: a cancel's abort always follows the add
         if outcomes:
+            self._reply_final(outcomes)
             self.sink.put(outcomes)
 
     def _overloaded(self) -> bool:
@@ -323,6 +330,10 @@ class Worker:
                 entry = self._inflight.get(rid)
                 if entry is not None:
                     entry.first_token_mono = t
+            if self.replies is not None:
+                for rid, text, tokens in out.deltas:
+                    if rid in self._inflight:
+                        self.replies.put(rid, delta_message(text, tokens))
             for rid, code, message in out.rejected:
                 entry = self._inflight.pop(rid, None)
                 if entry is not None:
@@ -341,7 +352,16 @@ class Worker:
                 done.append((entry, f))
         outcomes.extend(self._outcome(entry, f) for entry, f in done)
         if outcomes:
+            self._reply_final(outcomes)
             self.sink.put(outcomes)
+
+    def _reply_final(self, outcomes: list[Outcome]) -> None:
+        """Tell the waiters of these jobs their results (those that asked: JobRequest.reply)."""
+        if self.replies is None:
+            return
+        for o in outcomes:
+            if o.request is not None and o.request.reply is not None:
+                self.replies.put(o.result.id, final_message(o.result))
 
     def _failure(
         self, job: JobRequest, messages: list[Message], code: ErrorCode, message: str, submitted: float
@@ -480,7 +500,7 @@ def build_worker(
         max_poll_messages=s.max_poll_records,
         sink=SinkConfig(batch_rows=s.store_batch_rows, max_buffer=ws.sink_max_buffer),
     )
-    worker = Worker(core, consumer, store, config, model_name=ws.model)
+    worker = Worker(core, consumer, store, config, model_name=ws.model, replies=ReplyPublisher(s.redis_url))
     freeze_startup_heap()
     return worker
 

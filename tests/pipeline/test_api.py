@@ -202,3 +202,49 @@ def test_a_big_batch_does_not_block_the_event_loop(client):
     t.join()
     assert len(waits) >= 3, (done, waits)  # the health checks ran while the batch was being submitted
     assert max(waits) < done["took"] / 2, (done, waits)
+
+
+def test_openai_routes_refuse_bad_input_without_a_500(store, queue):
+    settings = Settings(api_keys=f"alice:{KEY_A},bob:{KEY_B}", api_max_body_bytes=64 * 1024)
+    app = create_app(settings, store=store, queue=queue, canceller=None, replies=None)
+    with TestClient(app) as c:
+        bodies = [*bad_lines(n_random=60, seed=9), b'{"messages": "x"}', b'{"prompt": "x", "stream": "yes"}',
+                  b'{"prompt": "x", "stream_options": {"include_usage": true, "x": 1}}', b'{"prompt": "x", "n": 2}',
+                  b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}']
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for body in bodies:
+                r = c.post(path, content=body, headers={**ALICE, "content-type": "application/json"})
+                # refused (4xx), or valid and then 503: no reply channel in this test
+                assert 400 <= r.status_code < 500 or r.status_code == 503, (path, body[:60], r.status_code, r.text[:200])
+                assert r.json()["error"]["message"]
+            # a valid body: no reply channel here, so 503 (after it was checked, before anything was queued)
+            ok = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+            assert c.post(path, json=ok, headers=ALICE).status_code == 503
+        assert _published(queue) == 0
+        # files and OpenAI batches: owners, purposes, sizes
+        f = c.post("/v1/files", files={"file": ("in.jsonl", b'{"custom_id": "a", "method": "POST", '
+                                                          b'"url": "/v1/completions", "body": {"prompt": "x"}}\n')},
+                   data={"purpose": "batch"}, headers=ALICE).json()
+        assert f["object"] == "file" and f["purpose"] == "batch"
+        assert c.get(f"/v1/files/{f['id']}", headers=BOB).status_code == 404
+        assert c.get(f"/v1/files/{f['id']}/content", headers=BOB).status_code == 404
+        assert c.post("/v1/files", files={"file": ("x", b"{}")}, data={"purpose": "fine-tune"}, headers=ALICE).status_code == 400
+        assert c.post("/v1/files", content=b"not multipart", headers=ALICE).status_code == 400
+        create = {"input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+        assert c.post("/v1/batches", json=create, headers=BOB).status_code == 404
+        assert c.post("/v1/batches", json={**create, "endpoint": "/v1/embeddings"}, headers=ALICE).status_code == 400
+        assert c.post("/v1/batches", json={**create, "completion_window": "1h"}, headers=ALICE).status_code == 400
+        b = c.post("/v1/batches", json=create, headers=ALICE)
+        assert b.status_code == 200 and b.json()["object"] == "batch" and b.json()["status"] == "in_progress"
+        assert b.json()["request_counts"] == {"total": 1, "completed": 0, "failed": 0} and _published(queue) == 1
+        listed = c.get("/v1/batches", headers=ALICE).json()
+        assert listed["object"] == "list" and listed["data"][0]["id"] == b.json()["id"]
+        assert c.get("/v1/batches", headers=BOB).json()["data"] == []
+        # a line whose url is not the batch's endpoint fails alone
+        f2 = c.post("/v1/files", files={"file": ("in.jsonl", b'{"custom_id": "a", "method": "POST", '
+                                                            b'"url": "/v1/chat/completions", "body": {"messages": []}}\n')},
+                    data={"purpose": "batch"}, headers=ALICE).json()
+        b2 = c.post("/v1/batches", json={**create, "input_file_id": f2["id"]}, headers=ALICE).json()
+        assert b2["status"] == "completed" and b2["request_counts"]["failed"] == 1 and b2["error_file_id"]
+        err = c.get(f"/v1/files/{b2['error_file_id']}/content", headers=ALICE).text
+        assert json.loads(err)["custom_id"] == "a" and b2["output_file_id"] is None

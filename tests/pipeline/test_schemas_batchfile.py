@@ -257,6 +257,7 @@ def test_output_openai_chat_and_completions():
         "total_tokens": 8,
         "prompt_tokens_details": {"cached_tokens": 2},
     }
+    assert body["firsttoken"]["job_id"] == "r1" and body["firsttoken"]["timings"]["finished_at"] == 1700000000.5
     comp = json.loads(format_output_line(_result(), LineFormat.OPENAI_COMPLETIONS))
     assert comp["response"]["body"]["choices"][0]["text"] == "hello"
 
@@ -269,4 +270,5 @@ def test_output_openai_failure():
         "message": "too long",
         "type": "prompt_too_long",
         "code": "prompt_too_long",
+        "param": None,
     }

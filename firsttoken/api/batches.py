@@ -1,0 +1,315 @@
+"""Batches: `POST /v1/batches` takes either JSONL lines (or a JSON list) as its body, or, as the
+OpenAI Batch API does, `{"input_file_id", "endpoint", "completion_window"}` naming an uploaded
+file; both become the same batch. A batch answers as an OpenAI Batch object (statuses
+in_progress, completed, cancelled; request_counts; output and error files once it ended) with
+firsttoken's own fields beside (counts by status, done, complete)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
+
+from firsttoken.api.deps import ApiError, ApiState, Principal, State, Who, read_body
+from pipeline.batch_io import batch_format, bytes_digest, result_lines
+from pipeline.producer import BatchConflict, JobCheck
+from pipeline.store import BatchRecord
+from schemas.batchfile import OPENAI_URLS, loads_strict
+from schemas.job import ErrorCode, JobRequest, JobStatus, new_job_id
+
+router = APIRouter(tags=["batches"])
+
+# our batch status -> the OpenAI Batch API's
+_OPENAI_STATUS = {"open": "in_progress", "completed": "completed", "cancelled": "cancelled"}
+OUTPUT_PREFIX = "file-output-"  # + batch id: the batch's succeeded lines, in input order
+ERRORS_PREFIX = "file-errors-"  # + batch id: its failed and cancelled lines
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchView(BaseModel):
+    """An OpenAI Batch object, and firsttoken's progress fields beside it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: str = "batch"
+    endpoint: str | None
+    errors: Any = None
+    input_file_id: str | None
+    completion_window: str
+    status: str
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    metadata: dict[str, Any] | None
+    # firsttoken's
+    input_format: str | None
+    total: int | None
+    recorded: int
+    done: int
+    complete: bool
+    counts: dict[str, int]
+    finished_at: float | None
+
+
+class BatchList(BaseModel):
+    object: str = "list"
+    data: list[BatchView]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class BatchSubmitted(BaseModel):
+    """What a JSONL submission did."""
+
+    batch_id: str
+    lines: int
+    submitted: int
+    invalid: int
+    resumed: bool
+    errors: list[dict[str, Any]]
+
+
+class OpenAIBatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+
+
+def batch_view(b: BatchRecord) -> BatchView:
+    """The OpenAI Batch object of a batch, with firsttoken's fields."""
+    p = b.progress
+    total = p.total if p.total is not None else p.recorded
+    ended = b.status in ("completed", "cancelled")
+    oa = b.metadata.get("openai", {}) if isinstance(b.metadata, dict) else {}
+    succeeded = p.count(JobStatus.SUCCEEDED)
+    failed = p.count(JobStatus.FAILED) + p.count(JobStatus.CANCELLED)
+    finished = None if b.finished_at is None else int(b.finished_at)
+    return BatchView(
+        id=b.id,
+        endpoint=oa.get("endpoint"),
+        input_file_id=oa.get("input_file_id"),
+        completion_window=oa.get("completion_window", "24h"),
+        status=_OPENAI_STATUS.get(b.status, b.status),
+        output_file_id=OUTPUT_PREFIX + b.id if ended and succeeded else None,
+        error_file_id=ERRORS_PREFIX + b.id if ended and failed else None,
+        created_at=int(b.created_at),
+        in_progress_at=int(b.created_at),
+        completed_at=finished if b.status == "completed" else None,
+        cancelled_at=finished if b.status == "cancelled" else None,
+        request_counts=RequestCounts(total=total, completed=succeeded, failed=failed),
+        metadata=oa.get("metadata"),
+        input_format=b.input_format,
+        total=p.total,
+        recorded=p.recorded,
+        done=p.done,
+        complete=p.complete,
+        counts={k.value: v for k, v in p.counts.items()},
+        finished_at=b.finished_at,
+    )
+
+
+def _batch_lines(raw: bytes) -> list[bytes | str]:
+    """A JSONL body as lines, or a JSON list body as one line per item."""
+    if raw.lstrip()[:1] != b"[":
+        return raw.splitlines()  # type: ignore[return-value]
+    try:
+        items = loads_strict(raw)
+    except (ValueError, RecursionError) as exc:
+        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else type(exc).__name__
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, f"body: not a valid JSON list ({msg})") from None
+    if not isinstance(items, list):
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, "body: send JSONL lines or one JSON list")
+    return [json.dumps(x, ensure_ascii=False) for x in items]
+
+
+def _openai_request(raw: bytes) -> OpenAIBatchRequest | None:
+    """The body as an OpenAI batch creation, if it is one (a JSON object naming input_file_id)."""
+    head = raw.lstrip()[:1]
+    if head != b"{" or len(raw) > 64 * 1024 or b"input_file_id" not in raw:
+        return None
+    try:
+        obj = loads_strict(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or "input_file_id" not in obj:
+        return None
+    try:
+        return OpenAIBatchRequest.model_validate(obj)
+    except Exception as exc:
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, f"batch: {str(exc).splitlines()[0][:300]}") from None
+
+
+@router.post("/v1/batches", status_code=202, response_model=BatchSubmitted | BatchView)
+async def submit_batch(
+    request: Request,
+    who: Who,
+    state: State,
+    batch_id: str | None = Query(default=None, min_length=1, max_length=200, pattern=r"^\S(.*\S)?$"),
+    max_tokens: int | None = Query(default=None, ge=1, le=1 << 20),
+) -> Any:
+    """A batch from JSONL lines in the body, or (OpenAI) from an uploaded file."""
+    raw = await read_body(request, state.settings.api_max_batch_bytes)
+    oa = _openai_request(raw)
+    if oa is not None:
+        view = await run_in_threadpool(_create_openai_batch, state, oa, who)
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(view.model_dump(mode="json"), status_code=200)
+    return await run_in_threadpool(_submit_lines, state, raw, batch_id, max_tokens, who)
+
+
+def _submit(
+    state: ApiState,
+    lines: list[bytes | str],
+    *,
+    bid: str,
+    digest: str,
+    max_tokens: int | None,
+    who: Principal,
+    check: JobCheck | None,
+) -> Any:
+    try:
+        return state.producer().submit_batch(
+            lines,
+            batch_id=bid,
+            input_digest=digest,
+            source="api",
+            default_max_tokens=max_tokens,
+            owner=who.owner,
+            check=check,
+        )
+    except BatchConflict as exc:
+        if exc.reason == "owner":
+            raise ApiError(403, "forbidden", f"batch id {bid!r} is taken; choose another") from None
+        raise ApiError(409, "conflict", str(exc)) from None
+
+
+def _submit_lines(
+    state: ApiState, raw: bytes, batch_id: str | None, max_tokens: int | None, who: Principal
+) -> BatchSubmitted:
+    if batch_id is not None and not batch_id.isprintable():
+        raise ApiError(422, ErrorCode.INVALID_REQUEST, "batch_id: must be printable characters")
+    lines = _batch_lines(raw)
+    if not any(line.strip() for line in lines):
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, "body: no jobs (send JSONL lines or a JSON list)")
+    bid = batch_id or f"batch_{new_job_id()}"
+    summary = _submit(state, lines, bid=bid, digest=bytes_digest(raw), max_tokens=max_tokens, who=who, check=state.check)
+    return BatchSubmitted(
+        batch_id=bid,
+        lines=summary.lines,
+        submitted=summary.submitted,
+        invalid=summary.invalid,
+        resumed=summary.resumed,
+        errors=[
+            {"custom_id": f.custom_id, "error_code": f.error_code, "error": f.error_message} for f in summary.errors
+        ],
+    )
+
+
+def _create_openai_batch(state: ApiState, req: OpenAIBatchRequest, who: Principal) -> BatchView:
+    if req.endpoint not in OPENAI_URLS:
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, f"endpoint: one of {sorted(OPENAI_URLS)}")
+    if req.completion_window != "24h":
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, "completion_window: only '24h'")
+    f = state.st.get_file(req.input_file_id)
+    if f is None or not who.may_see(f.owner):
+        raise ApiError(404, "not_found", f"no file {req.input_file_id[:200]!r}")
+    if f.purpose != "batch":
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, f"file {f.id!r} has purpose {f.purpose!r}, not 'batch'")
+    content = state.st.file_content(f.id) or b""
+    lines = content.splitlines()
+    if not any(line.strip() for line in lines):
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, f"file {f.id!r} holds no requests")
+    fmt = OPENAI_URLS[req.endpoint].value
+    inner = state.check
+
+    def check(job: JobRequest) -> tuple[ErrorCode, str] | None:
+        if job.line_format != fmt:
+            return ErrorCode.INVALID_REQUEST, f"url: this batch's endpoint is {req.endpoint}"
+        return None if inner is None else inner(job)
+
+    bid = f"batch_{new_job_id()}"
+    meta = {"openai": {"endpoint": req.endpoint, "input_file_id": f.id, "completion_window": "24h",
+                       "metadata": req.metadata}}
+    state.st.create_batch(bid, owner=who.owner, input_digest=f.sha256, source=f"file {f.id}", metadata=meta)
+    _submit(state, lines, bid=bid, digest=f.sha256, max_tokens=None, who=who, check=check)  # type: ignore[arg-type]
+    b = state.st.get_batch(bid)
+    assert b is not None
+    return batch_view(b)
+
+
+@router.get("/v1/batches", response_model=BatchList)
+def list_batches(
+    who: Who,
+    state: State,
+    limit: int = Query(default=20, ge=1, le=100),
+    after: str | None = Query(default=None, max_length=200),
+) -> BatchList:
+    """The caller's batches, newest first."""
+    page = state.st.list_batches(owner=who.owner, limit=limit + 1, after=after)
+    data = [batch_view(b) for b in page[:limit]]
+    return BatchList(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=len(page) > limit,
+    )
+
+
+@router.get("/v1/batches/{batch_id}", response_model=BatchView)
+def get_batch(batch_id: str, who: Who, state: State) -> BatchView:
+    """A batch's status and progress."""
+    return batch_view(state.find_batch(who, batch_id))
+
+
+def _cancel(state: ApiState, who: Principal, batch_id: str) -> tuple[BatchRecord, int]:
+    b = state.find_batch(who, batch_id)
+    n = state.st.cancel(batch_id=b.id)
+    state.cancel([], b.id)
+    after = state.st.get_batch(b.id)
+    assert after is not None
+    return after, n
+
+
+@router.delete("/v1/batches/{batch_id}")
+def cancel_batch(batch_id: str, who: Who, state: State) -> dict[str, Any]:
+    """Cancel every queued or running job of a batch."""
+    b, n = _cancel(state, who, batch_id)
+    return {"id": b.id, "cancelled": n}
+
+
+@router.post("/v1/batches/{batch_id}/cancel", response_model=BatchView)
+def cancel_batch_openai(batch_id: str, who: Who, state: State) -> BatchView:
+    """Cancel a batch (the OpenAI Batch API's route); answers the batch."""
+    b, _ = _cancel(state, who, batch_id)
+    return batch_view(b)
+
+
+@router.get("/v1/batches/{batch_id}/results")
+def batch_results(batch_id: str, who: Who, state: State) -> StreamingResponse:
+    """Every line's result so far, in input order, each in its input line's format."""
+    b = state.find_batch(who, batch_id)
+    return StreamingResponse(result_lines(state.st, b.id, batch_format(b.input_format)), media_type="application/x-ndjson")

@@ -1,0 +1,261 @@
+"""OpenAI-compatible completions: `POST /v1/completions`, `POST /v1/chat/completions` (plain, or
+server-sent events with `"stream": true` and `stream_options.include_usage`), `GET /v1/models`.
+
+A completion is a job like any other, through the same queue, workers and store: it is queued
+with `reply` set, and the worker that runs it publishes its text deltas (streaming) and its result
+to the job's Redis channel, which this process subscribed to before queueing it. The stored row
+stays the record: a waiter that hears nothing for a while reads it. Each response carries the
+job's id and timings (TTFT first) under `firsttoken`. A client that goes away cancels its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from firsttoken.api.deps import ApiError, ApiState, Principal, State, Who, read_body
+from firsttoken.api.jobs import queue_one
+from pipeline.replies import parse_message, reply_channel
+from schemas.batchfile import (
+    LineError,
+    LineFormat,
+    firsttoken_extension,
+    openai_body_request,
+    openai_response,
+    openai_usage,
+    parse_json_object,
+)
+from schemas.job import (
+    ErrorCode,
+    JobInput,
+    JobRequest,
+    JobResult,
+    describe_validation_error,
+    error_code_for,
+    new_job_id,
+)
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["openai"])
+
+POLL_STORE_S = 1.0  # with no reply for this long, look at the stored row
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "firsttoken"
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+@router.get("/v1/models", response_model=ModelList)
+def models(who: Who, state: State) -> ModelList:
+    """The model the workers serve."""
+    return ModelList(data=[ModelCard(id=state.model_name)])
+
+
+class ReplyWaiter:
+    """Subscriptions to jobs' reply channels on Redis (redis.asyncio), one connection each."""
+
+    def __init__(self, redis_url: str) -> None:
+        import redis.asyncio
+
+        self._redis = redis.asyncio.Redis.from_url(redis_url)
+
+    async def subscribe(self, job_id: str) -> Subscription:
+        pubsub = self._redis.pubsub()
+        await pubsub.subscribe(reply_channel(job_id))
+        return Subscription(pubsub)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+class Subscription:
+    """One job's replies."""
+
+    def __init__(self, pubsub: Any) -> None:
+        self._pubsub = pubsub
+
+    async def next(self, timeout_s: float) -> dict[str, Any] | None:
+        """The next reply, or None after `timeout_s` without one."""
+        msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
+        return None if msg is None else parse_message(msg["data"])
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._pubsub.aclose()
+
+
+def _bad(exc: Exception) -> ApiError:
+    if isinstance(exc, LineError):
+        return ApiError(413 if exc.code is ErrorCode.TOO_LARGE else 400, exc.code, exc.message)
+    assert isinstance(exc, ValidationError)
+    return ApiError(400, error_code_for(exc), describe_validation_error(exc))
+
+
+def _job(state: ApiState, raw: bytes, fmt: LineFormat, who: Principal) -> tuple[JobRequest, bool, bool]:
+    """The job of a completions body, and whether to stream and to send usage at the end."""
+    try:
+        body = parse_json_object(raw, max_bytes=state.settings.api_max_body_bytes)
+        stream = body.pop("stream", False)
+        options = body.pop("stream_options", None)
+        if not isinstance(stream, bool) and stream is not None:
+            raise LineError(ErrorCode.INVALID_REQUEST, "stream: must be true or false")
+        if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+            raise LineError(ErrorCode.INVALID_REQUEST, "stream_options: only {'include_usage': bool}")
+        include_usage = bool(options and options.get("include_usage"))
+        job_input = JobInput.model_validate(openai_body_request(body, fmt))
+    except (LineError, ValidationError) as exc:
+        raise _bad(exc) from None
+    job = job_input.to_request(
+        new_job_id(), owner=who.owner, line_format=fmt.value, reply="stream" if stream else "final"
+    )
+    problem = None if state.check is None else state.check(job)
+    if problem is not None:
+        raise ApiError(400, problem[0], problem[1])
+    return job, bool(stream), include_usage
+
+
+async def _start(state: ApiState, request: Request, fmt: LineFormat, who: Principal) -> tuple[JobRequest, bool, bool, Subscription]:
+    raw = await read_body(request, state.settings.api_max_body_bytes)
+    job, stream, include_usage = await run_in_threadpool(_job, state, raw, fmt, who)
+    if state.replies is None:
+        raise ApiError(503, "unavailable", "completions need the reply channel: set FIRSTTOKEN_REDIS_URL")
+    sub = await state.replies.subscribe(job.id)  # before the job is queued: no reply is missed
+    try:
+        await run_in_threadpool(queue_one, state, job, None)
+    except BaseException:
+        await sub.close()
+        raise
+    return job, stream, include_usage, sub
+
+
+async def _stored_result(state: ApiState, job_id: str) -> JobResult | None:
+    rec = await run_in_threadpool(state.st.get_job, job_id)
+    return None if rec is None else rec.result()
+
+
+async def _abandon(state: ApiState, job_id: str) -> None:
+    """The client went away: cancel its job."""
+    n = await run_in_threadpool(lambda: state.st.cancel(job_ids=[job_id], reason="the client disconnected"))
+    if n:
+        state.cancel([job_id], None)
+
+
+async def _final(state: ApiState, request: Request, job: JobRequest, sub: Subscription) -> JobResult:
+    deadline = time.monotonic() + state.settings.api_completion_timeout_s
+    while time.monotonic() < deadline:
+        msg = await sub.next(POLL_STORE_S)
+        if msg is not None and msg["type"] == "final":
+            return msg["result"]
+        if msg is None:
+            stored = await _stored_result(state, job.id)
+            if stored is not None:
+                return stored
+            if await request.is_disconnected():
+                await _abandon(state, job.id)
+                raise ApiError(499, ErrorCode.CANCELLED, "the client disconnected")
+    await _abandon(state, job.id)
+    raise ApiError(504, "timeout", f"no result within {state.settings.api_completion_timeout_s:.0f} s; the job was cancelled")
+
+
+def _chunk(job: JobRequest, fmt: LineFormat, model: str, created: int, text: str | None,
+           finish: str | None, role: bool = False) -> dict[str, Any]:
+    if fmt is LineFormat.OPENAI_CHAT:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"id": "chatcmpl-" + job.id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [choice]}
+    choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    return {"id": "cmpl-" + job.id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _events(state: ApiState, request: Request, job: JobRequest, fmt: LineFormat, include_usage: bool,
+                  sub: Subscription) -> AsyncIterator[bytes]:
+    model, created, sent = state.model_name, int(time.time()), 0
+    done = False
+    try:
+        yield _sse(_chunk(job, fmt, model, created, "" if fmt is LineFormat.OPENAI_CHAT else None, None, role=True))
+        deadline = time.monotonic() + state.settings.api_completion_timeout_s
+        result: JobResult | None = None
+        while result is None:
+            if time.monotonic() > deadline:
+                break
+            msg = await sub.next(POLL_STORE_S)
+            if msg is None:
+                result = await _stored_result(state, job.id)
+            elif msg["type"] == "delta" and msg["text"]:
+                sent += len(msg["text"])
+                yield _sse(_chunk(job, fmt, model, created, msg["text"], None))
+            elif msg["type"] == "final":
+                result = msg["result"]
+        if result is None:
+            yield _sse({"error": {"code": "timeout", "type": "timeout", "message": "no result in time", "param": None}})
+        elif result.error_code is not None:
+            yield _sse(openai_response(result, fmt)[1])
+        else:
+            rest = result.text[sent:] if result.text.startswith(result.text[:sent]) else ""
+            finish = None if result.finish_reason is None else result.finish_reason.value
+            last = _chunk(job, fmt, model, created, rest, finish)
+            last["firsttoken"] = firsttoken_extension(result)
+            yield _sse(last)
+            if include_usage:
+                usage = _chunk(job, fmt, model, created, None, None)
+                usage["choices"] = []
+                usage["usage"] = openai_usage(result)
+                yield _sse(usage)
+        yield b"data: [DONE]\n\n"
+        done = True
+    finally:
+        await sub.close()
+        if not done:  # the client went away mid-stream
+            await asyncio.shield(_abandon(state, job.id))
+
+
+async def _complete(request: Request, who: Principal, state: ApiState, fmt: LineFormat) -> Any:
+    job, stream, include_usage, sub = await _start(state, request, fmt, who)
+    if stream:
+        return StreamingResponse(_events(state, request, job, fmt, include_usage, sub), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-firsttoken-job-id": job.id})
+    try:
+        result = await _final(state, request, job, sub)
+    finally:
+        await sub.close()
+    status, body = openai_response(result, fmt, state.model_name)
+    return JSONResponse(body, status_code=status)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, who: Who, state: State) -> Any:
+    """A text completion (OpenAI's /v1/completions), through the queue and a GPU worker."""
+    return await _complete(request, who, state, LineFormat.OPENAI_COMPLETIONS)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, who: Who, state: State) -> Any:
+    """A chat completion (OpenAI's /v1/chat/completions), through the queue and a GPU worker."""
+    return await _complete(request, who, state, LineFormat.OPENAI_CHAT)

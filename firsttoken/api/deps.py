@@ -1,0 +1,162 @@
+"""What every route of the API shares: its state (settings, store, queue, checks), the caller
+(API key -> owner), errors as `{"error": {...}}`, and bodies read up to a limit."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from pipeline.producer import JobCheck, Producer
+from pipeline.queue.base import JobQueue
+from pipeline.settings import Settings
+from pipeline.store import BatchRecord, JobRecord, ResultStore
+from schemas.job import ErrorCode, job_id_of_owner
+
+log = logging.getLogger(__name__)
+
+Canceller = Callable[[Sequence[str], "str | None"], None]
+
+
+class ApiError(Exception):
+    """An error answered as `{"error": {"code", "message", "type", ...}}` with `status`."""
+
+    def __init__(self, status: int, code: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = str(code)
+        self.message = message
+        self.extra = extra
+
+
+class ConfigError(RuntimeError):
+    """The API cannot start with these settings (e.g. no API keys and auth not switched off)."""
+
+
+def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    """The error envelope; `type` repeats the code for OpenAI clients, which read it."""
+    return {"error": {"code": str(code), "type": str(code), "message": message, "param": None, **extra}}
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the owner of the API key (None when authentication is off: sees everything)."""
+
+    owner: str | None
+
+    def may_see(self, owner: str | None) -> bool:
+        """True if this caller may read or change a job, batch or file of `owner`."""
+        return self.owner is None or self.owner == owner
+
+
+@dataclass
+class ApiState:
+    """The app's long-lived parts, built at startup (never at import)."""
+
+    settings: Settings
+    authenticate: Callable[[Request], Principal]
+    store: ResultStore | None = None
+    queue: JobQueue | None = None
+    check: JobCheck | None = None
+    canceller: Canceller | None = None
+    replies: Any = None  # firsttoken.api.replies.ReplyWaiter, when Redis is configured
+    model_name: str = "firsttoken"
+    owned: list[Any] = field(default_factory=list)  # closed at shutdown
+
+    @property
+    def st(self) -> ResultStore:
+        assert self.store is not None, "the app has not started"
+        return self.store
+
+    def producer(self) -> Producer:
+        return Producer(self.queue, self.store)  # type: ignore[arg-type]
+
+    def cancel(self, job_ids: Sequence[str], batch_id: str | None) -> None:
+        """Tell the GPU workers to abort these jobs (the rows are cancelled already)."""
+        if self.canceller is None:
+            return
+        try:
+            self.canceller(job_ids, batch_id)
+        except Exception as exc:  # a worker finishing one writes nothing over a cancelled row
+            log.warning("could not reach the GPU workers to cancel: %s", exc)
+
+    def find_job(self, who: Principal, job_id: str) -> JobRecord:
+        """The caller's job by firsttoken's id, or by the custom id it gave a single job; 404 otherwise."""
+        rec = self.st.get_job(job_id)
+        if rec is None or not who.may_see(rec.owner):
+            rec = self.st.get_job(job_id_of_owner(who.owner, job_id))
+        if rec is None or not who.may_see(rec.owner):
+            raise ApiError(404, "not_found", f"no job {job_id[:200]!r}")
+        return rec
+
+    def find_batch(self, who: Principal, batch_id: str) -> BatchRecord:
+        """The caller's batch; 404 otherwise."""
+        b = self.st.get_batch(batch_id)
+        if b is None or not who.may_see(b.owner):
+            raise ApiError(404, "not_found", f"no batch {batch_id[:200]!r}")
+        return b
+
+
+def api_state(request: Request) -> ApiState:
+    """The app's ApiState."""
+    return request.app.state.api
+
+
+def _principal(request: Request) -> Principal:
+    return request.app.state.api.authenticate(request)
+
+
+State = Annotated[ApiState, Depends(api_state)]
+Who = Annotated[Principal, Depends(_principal)]
+
+
+def authenticator(settings: Settings) -> Callable[[Request], Principal]:
+    """The caller of a request from its Bearer key. Raises ConfigError when there are no keys and
+    authentication is not switched off."""
+    keys = settings.api_key_owners
+    if not keys and not settings.api_no_auth:
+        raise ConfigError(
+            "no API keys: set FIRSTTOKEN_API_KEYS=owner:key,... (keys of 16+ characters), or switch "
+            "authentication off for local use with FIRSTTOKEN_API_NO_AUTH=true (`firsttoken api --no-auth`)"
+        )
+    if settings.api_no_auth:
+
+        def anyone(request: Request) -> Principal:
+            return Principal(None)
+
+        return anyone
+    pairs = [(k.encode(), owner) for k, owner in keys.items()]
+
+    def authenticate(request: Request) -> Principal:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "unauthorized", "send an API key: Authorization: Bearer <key>")
+        given = token.strip().encode("utf-8", "replace")
+        found = None
+        for key, owner in pairs:  # every key compared, in constant time each
+            if hmac.compare_digest(key, given):
+                found = owner
+        if found is None:
+            raise ApiError(401, "unauthorized", "the API key is not valid")
+        return Principal(found)
+
+    return authenticate
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `limit` bytes."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, ErrorCode.TOO_LARGE, f"the body is {length} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, ErrorCode.TOO_LARGE, f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

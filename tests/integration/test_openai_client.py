@@ -1,0 +1,172 @@
+"""The official `openai` client against a running `firsttoken api` (a subprocess on a real port)
+on real Kafka, Postgres and Redis, with a GPU worker (tiny model on CPU) doing the jobs: models;
+chat and text completions, plain and streamed (the streamed text equals the plain greedy text);
+files and batches (upload, create, poll, list, download output and error files, cancel)."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+from pipeline_util import ROOT, in_process_worker, wait_until, worker_env
+
+from pipeline.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+KEY = "openai-test-key-0123456789"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(kafka_bootstrap, postgres_url, redis_url, tmp_path_factory):
+    from workers.engine import EngineConfig, LLMEngine
+
+    tag = uuid.uuid4().hex[:10]
+    s = Settings(
+        kafka_bootstrap=kafka_bootstrap,
+        jobs_topic=f"test.jobs.{tag}",
+        dlq_topic=f"test.jobs.{tag}.dlq",
+        consumer_group=f"test-group-{tag}",
+        jobs_partitions=2,
+        session_timeout_ms=20_000,
+        database_url=postgres_url,
+        redis_url=redis_url,
+    )
+    port = _free_port()
+    env = worker_env(s, "api")
+    env.update({"FIRSTTOKEN_REDIS_URL": redis_url, "FIRSTTOKEN_API_KEYS": f"tester:{KEY}", "FIRSTTOKEN_MODEL": "tiny",
+                "FIRSTTOKEN_CHECK_MODEL": "tiny"})
+    log = (tmp_path_factory.mktemp("api") / "api.log").open("wb")
+    api = subprocess.Popen([sys.executable, "-m", "firsttoken.cli", "api", "--port", str(port)], cwd=ROOT, env=env,
+                           stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    worker = in_process_worker(s, LLMEngine("tiny", EngineConfig(device="cpu")), "w-openai").start()
+    try:
+        def up() -> bool:
+            assert api.poll() is None, "the API exited"
+            try:
+                return httpx.get(base + "/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, 90, "the API to answer")
+        yield base
+    finally:
+        worker.stop()
+        api.terminate()
+        api.wait(30)
+        from pipeline.queue.kafka import delete_topics
+
+        delete_topics(s.kafka_bootstrap_servers, [s.jobs_topic, s.dlq_topic])
+
+
+@pytest.fixture
+def client(stack):
+    import openai
+
+    return openai.OpenAI(base_url=stack + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_models_and_auth(client, stack):
+    import openai
+
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    bad = openai.OpenAI(base_url=stack + "/v1", api_key="not-a-key-0000000000", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_chat_plain_and_streamed_give_the_same_text(client):
+    messages = [{"role": "user", "content": "Say something about Kafka."}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    text = r.choices[0].message.content
+    assert r.object == "chat.completion" and r.choices[0].finish_reason in ("length", "stop")
+    assert 1 <= r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 0
+    ext = r.model_extra["firsttoken"]
+    assert ext["job_id"] and ext["timings"]["ttft_ms"] is not None and ext["timings"]["queue_ms"] is not None
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text  # greedy: the same tokens, delivered piece by piece
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) >= 2
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["firsttoken"]["timings"]["ttft_ms"] is not None
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_text_completions_and_errors(client):
+    import openai
+
+    r = client.completions.create(model="tiny", prompt="The first token", max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and 1 <= r.usage.completion_tokens <= 6
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="The first token", max_tokens=6, temperature=0, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:  # checked at submission against the model's context
+        client.completions.create(model="tiny", prompt="x" * 3000, max_tokens=4)
+    assert e.value.code == "prompt_too_long"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3)
+
+
+def test_files_and_batches(client):
+    import openai
+
+    lines = [
+        {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "tiny", "messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 4,
+                  "temperature": 0}}
+        for i in range(5)
+    ]
+    lines.insert(2, {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+                     "body": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}})
+    lines.append({"custom_id": "req-0", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"messages": [{"role": "user", "content": "dup"}]}})
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    f = client.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch")
+    assert f.bytes == len(data) and f.purpose == "batch"
+    assert client.files.content(f.id).content == data
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata={"run": "test"})
+    assert b.status in ("in_progress", "completed") and b.input_file_id == f.id and b.metadata == {"run": "test"}
+    deadline = time.monotonic() + 120
+    while b.status != "completed":
+        assert time.monotonic() < deadline, b
+        time.sleep(0.3)
+        b = client.batches.retrieve(b.id)
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (7, 5, 2)
+    assert b.completed_at is not None and b.output_file_id and b.error_file_id
+    out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+    assert [x["custom_id"] for x in out] == [f"req-{i}" for i in range(5)]  # input order
+    assert all(x["response"]["status_code"] == 200 and x["response"]["body"]["object"] == "chat.completion"
+               for x in out)
+    errors = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
+    assert [(x["custom_id"], x["response"]["body"]["error"]["code"]) for x in errors] == [
+        ("bad", "invalid_sampling"), ("req-0", "duplicate_id")]
+    assert b.id in [x.id for x in client.batches.list(limit=100)]
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+
+    # cancel: long jobs, cancelled at once
+    long = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": f"long {i}", "max_tokens": 1500, "ignore_eos": True}} for i in range(40)]
+    f2 = client.files.create(file=("long.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in long).encode())),
+                             purpose="batch")
+    b2 = client.batches.create(input_file_id=f2.id, endpoint="/v1/completions", completion_window="24h")
+    c = client.batches.cancel(b2.id)
+    assert c.status == "cancelled" and c.cancelled_at is not None and c.request_counts.failed > 0
