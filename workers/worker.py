@@ -52,6 +52,7 @@ from workers.engine_core import (
     freeze_startup_heap,
 )
 from workers.intake import Intake, error_code_of
+from workers.metrics import worker_registry
 from workers.sink import Outcome, ResultSink, SinkConfig
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class Worker:
         self.name = self.config.name or default_worker_name()
         self.model_name = model_name or self.core.model_name
         self.replies = replies  # live replies to the jobs that ask for them (JobRequest.reply)
+        self.registry, self.metrics = worker_registry(self)  # Prometheus: serve with serve_metrics()
         self._wall = wall_clock
         self.counters = WorkerCounters()
         # Guards what the intake, the results thread and control calls share: the in-flight
@@ -223,6 +225,23 @@ class Worker:
         if targets:
             log.info("cancelling %d running jobs", len(targets))
 
+    @property
+    def engine_stats(self) -> EngineStats | None:
+        """The engine core's latest stats (None before the first)."""
+        return self._stats
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs handed to the engine and not written yet."""
+        return len(self._inflight)
+
+    def serve_metrics(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Serve this worker's Prometheus metrics at http://addr:port/metrics (a daemon thread)."""
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=addr, registry=self.registry)
+        log.info("metrics on %s:%d/metrics", addr, port)
+
     def stats(self) -> dict[str, Any]:
         """The engine's latest stats and this worker's counters, JSON-ready."""
         return {
@@ -280,7 +299,7 @@ class Worker:
             if adds:
                 self.core.submit(adds)  # under the lock: a cancel's abort always follows the add
         if outcomes:
-            self._reply_final(outcomes)
+            self._finished(outcomes)
             self.sink.put(outcomes)
 
     def _overloaded(self) -> bool:
@@ -352,11 +371,12 @@ class Worker:
                 done.append((entry, f))
         outcomes.extend(self._outcome(entry, f) for entry, f in done)
         if outcomes:
-            self._reply_final(outcomes)
+            self._finished(outcomes)
             self.sink.put(outcomes)
 
-    def _reply_final(self, outcomes: list[Outcome]) -> None:
-        """Tell the waiters of these jobs their results (those that asked: JobRequest.reply)."""
+    def _finished(self, outcomes: list[Outcome]) -> None:
+        """Count these results, and tell the waiters of the jobs that asked (JobRequest.reply)."""
+        self.metrics.observe(o.result for o in outcomes)
         if self.replies is None:
             return
         for o in outcomes:
@@ -456,6 +476,7 @@ class WorkerSettings(BaseSettings):
     # GIL of the intake and the Kafka client; False: on a thread of the worker's process.
     engine_process: bool = True
     torch_threads: int | None = None  # torch's intra-op threads in the engine (CPU engines); None: torch's default
+    metrics_port: int | None = None  # serve Prometheus metrics on this port (/metrics); None: not served
 
 
 def build_worker(
@@ -501,6 +522,8 @@ def build_worker(
         sink=SinkConfig(batch_rows=s.store_batch_rows, max_buffer=ws.sink_max_buffer),
     )
     worker = Worker(core, consumer, store, config, model_name=ws.model, replies=ReplyPublisher(s.redis_url))
+    if ws.metrics_port is not None:
+        worker.serve_metrics(ws.metrics_port)
     freeze_startup_heap()
     return worker
 

@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from firsttoken.api import batches, completions, files, jobs
+from firsttoken.api import batches, completions, files, jobs, metrics
 from firsttoken.api.deps import ApiError, ApiState, Canceller, ConfigError, authenticator, error_body
 from pipeline.producer import JobCheck
 from pipeline.queue.base import JobQueue
@@ -101,6 +101,8 @@ def create_app(
 
     app = FastAPI(title="firsttoken", version="0.2", lifespan=lifespan)
     app.state.api = state
+    app.state.metrics = metrics.ApiMetrics(lambda: state.store)
+    app.middleware("http")(app.state.metrics.middleware)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -135,6 +137,6 @@ def create_app(
             raise ApiError(503, "unavailable", f"database: {type(exc).__name__}") from None
         return {"ok": True}
 
-    for module in (jobs, batches, files, completions):
+    for module in (jobs, batches, files, completions, metrics):
         app.include_router(module.router)
     return app

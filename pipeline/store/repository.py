@@ -606,6 +606,21 @@ class ResultStore:
                 return
             last = rows[-1].id
 
+    def backlog(self) -> tuple[dict[JobStatus, int], float | None]:
+        """Jobs not finished yet: queued and running counts, and the oldest queued job's
+        submission time (epoch seconds; None when nothing is queued). Index scans only."""
+        with self.engine.connect() as conn:
+            counts = {
+                JobStatus(st): n
+                for st, n in conn.execute(
+                    select(jobs.c.status, func.count()).where(jobs.c.status.in_(_NOT_TERMINAL)).group_by(jobs.c.status)
+                )
+            }
+            oldest = conn.execute(
+                select(func.min(jobs.c.submitted_at)).where(jobs.c.status == JobStatus.QUEUED.value)
+            ).scalar()
+        return counts, oldest
+
     def batch_progress(self, batch_id: str) -> BatchProgress:
         """Job counts by status for one batch (from the jobs table)."""
         with self.engine.connect() as conn:

@@ -1,0 +1,75 @@
+"""The API's Prometheus metrics at `GET /metrics`: its requests (count and duration by route and
+status) and, read from the store at each scrape, the backlog: jobs queued and running, and the
+age of the oldest queued job (`firsttoken:queue_lag_seconds`). The GPU workers serve their own
+(engine gauges, TTFT and the other job histograms: workers.metrics)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterator
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.concurrency import run_in_threadpool
+
+from firsttoken.api.deps import State
+from pipeline.metrics import PREFIX
+from schemas.job import JobStatus
+
+router = APIRouter(tags=["metrics"])
+
+
+class BacklogCollector(Collector):
+    """Jobs queued and running, and the queue's lag, from the store."""
+
+    def __init__(self, store_of: Callable[[], object]) -> None:
+        self.store_of = store_of
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        store = self.store_of()
+        if store is None:
+            return
+        counts, oldest = store.backlog()  # type: ignore[attr-defined]
+        jobs = GaugeMetricFamily(PREFIX + "jobs", "Jobs not finished yet, by status", labels=["status"])
+        for status in (JobStatus.QUEUED, JobStatus.RUNNING):
+            jobs.add_metric([status.value], counts.get(status, 0))
+        yield jobs
+        lag = GaugeMetricFamily(PREFIX + "queue_lag_seconds", "Age of the oldest job still queued (0: none)")
+        lag.add_metric([], 0.0 if oldest is None else max(0.0, time.time() - oldest))
+        yield lag
+
+
+class ApiMetrics:
+    """The API's registry: request counts and durations, and the backlog collector."""
+
+    def __init__(self, store_of: Callable[[], object]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(PREFIX + "api_requests", "HTTP requests by route, method and status",
+                                ["route", "method", "status"], registry=self.registry)
+        self.duration = Histogram(PREFIX + "api_request_duration_seconds", "HTTP request duration by route",
+                                  ["route", "method"], registry=self.registry,
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.registry.register(BacklogCollector(store_of))
+
+    async def middleware(self, request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            route = request.scope.get("route")
+            path = getattr(route, "path", "unmatched")  # the route's template: no ids in labels
+            self.requests.labels(path, request.method, str(status)).inc()
+            self.duration.labels(path, request.method).observe(time.perf_counter() - t0)
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request, state: State) -> Response:
+    """Prometheus text format (no key needed: counts and durations only, never prompts)."""
+    m: ApiMetrics = request.app.state.metrics
+    body = await run_in_threadpool(generate_latest, m.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

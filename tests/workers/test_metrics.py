@@ -1,0 +1,84 @@
+"""Prometheus metrics of a GPU worker (its results and its engine's gauges) and of the API (its
+requests and the store's backlog), read back as Prometheus scrapes them."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from firsttoken.api import create_app
+from pipeline.settings import Settings
+from schemas.job import JobRequest
+from tests.workers.conftest import all_committed, jobs, make_engine_tiny, wait_until
+from workers.worker import Worker, WorkerConfig
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _value(samples, name: str, **labels: str) -> float:
+    hits = [v for (n, ls), v in samples.items() if n == name and all((k, v_) in ls for k, v_ in labels.items())]
+    assert hits, (name, labels)
+    return sum(hits)
+
+
+def test_worker_metrics_count_its_results_and_show_its_engine(queue, store):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w = Worker(make_engine_tiny(), queue.consumer(), store, WorkerConfig(name="w-metrics"), model_name="tiny").start()
+    try:
+        w.serve_metrics(port, addr="127.0.0.1")
+        batch = jobs(6, max_tokens=4)
+        batch.append(JobRequest(id="bad", prompt="x" * 5000))  # longer than the tiny model's context
+        queue.publish(batch)
+        wait_until(lambda: all_committed(queue), what="every offset committed")
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    finally:
+        w.stop()
+    m = _samples(text)
+    labels = {"worker": "w-metrics", "model_name": "tiny"}
+    assert _value(m, "firsttoken:time_to_first_token_seconds_count", **labels) == 6
+    assert _value(m, "firsttoken:e2e_request_latency_seconds_count", **labels) == 6
+    assert _value(m, "firsttoken:inter_token_latency_seconds_count", **labels) == 6
+    assert _value(m, "firsttoken:generation_tokens_total", **labels) == 24
+    rows = store.get_jobs([j.id for j in batch[:6]]).values()
+    assert _value(m, "firsttoken:prompt_tokens_total", **labels) == sum(r.usage.prompt_tokens for r in rows)
+    assert _value(m, "firsttoken:prefix_cache_queries_total", **labels) == sum(r.usage.prompt_tokens for r in rows)
+    assert _value(m, "firsttoken:request_results_total", status="failed", error_code="prompt_too_long") == 1
+    assert _value(m, "firsttoken:request_results_total", status="succeeded") == 6
+    assert _value(m, "firsttoken:num_requests_running", **labels) == 0
+    assert 0.0 <= _value(m, "firsttoken:kv_cache_usage_perc", **labels) <= 1.0
+    assert _value(m, "firsttoken:jobs_in_flight", **labels) == 0
+
+
+def test_api_metrics_show_requests_and_the_backlog(store, queue):
+    app = create_app(Settings(api_no_auth=True), store=store, queue=queue, canceller=None, replies=None)
+    with TestClient(app) as c:
+        for i in range(3):
+            assert c.post("/v1/jobs", json={"id": f"m{i}", "prompt": "hi"}).status_code == 202
+        assert c.get("/v1/jobs/m1").status_code == 200
+        assert c.get("/v1/jobs/nope").status_code == 404
+        m = _samples(c.get("/metrics").text)
+    assert _value(m, "firsttoken:jobs", status="queued") == 3 and _value(m, "firsttoken:jobs", status="running") == 0
+    assert _value(m, "firsttoken:queue_lag_seconds") > 0
+    assert _value(m, "firsttoken:api_requests_total", route="/v1/jobs", method="POST", status="202") == 3
+    # routes by template: no job ids in the labels
+    assert _value(m, "firsttoken:api_requests_total", route="/v1/jobs/{job_id}", status="404") == 1
+    assert not [k for k in m if "m1" in str(k) or "nope" in str(k)]
+
+
+@pytest.fixture
+def queue():
+    from pipeline.queue import LocalQueue
+
+    return LocalQueue(partitions=1)
