@@ -163,3 +163,48 @@ def test_the_dockerfile_copies_what_exists():
 
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     assert {pattern.rstrip("*") for pattern in include} <= set(copied)
+
+
+def test_observability_scrapes_what_serves_metrics_and_charts_what_exists(services: dict):
+    import json
+    import re
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from firsttoken.api.metrics import ApiMetrics
+    from pipeline.metrics import JobMetrics
+    from workers.engine.outputs import EngineStats
+    from workers.metrics import WorkerCollector
+
+    prom = yaml.safe_load((ROOT / "observability" / "prometheus.yml").read_text())
+    targets = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]] for job in prom["scrape_configs"]}
+    api_port = services["api"]["command"][services["api"]["command"].index("--port") + 1]
+    assert targets["firsttoken-api"] == [f"api:{api_port}"]
+    workers = gpu_workers(services)
+    assert sorted(targets["firsttoken-gpu-workers"]) == sorted(
+        f"{name}:{svc['environment']['FIRSTTOKEN_METRICS_PORT']}" for name, svc in workers.items()
+    )
+    for name in ("prometheus", "grafana"):  # the files they mount are in the repository
+        for v in services[name]["volumes"]:
+            src = v.split(":")[0]
+            if src.startswith("./"):
+                assert (ROOT / src).exists(), (name, src)
+
+    # every metric the dashboard charts is one the API or a worker exports
+    registry = CollectorRegistry()
+    JobMetrics(registry, {"worker": "w", "model_name": "m"})
+    stats = EngineStats(running=1, waiting=0, kv_blocks_total=10, kv_blocks_used=1, kv_blocks_free=9,
+                        prefix_hit_rate=0.0, num_preemptions=0, prompt_tokens_per_s=0.0,
+                        generation_tokens_per_s=0.0, steps=1, step_seconds=0.0, kernel_backend="torch",
+                        cuda_graphs=False, async_scheduling=False, kv_cache_dtype="float32")
+    fake = SimpleNamespace(name="w", model_name="m", engine_stats=stats, in_flight=0,
+                           intake=SimpleNamespace(paused=False), sink=SimpleNamespace(buffered=0, store_ok=True))
+    registry.register(WorkerCollector(fake))  # type: ignore[arg-type]
+    suffixes = {"histogram": ("_bucket", "_count", "_sum"), "counter": ("_total",)}
+    families = [*registry.collect(), *ApiMetrics(lambda: None).registry.collect()]
+    exported = {f.name + sfx for f in families for sfx in suffixes.get(f.type, ("",))}
+    exported |= {"firsttoken:jobs", "firsttoken:queue_lag_seconds"}  # the backlog, read from a store
+    dash = json.loads((ROOT / "observability" / "grafana" / "dashboards" / "firsttoken.json").read_text())
+    used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"firsttoken:[a-z0-9_]+", t["expr"])}
+    assert len(used) >= 10 and sorted(used - exported) == []
