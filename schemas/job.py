@@ -350,20 +350,26 @@ class JobTimings(BaseModel):
     """When things happened to one job and how long they took.
 
     Instants that cross processes are wall-clock epoch seconds: `submitted_at` (producer),
-    `admitted_at` (a worker took it into its engine queue), `first_token_at`, `finished_at`. Durations in milliseconds:
-    `queue_ms` = admitted - submitted, `ttft_ms` = first token - submitted (what the user waits,
-    queue included), `engine_ttft_ms` = first token - admitted (measured on the worker's monotonic
-    clock), `prefill_ms` (the prompt's forward passes), `tpot_ms` = mean time per output token after
-    the first, `e2e_ms` = finished - submitted.
+    `admitted_at` (a worker took it into its engine queue), `scheduled_at` (the engine first ran
+    it), `first_token_at`, `finished_at`. Durations in milliseconds: `ttft_ms` = first token -
+    submitted (what the user waits, queue included), `queue_ms` = the waiting for capacity in it
+    (in Kafka while the worker held off for back-pressure, then in the engine's waiting queue until
+    its first step), `overhead_ms` = the pipeline's own part of it (submitted -> admitted, less the
+    back-pressure wait: produce, broker, fetch, hand-off), `engine_ttft_ms` = first token -
+    admitted (the worker's monotonic clock), `prefill_ms` (the prompt's forward passes), `tpot_ms`
+    = mean time per output token after the first, `e2e_ms` = finished - submitted. So ttft_ms =
+    overhead_ms + queue_ms + (first token - scheduled).
     """
 
     model_config = ConfigDict(extra="forbid")
 
     submitted_at: float | None = Field(default=None, ge=0)
     admitted_at: float | None = Field(default=None, ge=0)
+    scheduled_at: float | None = Field(default=None, ge=0)
     first_token_at: float | None = Field(default=None, ge=0)
     finished_at: float | None = Field(default=None, ge=0)
     queue_ms: float | None = Field(default=None, ge=0)
+    overhead_ms: float | None = Field(default=None, ge=0)
     ttft_ms: float | None = Field(default=None, ge=0)
     engine_ttft_ms: float | None = Field(default=None, ge=0)
     prefill_ms: float | None = Field(default=None, ge=0)
@@ -382,11 +388,15 @@ class JobTimings(BaseModel):
         engine_ttft_ms: float | None = None,
         prefill_ms: float | None = None,
         tpot_ms: float | None = None,
+        scheduled_at: float | None = None,
+        queue_ms: float | None = None,
+        overhead_ms: float | None = None,
     ) -> JobTimings:
         """Timings with the cross-process durations derived from the epoch instants.
 
-        Durations measured on the worker's monotonic clock (`engine_ttft_ms`, `prefill_ms`,
-        `tpot_ms`) are passed in and win; when absent they are derived from the instants.
+        Durations measured on the worker (`engine_ttft_ms`, `prefill_ms`, `tpot_ms`, `queue_ms`,
+        `overhead_ms`) are passed in and win; when absent they are derived from the instants
+        (queue_ms as submitted -> admitted, with no overhead known).
         """
         if engine_ttft_ms is None:
             engine_ttft_ms = _ms(admitted_at, first_token_at)
@@ -396,9 +406,11 @@ class JobTimings(BaseModel):
         return cls(
             submitted_at=submitted_at,
             admitted_at=admitted_at,
+            scheduled_at=scheduled_at,
             first_token_at=first_token_at,
             finished_at=finished_at,
-            queue_ms=_ms(submitted_at, admitted_at),
+            queue_ms=_ms(submitted_at, admitted_at) if queue_ms is None else queue_ms,
+            overhead_ms=overhead_ms,
             ttft_ms=_ms(submitted_at, first_token_at),
             engine_ttft_ms=engine_ttft_ms,
             prefill_ms=prefill_ms,

@@ -67,6 +67,9 @@ class Intake:
         self._taking = True  # false while draining: poll (stay in the group) but deliver nothing
         self._stop = threading.Event()
         self._paused = False
+        # back-pressure intervals (wall clock), the open one last with end None: how long a job
+        # waited because this worker held off (firsttoken's queue time, not its overhead)
+        self._pause_log: deque[list[float | None]] = deque(maxlen=4096)
         self._last_commit = 0.0
         self._commit_error: str | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -89,6 +92,17 @@ class Intake:
     def paused(self) -> bool:
         """True while the partitions are paused for back-pressure (or draining)."""
         return self._paused
+
+    def paused_between(self, start: float, end: float) -> float:
+        """Seconds of [start, end] (wall clock) this intake spent paused: what a job submitted at
+        `start` and taken at `end` waited for this worker to have room."""
+        total = 0.0
+        for a, b in reversed(list(self._pause_log)):
+            b = end if b is None else b
+            if b <= start:
+                break  # the log is in time order: the rest ended earlier still
+            total += max(0.0, min(b, end) - max(a, start))  # type: ignore[type-var,operator]
+        return total
 
     def start(self) -> None:
         """Start the polling thread."""
@@ -134,10 +148,13 @@ class Intake:
             self.consumer.pause()
             self._paused = True
             self.pauses += 1
+            self._pause_log.append([time.time(), None])
             log.debug("intake paused")
         elif not want and self._paused:
             self.consumer.resume()
             self._paused = False
+            if self._pause_log:
+                self._pause_log[-1][1] = time.time()
             log.debug("intake resumed")
 
     def _commit(self, *, force: bool) -> None:

@@ -90,6 +90,7 @@ class _InFlight:
     admitted_at: float  # epoch, when the intake handed it to the engine core
     admitted_mono: float
     first_token_mono: float | None = None
+    paused_s: float = 0.0  # of submitted -> admitted, the time this worker held off (back-pressure)
 
 
 @dataclass
@@ -294,7 +295,8 @@ class Worker:
                         stream=job.reply == "stream",
                     )
                 )
-                self._inflight[job.id] = _InFlight(job, [msg], submitted, wall, mono)
+                paused = self.intake.paused_between(submitted, wall)
+                self._inflight[job.id] = _InFlight(job, [msg], submitted, wall, mono, paused_s=paused)
                 self.counters.admitted += 1
             if adds:
                 self.core.submit(adds)  # under the lock: a cancel's abort always follows the add
@@ -410,15 +412,23 @@ class Worker:
             return None if mono is None else entry.admitted_at + (mono - entry.admitted_mono)
 
         first_mono = entry.first_token_mono if entry.first_token_mono is not None else t.first_token
+        transit_ms = max(0.0, (entry.admitted_at - entry.submitted_at) * 1e3)
+        paused_ms = min(transit_ms, entry.paused_s * 1e3)
+        queue_ms = None
+        if t.first_scheduled is not None:  # back-pressure wait, then the engine's waiting queue
+            queue_ms = paused_ms + max(0.0, (t.first_scheduled - entry.admitted_mono) * 1e3)
         timings = JobTimings.from_instants(
             submitted_at=entry.submitted_at,
             admitted_at=entry.admitted_at,
+            scheduled_at=wall(t.first_scheduled),
             first_token_at=wall(first_mono),
             finished_at=wall(t.finished),
             completion_tokens=f.usage.completion_tokens,
             engine_ttft_ms=None if first_mono is None else max(0.0, (first_mono - entry.admitted_mono) * 1e3),
             prefill_ms=t.prefill_ms,
             tpot_ms=f.tpot_ms,
+            queue_ms=queue_ms,
+            overhead_ms=transit_ms - paused_ms,
         )
         job = entry.request
         cancelled = f.finish_reason == "abort"

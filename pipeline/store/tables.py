@@ -69,6 +69,9 @@ jobs = Table(
     Column("model", String(ID_LEN), nullable=True),
     Column("error_code", String(32), nullable=True),
     Column("error_message", Text, nullable=True),
+    # added by revision 0004: when the engine first ran it, and the pipeline's own part of TTFT
+    Column("scheduled_at", Float, nullable=True),
+    Column("overhead_ms", Float, nullable=True),
     # row bookkeeping, epoch seconds
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
@@ -127,9 +130,11 @@ RESULT_COLUMNS = (
     "completion_tokens",
     "submitted_at",
     "admitted_at",
+    "scheduled_at",
     "first_token_at",
     "finished_at",
     "queue_ms",
+    "overhead_ms",
     "ttft_ms",
     "engine_ttft_ms",
     "prefill_ms",
@@ -141,4 +146,4 @@ RESULT_COLUMNS = (
     "error_message",
 )
 
-LATENCY_METRICS = ("queue_ms", "ttft_ms", "engine_ttft_ms", "prefill_ms", "tpot_ms", "e2e_ms")
+LATENCY_METRICS = ("queue_ms", "overhead_ms", "ttft_ms", "engine_ttft_ms", "prefill_ms", "tpot_ms", "e2e_ms")
