@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -164,6 +165,7 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
             batch_id=args.batch_id,
             default_max_tokens=args.max_tokens,
             engine_config=_engine_config(args),
+            progress=False if args.no_progress else None,
         )
     counts = ", ".join(f"{n} {k}" for k, n in sorted(s.counts.items()))
     print(
@@ -216,7 +218,73 @@ def cmd_submit(args: argparse.Namespace, out: TextIO) -> int:
     for e in s.errors[:20]:
         print(f"# {e.error_code}: {e.error_message}", file=sys.stderr)
     print(f"# {s.submitted} jobs in {s.seconds:.2f}s ({s.jobs_per_s:.0f} jobs/s)", file=sys.stderr)
+    if args.wait:
+        if args.no_db:
+            raise CliError("--wait follows the batch in the database: it cannot be used with --no-db")
+        return _watch_until_done(_db_url(args), s.batch_id, progress=not args.no_progress)
     return EXIT_SOME_FAILED if s.invalid else EXIT_OK
+
+
+def _watch_until_done(db: str, batch_id: str, *, progress: bool = True, timeout_s: float | None = None) -> int:
+    """Follow a batch to its end with a progress bar; the exit code of its outcome."""
+    from firsttoken.report import status_line, watch
+    from pipeline.store import ResultStore
+
+    store = ResultStore.from_url(db)
+    try:
+        b = watch(store, batch_id, out=sys.stderr if progress else open(os.devnull, "w"), timeout_s=timeout_s)  # noqa: SIM115
+    finally:
+        store.close()
+    if b is None:
+        raise CliError(f"no batch {batch_id!r}")
+    print(f"# {status_line(b)}", file=sys.stderr)
+    return _outcome_code(b)
+
+
+def _outcome_code(b: Any) -> int:
+    from schemas.job import JobStatus
+
+    p = b.progress
+    total = p.total if p.total is not None else p.recorded
+    return EXIT_OK if b.status == "completed" and p.count(JobStatus.SUCCEEDED) == total else EXIT_SOME_FAILED
+
+
+def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
+    """A batch's status and counts; --watch follows it to its end with a progress bar."""
+    from firsttoken.report import status_line
+    from pipeline.store import ResultStore
+
+    db = _db_url(args)
+    if args.watch:
+        return _watch_until_done(db, args.batch_id)
+    store = ResultStore.from_url(db)
+    try:
+        store.finalize_batch(args.batch_id)
+        b = store.get_batch(args.batch_id)
+    finally:
+        store.close()
+    if b is None:
+        raise CliError(f"no batch {args.batch_id!r}")
+    out.write(status_line(b) + "\n")
+    return _outcome_code(b) if b.status in ("completed", "cancelled") else EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace, out: TextIO) -> int:
+    """A batch's latency percentiles, and a PNG and an HTML report."""
+    from firsttoken.report import write_report
+    from pipeline.store import ResultStore
+
+    store = ResultStore.from_url(_db_url(args))
+    try:
+        try:
+            table, png, page = write_report(store, args.batch_id, Path(args.out or f"report-{args.batch_id[:60]}"))
+        except LookupError:
+            raise CliError(f"no batch {args.batch_id!r}") from None
+    finally:
+        store.close()
+    out.write(table + "\n")
+    print(f"# wrote {png} and {page}", file=sys.stderr)
+    return EXIT_OK
 
 
 def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
@@ -340,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--db", default=None, help="database URL (default: sqlite:///firsttoken.db)")
     r.add_argument("--batch-id", default=None, help="default: derived from the file's path (re-runs resume)")
     r.add_argument("--max-tokens", type=int, default=None, help="for lines that do not set max_tokens")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("submit", help="submit a JSONL batch file to Kafka")
@@ -351,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None,
                    help="the workers' model (preset or checkpoint directory): check prompts against its context now")
     s.add_argument("--max-model-len", type=int, default=None, help="the workers' --max-model-len, with --model")
+    s.add_argument("--wait", action="store_true", help="follow the batch to its end (progress bar); exit code by outcome")
+    s.add_argument("--no-progress", action="store_true", help="with --wait: no progress bar")
     s.set_defaults(func=cmd_submit)
 
     w = sub.add_parser("worker", help="a GPU worker without Celery (Kafka -> engine -> database)")
@@ -373,6 +444,18 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--output", "-o", default=None, help="output JSONL (default: stdout)")
     res.add_argument("--db", default=None, help="database URL (default: FIRSTTOKEN_DATABASE_URL)")
     res.set_defaults(func=cmd_results)
+
+    st = sub.add_parser("status", help="a batch's status and counts (--watch: follow it to its end)")
+    st.add_argument("batch_id")
+    st.add_argument("--watch", action="store_true", help="a progress bar until the batch ends")
+    st.add_argument("--db", default=None, help="database URL (default: FIRSTTOKEN_DATABASE_URL)")
+    st.set_defaults(func=cmd_status)
+
+    rp = sub.add_parser("report", help="a batch's latency percentiles, plus a PNG and an HTML report")
+    rp.add_argument("batch_id")
+    rp.add_argument("--out", default=None, help="directory for report.png and report.html (default: report-BATCH)")
+    rp.add_argument("--db", default=None, help="database URL (default: FIRSTTOKEN_DATABASE_URL)")
+    rp.set_defaults(func=cmd_report)
     return p
 
 

@@ -53,12 +53,14 @@ def run_file(
     default_max_tokens: int | None = None,
     engine_config: object | None = None,
     worker_name: str | None = None,
+    progress: bool | None = None,
 ) -> RunSummary:
     """Run every job of a JSONL batch file in this process; write results to the database and,
     in input order, to `output` (stdout when None).
 
     Lines are checked against the model's context as they are submitted (prompt_too_long at
-    once). Raises BatchConflict when `batch_id` already holds another input.
+    once). Raises BatchConflict when `batch_id` already holds another input. `progress`: a
+    progress bar on stderr (None: when stderr is a terminal).
     """
     from workers.engine import EngineConfig
     from workers.engine.prompts import SubmitCheck
@@ -86,7 +88,7 @@ def run_file(
             if sub.submitted:
                 if worker is None:  # rows of an ended batch were removed: run them after all
                     worker = _start_worker(queue, store, model, cfg, worker_name)
-                _wait_until_done(queue, worker)
+                _wait_until_done(queue, worker, progress)
         finally:
             if worker is not None:
                 worker.stop(drain=True, timeout_s=5.0)
@@ -125,10 +127,20 @@ def _start_worker(
     return worker
 
 
-def _wait_until_done(queue: LocalQueue, worker: object) -> None:
+def _wait_until_done(queue: LocalQueue, worker: object, progress: bool | None) -> None:
+    from tqdm import tqdm
+
     end = queue.end_offsets()
-    while queue.committed() != end:
-        failed = worker.failed_with  # type: ignore[attr-defined]
-        if failed is not None:
-            raise RuntimeError(f"the engine failed: {failed!r}") from failed
-        time.sleep(0.02)
+    total = sum(end.values())
+    with tqdm(total=total, unit="job", disable=None if progress is None else not progress, file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        while True:
+            done = sum(queue.committed().values())
+            bar.n = done
+            bar.refresh()
+            if done >= total and queue.committed() == end:
+                return
+            failed = worker.failed_with  # type: ignore[attr-defined]
+            if failed is not None:
+                raise RuntimeError(f"the engine failed: {failed!r}") from failed
+            time.sleep(0.05)

@@ -207,3 +207,22 @@ def test_submit_cli_fuzz_every_good_line_succeeds_every_bad_one_fails_alone(
     path.write_bytes(lines[good_lines[0] - 1] + b"\n")
     r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "different input" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_submit_wait_follows_the_batch_to_its_end(kafka_settings, postgres_url, store, engines, tmp_path):
+    s = settings_for(kafka_settings, postgres_url)
+    batch = f"wait-{tag()}"
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(json.dumps({"id": f"w{i}", "prompt": f"wait {i}", "max_tokens": 3}) + "\n" for i in range(6)))
+    env = worker_env(s, "submitter")
+    worker = in_process_worker(s, engines[0], "w-wait").start()
+    try:
+        cmd = [sys.executable, "-m", "firsttoken.cli", "submit", str(path), "--batch-id", batch, "--wait"]
+        r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr  # every line succeeded
+        assert f"batch {batch} completed: 6/6 done (6 succeeded)" in r.stderr
+        r = subprocess.run([sys.executable, "-m", "firsttoken.cli", "status", batch], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == f"batch {batch} completed: 6/6 done (6 succeeded)"
+    finally:
+        worker.stop()

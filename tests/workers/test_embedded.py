@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from sqlalchemy import text
 
 from firsttoken.cli import EXIT_ERROR, EXIT_OK, EXIT_SOME_FAILED, main
@@ -279,3 +280,36 @@ def test_a_killed_run_leaves_the_previous_output(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(30)
     assert out.read_text() == "previous results\n"
+
+
+def test_status_and_report_of_a_batch(tmp_path, capsys):
+    import base64
+    import re
+
+    db = f"sqlite:///{tmp_path / 'run.db'}"
+    _write(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "x" * (5 + 40 * i), "max_tokens": 3, "temperature": 0}
+                                   for i in range(12)] + [{"id": "bad", "prompt": "x", "max_tokens": 0}])
+    run(tmp_path, db, batch="REP")
+    capsys.readouterr()
+    assert main(["status", "REP", "--db", db]) == EXIT_SOME_FAILED
+    assert capsys.readouterr().out.strip() == "batch REP completed: 13/13 done (12 succeeded, 1 failed)"
+    assert main(["status", "REP", "--db", db, "--watch"]) == EXIT_SOME_FAILED  # ended: returns at once
+    assert main(["status", "nope", "--db", db]) == EXIT_ERROR
+    capsys.readouterr()
+    out = tmp_path / "rep"
+    assert main(["report", "REP", "--db", db, "--out", str(out)]) == EXIT_OK
+    table = capsys.readouterr().out
+    ttft_row = next(line for line in table.splitlines() if line.startswith("ttft_ms"))
+    assert ttft_row.split()[1] == "12"  # the succeeded jobs
+    store = ResultStore.from_url(db)
+    try:
+        p50 = store.latency_stats(metrics=("ttft_ms",), by=(), batch_id="REP")[0].p50
+    finally:
+        store.close()
+    assert float(ttft_row.split()[2]) == pytest.approx(p50, abs=0.01)  # the same percentile as SQL's
+    png = (out / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    page = (out / "report.html").read_text()
+    embedded = re.search(r'src="data:image/png;base64,([^"]+)"', page)
+    assert embedded and base64.b64decode(embedded.group(1)) == png  # self-contained
+    assert "batch REP completed" in page and "<td>ttft_ms</td><td>12</td>" in page
