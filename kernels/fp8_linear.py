@@ -1,0 +1,56 @@
+"""FP8 (e4m3) W8A8 linear layers: weights quantized once per output channel, activations per
+token at run time, the product accumulated in fp32.
+
+`fp8_linear_ref` is the reference (and the CPU path): it dequantizes both operands and multiplies
+in fp32, which is what an FP8 tensor-core GEMM with fp32 accumulation computes, up to the order
+of the sums. `fp8_linear_scaled_mm` runs the GEMM on the GPU with `torch._scaled_mm` (row-wise
+scales: one per token for the activations, one per output channel for the weights; sm89+).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
+
+def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [R, C] -> (q: [R, C] e4m3, scale: [R, 1] fp32) with x ~= q * scale, each row scaled so
+    that its largest magnitude maps to e4m3's largest value."""
+    # x: [R, C]
+    amax = x.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=eps)  # [R, 1]
+    scale = amax / FP8_MAX
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def fp8_linear_ref(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [T, K] (any float dtype), w_q: [N, K] e4m3, w_scale: [N, 1] fp32 -> [T, N] in x's dtype:
+    x quantized per token, both dequantized, multiplied in fp32."""
+    x_q, x_scale = quantize_rowwise(x)  # [T, K], [T, 1]
+    out = (x_q.float() * x_scale) @ (w_q.float() * w_scale).t()  # [T, N] fp32
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def fp8_linear_scaled_mm(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The same on CUDA with torch._scaled_mm (FP8 tensor cores, fp32 accumulation). K and N must be
+    multiples of 16; w_q.t() is column-major, as _scaled_mm wants its second operand."""
+    x_q, x_scale = quantize_rowwise(x)  # [T, K], [T, 1]
+    return torch._scaled_mm(
+        x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.t().contiguous(), bias=bias, out_dtype=x.dtype
+    )
+
+
+def scaled_mm_supported(device: torch.device, k: int, n: int) -> bool:
+    """True when torch._scaled_mm can run these shapes here (CUDA sm89+, K and N multiples of 16)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    return (major, minor) >= (8, 9) and k % 16 == 0 and n % 16 == 0
