@@ -98,6 +98,18 @@ class OpenAIBatchRequest(BaseModel):
     metadata: dict[str, str] | None = None
 
 
+def openai_status(b: BatchRecord) -> str:
+    """The OpenAI Batch status of a batch: `validating` while its input is still being read (no
+    total yet), `finalizing` once every job ended but before the batch is marked completed, then
+    `in_progress`, `completed` or `cancelled`."""
+    if b.status == "open":
+        if b.total_jobs is None:
+            return "validating"
+        if b.progress.complete:
+            return "finalizing"
+    return _OPENAI_STATUS.get(b.status, b.status)
+
+
 def batch_view(b: BatchRecord) -> BatchView:
     """The OpenAI Batch object of a batch, with firsttoken's fields."""
     p = b.progress
@@ -112,7 +124,7 @@ def batch_view(b: BatchRecord) -> BatchView:
         endpoint=oa.get("endpoint"),
         input_file_id=oa.get("input_file_id"),
         completion_window=oa.get("completion_window", "24h"),
-        status=_OPENAI_STATUS.get(b.status, b.status),
+        status=openai_status(b),
         output_file_id=OUTPUT_PREFIX + b.id if ended and succeeded else None,
         error_file_id=ERRORS_PREFIX + b.id if ended and failed else None,
         created_at=int(b.created_at),

@@ -59,31 +59,46 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: f
 def read_topic(bootstrap: str, topic: str, n: int, timeout_s: float = 60.0) -> list:
     """At least the first n records of a topic, read from its beginning outside any group.
 
-    The reader drives kafka-python's event loop on this thread, as the workers do, and sends a
-    request that got no answer again after 5 s instead of 30: a reader that saw nothing for 20 s
-    (with the records on the broker) failed a CI run of af40ffd."""
-    from kafka import KafkaConsumer
+    Each attempt is a fresh consumer that assigns the topic's partitions itself and seeks to
+    their beginning, driving kafka-python's event loop on this thread as the workers do, and
+    re-sends an unanswered request after 5 s. An attempt that saw too few records in 15 s is
+    replaced by a new one: CI runs of af40ffd and 2c4bb40.. saw a subscribed reader get nothing
+    for a minute with the records on the broker (every row and commit was right), which a new
+    client reading the same partitions does not repeat."""
+    from kafka import KafkaConsumer, TopicPartition
 
     from pipeline.queue.kafka import polling_thread_client
 
-    c = KafkaConsumer(
-        topic,
-        bootstrap_servers=bootstrap,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        request_timeout_ms=5_000,
-        kafka_client=polling_thread_client,
-    )
-    got: list = []
-    try:
-        wait_until(
-            lambda: got.extend(r for rs in c.poll(timeout_ms=500).values() for r in rs) or len(got) >= n,
-            timeout_s,
-            f"{n} records on {topic}",
+    deadline = time.monotonic() + timeout_s
+    got: dict[tuple[int, int], object] = {}
+    while True:
+        c = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            enable_auto_commit=False,
+            request_timeout_ms=5_000,
+            kafka_client=polling_thread_client,
         )
-    finally:
-        c.close()
-    return got
+        try:
+            attempt_end = min(deadline, time.monotonic() + 15.0)
+            parts = None
+            while parts is None and time.monotonic() < attempt_end:
+                parts = c.partitions_for_topic(topic)
+                if parts is None:
+                    time.sleep(0.2)
+            if parts:
+                tps = [TopicPartition(topic, p) for p in sorted(parts)]
+                c.assign(tps)
+                c.seek_to_beginning(*tps)
+                while len(got) < n and time.monotonic() < attempt_end:
+                    for rs in c.poll(timeout_ms=500).values():
+                        for r in rs:
+                            got[(r.partition, r.offset)] = r
+        finally:
+            c.close()
+        if len(got) >= n:
+            return [got[k] for k in sorted(got)]
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {n} records on {topic} (got {len(got)})")
 
 
 def terminal_count(store: ResultStore, batch_id: str) -> int:

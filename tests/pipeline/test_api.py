@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from firsttoken.api import ConfigError, create_app
 from pipeline.queue import LocalQueue
 from pipeline.settings import Settings, parse_api_keys
-from schemas.job import JobStatus
+from schemas.job import ErrorCode, JobStatus
 from tests.fuzz_inputs import bad_lines
 
 KEY_A = "alice-key-0123456789"
@@ -248,3 +248,22 @@ def test_openai_routes_refuse_bad_input_without_a_500(store, queue):
         assert b2["status"] == "completed" and b2["request_counts"]["failed"] == 1 and b2["error_file_id"]
         err = c.get(f"/v1/files/{b2['error_file_id']}/content", headers=ALICE).text
         assert json.loads(err)["custom_id"] == "a" and b2["output_file_id"] is None
+
+
+def test_openai_batch_statuses_follow_the_batch(store):
+    from firsttoken.api.batches import openai_status
+    from schemas.job import JobRequest, JobResult
+
+    store.create_batch("S")
+    assert openai_status(store.get_batch("S")) == "validating"  # its input is still being read
+    store.insert_queued([JobRequest(id="S-1", prompt="x", batch_id="S")])
+    store.set_batch_total("S", 1)
+    assert openai_status(store.get_batch("S")) == "in_progress"
+    store.upsert_results([JobResult.failure("S-1", ErrorCode.INVALID_REQUEST, "bad", batch_id="S")])
+    assert openai_status(store.get_batch("S")) == "finalizing"  # every job ended; not marked yet
+    store.finalize_batch("S")
+    assert openai_status(store.get_batch("S")) == "completed"
+    store.create_batch("C")
+    store.set_batch_total("C", 1)
+    store.cancel(batch_id="C")
+    assert openai_status(store.get_batch("C")) == "cancelled"
