@@ -214,6 +214,7 @@ async def _events(state: ApiState, request: Request, job: JobRequest, fmt: LineF
             elif msg["type"] == "final":
                 result = msg["result"]
         if result is None:
+            await _abandon(state, job.id)  # nobody will read it now
             yield _sse({"error": {"code": "timeout", "type": "timeout", "message": "no result in time", "param": None}})
         elif result.error_code is not None:
             yield _sse(openai_response(result, fmt)[1])
