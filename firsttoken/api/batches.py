@@ -7,6 +7,7 @@ firsttoken's own fields beside (counts by status, done, complete)."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -24,7 +25,9 @@ from schemas.job import ErrorCode, JobRequest, JobStatus, new_job_id
 router = APIRouter(tags=["batches"])
 
 # our batch status -> the OpenAI Batch API's
-_OPENAI_STATUS = {"open": "in_progress", "completed": "completed", "cancelled": "cancelled"}
+_OPENAI_STATUS = {"open": "in_progress", "completed": "completed", "cancelled": "cancelled",
+                  "expired": "expired", "failed": "failed"}
+WINDOW_S = 24 * 3600  # the only completion window: "24h"
 OUTPUT_PREFIX = "file-output-"  # + batch id: the batch's succeeded lines, in input order
 ERRORS_PREFIX = "file-errors-"  # + batch id: its failed and cancelled lines
 
@@ -114,7 +117,7 @@ def batch_view(b: BatchRecord) -> BatchView:
     """The OpenAI Batch object of a batch, with firsttoken's fields."""
     p = b.progress
     total = p.total if p.total is not None else p.recorded
-    ended = b.status in ("completed", "cancelled")
+    ended = b.status in ("completed", "cancelled", "expired", "failed")
     oa = b.metadata.get("openai", {}) if isinstance(b.metadata, dict) else {}
     succeeded = p.count(JobStatus.SUCCEEDED)
     failed = p.count(JobStatus.FAILED) + p.count(JobStatus.CANCELLED)
@@ -131,6 +134,10 @@ def batch_view(b: BatchRecord) -> BatchView:
         in_progress_at=int(b.created_at),
         completed_at=finished if b.status == "completed" else None,
         cancelled_at=finished if b.status == "cancelled" else None,
+        expired_at=finished if b.status == "expired" else None,
+        failed_at=finished if b.status == "failed" else None,
+        expires_at=int(b.created_at + WINDOW_S) if oa else None,
+        errors=oa.get("errors"),
         request_counts=RequestCounts(total=total, completed=succeeded, failed=failed),
         metadata=oa.get("metadata"),
         input_format=b.input_format,
@@ -267,7 +274,13 @@ def _create_openai_batch(state: ApiState, req: OpenAIBatchRequest, who: Principa
     meta = {"openai": {"endpoint": req.endpoint, "input_file_id": f.id, "completion_window": "24h",
                        "metadata": req.metadata}}
     state.st.create_batch(bid, owner=who.owner, input_digest=f.sha256, source=f"file {f.id}", metadata=meta)
-    _submit(state, lines, bid=bid, digest=f.sha256, max_tokens=None, who=who, check=check)  # type: ignore[arg-type]
+    summary = _submit(state, lines, bid=bid, digest=f.sha256, max_tokens=None, who=who, check=check)  # type: ignore[arg-type]
+    if summary.submitted == 0 and summary.already_done == 0:  # not one valid request: the batch failed
+        errors = [{"code": str(e.error_code), "message": e.error_message, "line": None} for e in summary.errors[:20]]
+        meta["openai"]["errors"] = {"object": "list", "data": errors}
+        state.st.set_batch_metadata(bid, meta)
+        # (its rows are all failed, so the batch may have been marked completed already)
+        state.st.end_batch(bid, "failed", reason="the batch failed validation", from_statuses=("open", "completed"))
     b = state.st.get_batch(bid)
     assert b is not None
     return batch_view(b)
@@ -282,7 +295,7 @@ def list_batches(
 ) -> BatchList:
     """The caller's batches, newest first."""
     page = state.st.list_batches(owner=who.owner, limit=limit + 1, after=after)
-    data = [batch_view(b) for b in page[:limit]]
+    data = [batch_view(expire_if_due(state, b)) for b in page[:limit]]
     return BatchList(
         data=data,
         first_id=data[0].id if data else None,
@@ -291,10 +304,21 @@ def list_batches(
     )
 
 
+def expire_if_due(state: ApiState, b: BatchRecord, now: float | None = None) -> BatchRecord:
+    """An OpenAI batch still open past its completion window expires: its jobs left are cancelled."""
+    oa = b.metadata.get("openai") if isinstance(b.metadata, dict) else None
+    if b.status != "open" or not oa or (now or time.time()) < b.created_at + WINDOW_S:
+        return b
+    n = state.st.end_batch(b.id, "expired", reason="the batch's completion window (24h) passed")
+    if n:
+        state.cancel([], b.id)
+    return state.st.get_batch(b.id) or b
+
+
 @router.get("/v1/batches/{batch_id}", response_model=BatchView)
 def get_batch(batch_id: str, who: Who, state: State) -> BatchView:
     """A batch's status and progress."""
-    return batch_view(state.find_batch(who, batch_id))
+    return batch_view(expire_if_due(state, state.find_batch(who, batch_id)))
 
 
 def _cancel(state: ApiState, who: Principal, batch_id: str) -> tuple[BatchRecord, int]:

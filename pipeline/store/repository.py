@@ -63,6 +63,8 @@ _JSON_NULL = literal_column("'null'::jsonb")
 BATCH_OPEN = "open"
 BATCH_COMPLETED = "completed"
 BATCH_CANCELLED = "cancelled"
+BATCH_EXPIRED = "expired"  # its completion window passed: the jobs left were cancelled
+BATCH_FAILED = "failed"  # no line of its input was a valid job
 
 
 def _chunks(rows: list[dict[str, Any]], ncols: int, limit: int) -> Iterable[list[dict[str, Any]]]:
@@ -662,6 +664,38 @@ class ResultStore:
                     or_(batches.c.created_at < last, and_(batches.c.created_at == last, batches.c.id < after))
                 )
             return [self._batch_record(conn, row) for row in conn.execute(q).all()]
+
+    def end_batch(
+        self, batch_id: str, status: str, *, reason: str, from_statuses: Sequence[str] = (BATCH_OPEN,)
+    ) -> int:
+        """End a batch that is in one of `from_statuses` (open) as `status` (expired, failed,
+        cancelled): its queued and running jobs are cancelled with `reason`. Returns the jobs
+        cancelled; 0 also when the batch was in another status (it is left as it is)."""
+        if status not in (BATCH_EXPIRED, BATCH_FAILED, BATCH_CANCELLED):
+            raise ValueError(f"not an end status: {status!r}")
+        now = self._clock()
+        with self.engine.begin() as conn:
+            ended = conn.execute(
+                update(batches)
+                .where(batches.c.id == batch_id, batches.c.status.in_(list(from_statuses)))
+                .values(status=status, updated_at=now, finished_at=now)
+                .returning(batches.c.id)
+            ).first()
+            if ended is None:
+                return 0
+            stmt = (
+                update(jobs)
+                .where(jobs.c.batch_id == batch_id, jobs.c.status.in_(_NOT_TERMINAL))
+                .values(
+                    status=JobStatus.CANCELLED.value,
+                    finish_reason=FinishReason.ABORT.value,
+                    error_code=ErrorCode.CANCELLED.value,
+                    error_message=reason,
+                    finished_at=now,
+                    updated_at=now,
+                )
+            )
+            return _count(conn, stmt.returning(jobs.c.id))
 
     def set_batch_metadata(self, batch_id: str, metadata: Mapping[str, Any]) -> None:
         """Replace a batch's metadata (the OpenAI Batch API's fields live there)."""

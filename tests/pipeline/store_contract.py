@@ -259,6 +259,22 @@ class StoreContract:
         assert b is not None and b.status == "completed" and b.input_format == "plain"
         assert not store.finalize_batch("nope")
 
+    def test_end_batch_cancels_what_is_left(self, store: ResultStore):
+        store.create_batch("E")
+        store.insert_queued([JobRequest(id=f"E-{i}", prompt="x", batch_id="E") for i in range(3)])
+        store.upsert_results([ok("E-0", batch_id="E")])
+        with pytest.raises(ValueError, match="not an end status"):
+            store.end_batch("E", "completed", reason="no")
+        assert store.end_batch("E", "expired", reason="window passed") == 2
+        b = store.get_batch("E")
+        assert b is not None and b.status == "expired" and b.finished_at is not None
+        assert b.progress.counts == {JobStatus.SUCCEEDED: 1, JobStatus.CANCELLED: 2}
+        assert store.get_job("E-1").error_message == "window passed"  # type: ignore[union-attr]
+        assert store.end_batch("E", "failed", reason="again") == 0  # not open any more: left as it is
+        assert store.get_batch("E").status == "expired"  # type: ignore[union-attr]
+        assert store.end_batch("E", "failed", reason="x", from_statuses=("expired",)) == 0
+        assert store.get_batch("E").status == "failed"  # type: ignore[union-attr]
+
     def test_latency_stats_of_one_owner_or_batch(self, store: ResultStore):
         store.upsert_results(
             [ok("o1", ttft=10.0, batch_id="B1"), ok("o2", ttft=20.0, batch_id="B2"), ok("o3", ttft=30.0)],

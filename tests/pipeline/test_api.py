@@ -245,7 +245,7 @@ def test_openai_routes_refuse_bad_input_without_a_500(store, queue):
                                                             b'"url": "/v1/chat/completions", "body": {"messages": []}}\n')},
                     data={"purpose": "batch"}, headers=ALICE).json()
         b2 = c.post("/v1/batches", json={**create, "input_file_id": f2["id"]}, headers=ALICE).json()
-        assert b2["status"] == "completed" and b2["request_counts"]["failed"] == 1 and b2["error_file_id"]
+        assert b2["status"] == "failed" and b2["request_counts"]["failed"] == 1 and b2["error_file_id"]  # no valid line
         err = c.get(f"/v1/files/{b2['error_file_id']}/content", headers=ALICE).text
         assert json.loads(err)["custom_id"] == "a" and b2["output_file_id"] is None
 
@@ -267,3 +267,28 @@ def test_openai_batch_statuses_follow_the_batch(store):
     store.set_batch_total("C", 1)
     store.cancel(batch_id="C")
     assert openai_status(store.get_batch("C")) == "cancelled"
+
+
+def test_openai_batches_fail_when_no_line_is_valid_and_expire_after_their_window(store, queue):
+    from firsttoken.api.batches import expire_if_due
+
+    settings = Settings(api_keys=f"alice:{KEY_A}")
+    app = create_app(settings, store=store, queue=queue, canceller=None, replies=None)
+    with TestClient(app) as c:
+        def upload(body: bytes) -> str:
+            return c.post("/v1/files", files={"file": ("in.jsonl", body)}, data={"purpose": "batch"}, headers=ALICE).json()["id"]
+
+        bad = upload(b'{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}\nnot json\n')
+        b = c.post("/v1/batches", json={"input_file_id": bad, "endpoint": "/v1/completions"}, headers=ALICE).json()
+        assert b["status"] == "failed" and b["failed_at"] is not None and b["request_counts"]["failed"] == 2
+        assert [e["code"] for e in b["errors"]["data"]] == ["invalid_request", "invalid_request"]
+        good = upload(b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n')
+        b = c.post("/v1/batches", json={"input_file_id": good, "endpoint": "/v1/completions"}, headers=ALICE).json()
+        assert b["status"] == "in_progress" and b["expires_at"] == b["created_at"] + 24 * 3600
+        state = app.state.api
+        rec = store.get_batch(b["id"])
+        assert expire_if_due(state, rec, now=rec.created_at + 3600).status == "open"  # within its window
+        expired = expire_if_due(state, rec, now=rec.created_at + 24 * 3600 + 1)
+        assert expired.status == "expired" and expired.progress.counts == {JobStatus.CANCELLED: 1}
+        view = c.get(f"/v1/batches/{b['id']}", headers=ALICE).json()
+        assert view["status"] == "expired" and view["expired_at"] is not None and view["error_file_id"]

@@ -16,11 +16,11 @@ from workers.engine.config import EngineConfig, ModelConfig
 from workers.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_graphs
 from workers.engine.downloads import resolve_model, unknown_model_message
 from workers.engine.errors import CheckpointError
-from workers.engine.quantization import quantize_fp8
 from workers.engine.loader import load_checkpoint, random_model, resolve_dtype
 from workers.engine.models.llama import LlamaForCausalLM
 from workers.engine.models.rope import rope_cos_sin
 from workers.engine.presets import PRESETS
+from workers.engine.quantization import quantize_fp8
 from workers.engine.sampler import Sampler, SamplingBatch
 from workers.engine.scheduler import SchedulerOutput
 from workers.engine.sequence import Request
