@@ -8,6 +8,7 @@ keeps a new request waiting counts in its TTFT, as a client would see it.
 
     python3 bench/bench_load.py --preset llama3-8b --rates 8,16,32 --duration 30       # a GPU
     python3 bench/bench_load.py --preset llama3-8b --rates 32 --quantization fp8
+    python3 bench/bench_load.py --preset llama3-8b --rates 32 --tpot-targets none,15,20,30   # the trade-off
     python3 bench/bench_load.py --preset tiny --rates 4 --duration 3 --device cpu       # a smoke run
 """
 
@@ -95,38 +96,44 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--ttft-slo-ms", type=float, default=200.0)
     ap.add_argument("--tpot-slo-ms", type=float, default=20.0)
+    ap.add_argument("--tpot-targets", default="none",
+                    help="comma-separated engine TPOT targets (ms) to run in turn, 'none' for no target: the trade-off curve")
     ap.add_argument("--max-prompt", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     lo = min(256, args.max_prompt // 2)
-    cfg = EngineConfig(device=args.device, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                       max_model_len=args.max_prompt + 512)
-    engine = LLMEngine(args.preset, cfg)
-    vocab = engine.model_config.vocab_size
     rows, data = [], {**header(), "bench": "load", "preset": args.preset, "quantization": args.quantization,
                       "kv_cache_dtype": args.kv_cache_dtype, "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
                       "rates": []}
-    for rate in (float(r) for r in args.rates.split(",")):
-        reqs = workload(rate, args.duration, vocab, args.seed, prefix_len=min(512, lo),
-                        prompt_range=(lo, args.max_prompt), out_range=(64, 256))
-        r = run_rate(engine, reqs, args.duration)
-        good = sum(1 for t, p in r["per_request"].values() if t <= args.ttft_slo_ms and p <= args.tpot_slo_ms)
-        row = {
-            "rate": rate,
-            "requests": r["requests"],
-            "ttft_p50": pct(r["ttft_ms"], 0.5),
-            "ttft_p90": pct(r["ttft_ms"], 0.9),
-            "ttft_p99": pct(r["ttft_ms"], 0.99),
-            "tpot_p50": pct(r["tpot_ms"], 0.5),
-            "tpot_p99": pct(r["tpot_ms"], 0.99),
-            "out_tok_s": r["output_tokens"] / r["wall_s"],
-            "goodput_rps": good / r["wall_s"],
-            "slo_met": good / max(1, r["requests"]),
-            "mean_ttft": statistics.fmean(r["ttft_ms"]) if r["ttft_ms"] else None,
-        }
-        rows.append(row)
-        data["rates"].append(row)
-    md = md_table(rows, ["rate", "requests", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99",
+    for target in args.tpot_targets.split(","):
+        tpot_target = None if target == "none" else float(target)
+        cfg = EngineConfig(device=args.device, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                           max_model_len=args.max_prompt + 512, tpot_target_ms=tpot_target)
+        engine = LLMEngine(args.preset, cfg)
+        vocab = engine.model_config.vocab_size
+        for rate in (float(r) for r in args.rates.split(",")):
+            reqs = workload(rate, args.duration, vocab, args.seed, prefix_len=min(512, lo),
+                            prompt_range=(lo, args.max_prompt), out_range=(64, 256))
+            r = run_rate(engine, reqs, args.duration)
+            good = sum(1 for t, p in r["per_request"].values() if t <= args.ttft_slo_ms and p <= args.tpot_slo_ms)
+            row = {
+                "tpot_target": target,
+                "rate": rate,
+                "requests": r["requests"],
+                "ttft_p50": pct(r["ttft_ms"], 0.5),
+                "ttft_p90": pct(r["ttft_ms"], 0.9),
+                "ttft_p99": pct(r["ttft_ms"], 0.99),
+                "tpot_p50": pct(r["tpot_ms"], 0.5),
+                "tpot_p99": pct(r["tpot_ms"], 0.99),
+                "out_tok_s": r["output_tokens"] / r["wall_s"],
+                "goodput_rps": good / r["wall_s"],
+                "slo_met": good / max(1, r["requests"]),
+                "mean_ttft": statistics.fmean(r["ttft_ms"]) if r["ttft_ms"] else None,
+            }
+            rows.append(row)
+            data["rates"].append(row)
+        del engine
+    md = md_table(rows, ["tpot_target", "rate", "requests", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99",
                          "out_tok_s", "goodput_rps", "slo_met"])
     write_report(f"bench_load_{args.preset}{'_' + args.quantization if args.quantization else ''}", data,
                  f"TTFT under load, {args.preset}, quantization {args.quantization}, times in ms\n\n{md}")

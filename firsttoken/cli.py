@@ -128,7 +128,8 @@ def _engine_config(args: argparse.Namespace) -> Any:
     from workers.engine import EngineConfig
 
     return EngineConfig(device=args.device, max_model_len=args.max_model_len, dtype=args.dtype,
-                        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+                        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                        tpot_target_ms=args.tpot_target_ms)
 
 
 def _db_url(args: argparse.Namespace) -> str:
@@ -385,6 +386,8 @@ def _engine_args(a: argparse.ArgumentParser, model_default: str | None = "tiny")
     a.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     a.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="KV cache: the model's dtype (auto) or fp8 e4m3 (twice the tokens; outputs may differ slightly)")
+    a.add_argument("--tpot-target-ms", type=float, default=None,
+                   help="while requests decode, size each step to keep time per output token under this")
     a.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: W8A8 e4m3 projections (per-channel weight scales, per-token activations)")
 

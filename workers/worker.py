@@ -480,6 +480,7 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: int = 512  # as EngineConfig: the larger decode batch gave ~7% more offline throughput on an H200
     kv_cache_dtype: str = "auto"  # or "fp8": twice the cached tokens (see EngineConfig)
     quantization: str | None = None  # or "fp8": W8A8 projections (see EngineConfig)
+    tpot_target_ms: float | None = None  # SLO-aware step sizing (see EngineConfig)
     max_waiting: int = 512
     drain_timeout_s: float = 30.0
     sink_max_buffer: int = 10_000
@@ -513,7 +514,7 @@ def build_worker(
     else:
         cfg = EngineConfig(
             device=ws.device, dtype=ws.dtype, max_model_len=ws.max_model_len, max_num_seqs=ws.max_num_seqs,
-            kv_cache_dtype=ws.kv_cache_dtype, quantization=ws.quantization,
+            kv_cache_dtype=ws.kv_cache_dtype, quantization=ws.quantization, tpot_target_ms=ws.tpot_target_ms,
         )
         if ws.engine_process:
             core = ProcessCore(ws.model, cfg, torch_threads=ws.torch_threads)

@@ -197,6 +197,10 @@ class EngineConfig:
     # channel, made at load) and activations quantized per token at run time, in every projection
     # of the decoder layers (workers/engine/quantization.py); greedy tokens may then differ
     quantization: str | None = None
+    # a time-per-output-token target (ms): while requests decode, each step computes only the
+    # prefill tokens that keep it under this (a cost model fitted to measured steps); None: every
+    # step takes max_num_batched_tokens. Lower: smoother decoding, later first tokens under load
+    tpot_target_ms: float | None = None
     device: str | None = None  # None: cuda when available, else cpu
     seed: int = 0  # seed of the engine-wide RNG used by unseeded sampling
     extra: dict[str, Any] = field(default_factory=dict)
@@ -212,5 +216,7 @@ class EngineConfig:
             raise ValueError("kernel_backend must be 'torch' or 'triton'")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError("kv_cache_dtype must be 'auto' or 'fp8'")
+        if self.tpot_target_ms is not None and self.tpot_target_ms <= 0:
+            raise ValueError("tpot_target_ms must be positive")
         if self.quantization not in (None, "fp8"):
             raise ValueError("quantization must be None or 'fp8'")

@@ -29,6 +29,7 @@ from workers.engine.outputs import (
 from workers.engine.prompts import load_tokenizer
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.sequence import PENDING_TOKEN, Request, RequestStatus, RequestTimes
+from workers.engine.slo import SloBudget
 from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class InFlightStep:
     sampled: SampledTokens
     rows: list[tuple[Request, int]]  # per sampled row: the request and the token_ids index it fills
     has_first_tokens: bool  # some row is a request's first token
+    launched_at: float = 0.0  # monotonic
+    num_tokens: int = 0  # tokens the step computed
 
 
 class LLMEngine:
@@ -62,9 +65,15 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         c = self.config
+        # a TPOT target sizes each step from a cost model of measured steps (workers/engine/slo.py)
+        self.slo = (
+            None if c.tpot_target_ms is None else SloBudget(c.tpot_target_ms / 1e3, c.max_num_batched_tokens)
+        )
+        self._last_done = 0.0
         self.scheduler = Scheduler(
             self.kv, c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len,
             admission_batch=c.admission_batch if c.admission_batch is not None else max(1, c.max_num_seqs // 8),
+            budget_fn=self.slo,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -196,8 +205,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         launched = None
         if not out.is_empty:
+            t_launch = time.monotonic()
             sampled = self.runner.execute(out, prev.sampled if prev is not None else None)
-            launched = self._launched(out, sampled)
+            launched = self._launched(out, sampled, t_launch)
             result.num_scheduled = len(out.scheduled)
             result.num_batched_tokens = out.num_batched_tokens
         if prev is not None:
@@ -210,7 +220,7 @@ class LLMEngine:
         self._step_seconds += time.perf_counter() - t0
         return result
 
-    def _launched(self, out: SchedulerOutput, sampled: SampledTokens) -> InFlightStep:
+    def _launched(self, out: SchedulerOutput, sampled: SampledTokens, t_launch: float) -> InFlightStep:
         """Advance the scheduled requests past the launched step; sampled tokens become placeholders."""
         self._steps += 1
         prompt_tokens = 0
@@ -231,12 +241,15 @@ class LLMEngine:
         self._history.append((now, prompt_tokens, len(rows)))
         while self._history and now - self._history[0][0] > STATS_WINDOW_S:
             self._history.popleft()
-        return InFlightStep(sampled, rows, first)
+        return InFlightStep(sampled, rows, first, t_launch, out.num_batched_tokens)
 
     def _read_back(self, step: InFlightStep, result: StepOutput) -> None:
         """Wait for a launched step's tokens; put them in place, report first tokens, check stops."""
         tokens = step.sampled.tolist()
         now = time.monotonic()
+        if self.slo is not None:  # the step ran from its launch, or from when the one before it ended
+            self.slo.model.observe(step.num_tokens, now - max(step.launched_at, self._last_done))  # type: ignore[union-attr]
+            self._last_done = now
         for (req, pos), tok in zip(step.rows, tokens):
             if req.status is RequestStatus.FINISHED:
                 continue  # aborted, or stopped by an earlier token: this one is dropped

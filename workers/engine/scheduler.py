@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.engine.kv_cache_manager import KVCacheManager
@@ -98,12 +99,16 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         admission_batch: int = 1,
+        budget_fn: Callable[[int], int] | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.admission_batch = max(1, admission_batch)
+        # the step's token budget from the number of decodes running (an SLO policy, e.g.
+        # workers.engine.slo.SloBudget); None: always max_num_batched_tokens
+        self.budget_fn = budget_fn
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -144,6 +149,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        if self.budget_fn is not None:
+            decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+            budget = max(1, min(budget, self.budget_fn(decoding)))
+        full = budget
         entries: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
@@ -200,7 +209,7 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=decodes + prefills,
             num_decodes=len(decodes),
-            num_batched_tokens=self.max_num_batched_tokens - budget,
+            num_batched_tokens=full - budget,
             preempted=preempted,
         )
 

@@ -1,0 +1,68 @@
+"""SLO-aware step sizing: the cost model recovers a step's fixed and per-token cost, the budget
+keeps decoding steps under the TPOT target and gives first tokens everything when nobody decodes,
+and an engine with a target gives the same greedy tokens (only the chunking changes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from schemas.sampling import SamplingParams
+from tests.engine.conftest import run_prompts
+from workers.engine import EngineConfig, LLMEngine
+from workers.engine.slo import SloBudget, StepCostModel
+
+
+def test_cost_model_recovers_the_line_and_follows_a_change():
+    m = StepCostModel()
+    rng = random.Random(0)
+    for _ in range(200):
+        t = rng.randint(1, 4096)
+        m.observe(t, 0.008 + 2e-6 * t + rng.gauss(0, 1e-4))
+    assert m.fixed_s == pytest.approx(0.008, abs=3e-4) and m.per_token_s == pytest.approx(2e-6, rel=0.05)
+    for _ in range(400):  # the device got twice as slow per token: old steps are forgotten
+        t = rng.randint(1, 4096)
+        m.observe(t, 0.008 + 4e-6 * t)
+    assert m.per_token_s == pytest.approx(4e-6, rel=0.05)
+    assert m.predict(1000) == pytest.approx(0.012, rel=0.05)
+
+
+def test_budget_keeps_decoding_steps_under_the_target():
+    model = StepCostModel()
+    for t in (64, 512, 2048, 8192, 100, 4000, 300, 6000, 1000, 50):
+        model.observe(t, 0.010 + 5e-6 * t)  # 10 ms + 5 us per token
+    b = SloBudget(tpot_target_s=0.020, max_tokens=8192, min_prefill=64, model=model)
+    assert b(0) == 8192  # nobody decoding: first tokens get the whole budget
+    assert b(32) == pytest.approx(2000, abs=20)  # (20 - 10) ms / 5 us
+    assert model.predict(b(32)) <= 0.020 + 1e-6
+    assert b(5000) == 5000 + 64  # a flood of decodes still leaves room for some prefill
+    tight = SloBudget(tpot_target_s=0.005, max_tokens=8192, model=model)
+    assert tight(10) == 10 + 64  # a target below the fixed cost: decodes and the minimum prefill
+    cold = SloBudget(tpot_target_s=0.020, max_tokens=8192, warmup_steps=8)
+    assert cold(32) == 8192  # not measured yet: no limit
+
+
+def test_a_target_changes_the_chunks_not_the_tokens(llama_dir):
+    prompts = [[(i * 7 + j) % 380 + 2 for j in range(30 + 25 * i)] for i in range(6)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLMEngine(str(llama_dir), EngineConfig(device="cpu", max_num_batched_tokens=256))
+    want = [f.output_token_ids for f in run_prompts(plain, prompts, sp)]
+    slo = LLMEngine(str(llama_dir), EngineConfig(device="cpu", max_num_batched_tokens=256, tpot_target_ms=1e-3))
+    slo.slo.warmup_steps = 0  # type: ignore[union-attr]
+    slo.slo.min_prefill = 8  # type: ignore[union-attr]
+    batched = []
+    orig = slo.scheduler.schedule
+
+    def spy():
+        out = orig()
+        batched.append((out.num_decodes, out.num_batched_tokens))
+        return out
+
+    slo.scheduler.schedule = spy  # type: ignore[method-assign]
+    got = [f.output_token_ids for f in run_prompts(slo, prompts, sp)]
+    assert got == want
+    assert slo.slo.model.observed > 5  # type: ignore[union-attr]
+    # a target far below any step's cost: while decodes ran, steps took the decodes plus 8 prefill tokens
+    assert any(d > 0 for d, _ in batched)
+    assert all(n <= d + 8 for d, n in batched if d > 0)
