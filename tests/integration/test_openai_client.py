@@ -32,6 +32,15 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def stack(kafka_bootstrap, postgres_url, redis_url, tmp_path_factory):
+    yield from _stack("tiny", kafka_bootstrap, postgres_url, redis_url, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def real_stack(kafka_bootstrap, postgres_url, redis_url, tmp_path_factory):
+    yield from _stack("smollm2-135m", kafka_bootstrap, postgres_url, redis_url, tmp_path_factory)
+
+
+def _stack(model, kafka_bootstrap, postgres_url, redis_url, tmp_path_factory):
     from workers.engine import EngineConfig, LLMEngine
 
     tag = uuid.uuid4().hex[:10]
@@ -47,13 +56,13 @@ def stack(kafka_bootstrap, postgres_url, redis_url, tmp_path_factory):
     )
     port = _free_port()
     env = worker_env(s, "api")
-    env.update({"FIRSTTOKEN_REDIS_URL": redis_url, "FIRSTTOKEN_API_KEYS": f"tester:{KEY}", "FIRSTTOKEN_MODEL": "tiny",
-                "FIRSTTOKEN_CHECK_MODEL": "tiny"})
+    env.update({"FIRSTTOKEN_REDIS_URL": redis_url, "FIRSTTOKEN_API_KEYS": f"tester:{KEY}", "FIRSTTOKEN_MODEL": model,
+                "FIRSTTOKEN_CHECK_MODEL": model})
     log = (tmp_path_factory.mktemp("api") / "api.log").open("wb")
     api = subprocess.Popen([sys.executable, "-m", "firsttoken.cli", "api", "--port", str(port)], cwd=ROOT, env=env,
                            stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    worker = in_process_worker(s, LLMEngine("tiny", EngineConfig(device="cpu")), "w-openai").start()
+    worker = in_process_worker(s, LLMEngine(model, EngineConfig(device="cpu")), f"w-openai-{model}").start()
     try:
         def up() -> bool:
             assert api.poll() is None, "the API exited"
@@ -170,3 +179,24 @@ def test_files_and_batches(client):
     b2 = client.batches.create(input_file_id=f2.id, endpoint="/v1/completions", completion_window="24h")
     c = client.batches.cancel(b2.id)
     assert c.status == "cancelled" and c.cancelled_at is not None and c.request_counts.failed > 0
+
+
+def test_the_real_model_answers_through_the_whole_pipeline(real_stack):
+    """SmolLM2-135M-Instruct behind the API, the queue and a worker: a real answer, in its chat
+    template, streamed and plain alike."""
+    import openai
+
+    client = openai.OpenAI(base_url=real_stack + "/v1", api_key=KEY, max_retries=0, timeout=180)
+    assert [m.id for m in client.models.list()] == ["smollm2-135m"]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24, temperature=0)
+    answer = r.choices[0].message.content
+    assert "Paris" in answer, answer
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=24, temperature=0, stream=True) if c.choices)
+    assert streamed == answer
+    # the chat template's own tokens, no second BOS: the prompt is exactly the ChatML rendering
+    from workers.engine.prompts import load_tokenizer, prompt_token_ids
+
+    tok = load_tokenizer("smollm2-135m")
+    assert r.usage.prompt_tokens == len(prompt_token_ids(tok, None, [("user", messages[0]["content"])]))
