@@ -46,8 +46,11 @@ TEXTS = [
 ]
 
 
-def swap_fp8(model: torch.nn.Module) -> int:
-    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = ()) -> int:
+    names = tuple(n for n in PROJECTIONS if n not in keep)
     n = 0
     for module in list(model.modules()):
         for name in names:
@@ -56,6 +59,11 @@ def swap_fp8(model: torch.nn.Module) -> int:
                 setattr(module, name, Fp8Linear(child))
                 n += 1
     return n
+
+
+def _weight_only(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = x.float() @ (w_q.float() * w_scale).t()
+    return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
 def logprobs(model: torch.nn.Module, batches: list[torch.Tensor]) -> torch.Tensor:
@@ -78,6 +86,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--positions", type=int, default=400)
     ap.add_argument("--out", default=None, help="write the JSON here too")
+    ap.add_argument("--keep", default="", help="projections left unquantized, e.g. down_proj (an experiment)")
+    ap.add_argument("--weight-only", action="store_true",
+                    help="quantize the weights only (activations stay as they are): which side the error comes from")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -95,7 +106,12 @@ def main() -> None:
     ref = logprobs(ref_model, batches)
     bf16 = logprobs(ref_model.to(torch.bfloat16), batches)
     fp8_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(args.device).eval()
-    swapped = swap_fp8(fp8_model)
+    keep = tuple(k for k in args.keep.split(",") if k)
+    swapped = swap_fp8(fp8_model, keep)
+    if args.weight_only:
+        for m in fp8_model.modules():
+            if isinstance(m, Fp8Linear):
+                m._fn = _weight_only
     kernels = sorted({m.kernel for m in fp8_model.modules() if isinstance(m, Fp8Linear)})
     fp8 = logprobs(fp8_model, batches)
     fp8_bf16 = logprobs(fp8_model.to(torch.bfloat16), batches)
@@ -105,6 +121,8 @@ def main() -> None:
         "device": args.device,
         "positions": int(ref.shape[0]),
         "fp8_layers": swapped,
+        "kept_unquantized": list(keep),
+        "weight_only": args.weight_only,
         "fp8_kernel": kernels,
         "reference": "fp32 activations over the checkpoint's weights",
         "bf16_vs_fp32": compare(ref, bf16),
