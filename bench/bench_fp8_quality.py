@@ -49,14 +49,14 @@ TEXTS = [
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = ()) -> int:
+def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = (), group: int | None = None) -> int:
     names = tuple(n for n in PROJECTIONS if n not in keep)
     n = 0
     for module in list(model.modules()):
         for name in names:
             child = getattr(module, name, None)
             if isinstance(child, torch.nn.Linear):
-                setattr(module, name, Fp8Linear(child))
+                setattr(module, name, Fp8Linear(child, group))
                 n += 1
     return n
 
@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--positions", type=int, default=400)
     ap.add_argument("--out", default=None, help="write the JSON here too")
+    ap.add_argument("--group", type=int, default=None, help="weight scales per this many input columns")
     ap.add_argument("--keep", default="", help="projections left unquantized, e.g. down_proj (an experiment)")
     ap.add_argument("--weight-only", action="store_true",
                     help="quantize the weights only (activations stay as they are): which side the error comes from")
@@ -107,7 +108,7 @@ def main() -> None:
     bf16 = logprobs(ref_model.to(torch.bfloat16), batches)
     fp8_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(args.device).eval()
     keep = tuple(k for k in args.keep.split(",") if k)
-    swapped = swap_fp8(fp8_model, keep)
+    swapped = swap_fp8(fp8_model, keep, args.group)
     if args.weight_only:
         for m in fp8_model.modules():
             if isinstance(m, Fp8Linear):
@@ -123,6 +124,7 @@ def main() -> None:
         "fp8_layers": swapped,
         "kept_unquantized": list(keep),
         "weight_only": args.weight_only,
+        "weight_group": args.group,
         "fp8_kernel": kernels,
         "reference": "fp32 activations over the checkpoint's weights",
         "bf16_vs_fp32": compare(ref, bf16),

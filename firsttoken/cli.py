@@ -129,7 +129,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
     return EngineConfig(device=args.device, max_model_len=args.max_model_len, dtype=args.dtype,
                         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                        tpot_target_ms=args.tpot_target_ms)
+                        tpot_target_ms=args.tpot_target_ms, fp8_weight_group=args.fp8_weight_group)
 
 
 def _db_url(args: argparse.Namespace) -> str:
@@ -388,6 +388,8 @@ def _engine_args(a: argparse.ArgumentParser, model_default: str | None = "tiny")
                    help="KV cache: the model's dtype (auto) or fp8 e4m3 (twice the tokens; outputs may differ slightly)")
     a.add_argument("--tpot-target-ms", type=float, default=None,
                    help="while requests decode, size each step to keep time per output token under this")
+    a.add_argument("--fp8-weight-group", type=int, default=None,
+                   help="with --quantization fp8: a weight scale per this many input columns (e.g. 64)")
     a.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: W8A8 e4m3 projections (per-channel weight scales, per-token activations)")
 

@@ -76,3 +76,75 @@ def test_engine_serves_with_fp8_projections():
     # a quantized model is a close model: most greedy tokens agree (the random tiny model is the worst case)
     same = sum(a == b for i in range(3) for a, b in zip(outs[f"base{i}"], outs[f"fp8{i}"]))
     assert same >= 8, outs
+
+
+# --- group-scaled FP8 GEMM (kernels/fp8_gemm.py) --------------------------------------------------
+
+@pytest.mark.parametrize(("m", "n", "k", "group", "bias", "out_dtype"), [
+    (1, 16, 128, 64, False, torch.float32),
+    (6, 42, 128, 32, True, torch.float32),
+    (123, 64, 192, 64, True, torch.bfloat16),
+    (7, 123, 96, 32, False, torch.float16),
+])
+def test_grouped_gemm_triton_against_reference(poison_empty, m, n, k, group, bias, out_dtype):
+    from kernels_testutil_tol import tol
+
+    from kernels.fp8_gemm import fp8_gemm_grouped_ref, fp8_gemm_grouped_triton, quantize_groupwise
+
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, k).unsqueeze(0)  # columns of any magnitude
+    b = torch.randn(n, generator=g) if bias else None
+    a_q, a_s = quantize_rowwise(x)
+    w_q, w_s = quantize_groupwise(w, group)
+    assert w_s.shape == (n, k // group)
+    want = fp8_gemm_grouped_ref(a_q, a_s, w_q, w_s, b, out_dtype)
+    got = fp8_gemm_grouped_triton(a_q, a_s, w_q, w_s, b, out_dtype, block_m=16, block_n=32)
+    assert got.dtype == out_dtype and not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), **tol(out_dtype))
+    # a wrong group index (scales of the group before) is far outside the tolerance
+    shifted = fp8_gemm_grouped_ref(a_q, a_s, w_q, torch.roll(w_s, 1, dims=1), b, torch.float32)
+    assert (shifted - want.float()).abs().max() > 100 * tol(out_dtype)["atol"]
+
+
+def test_group_scales_beat_channel_scales_on_spread_columns():
+    from kernels.fp8_gemm import fp8_linear_grouped_ref, quantize_groupwise
+
+    g = torch.Generator().manual_seed(0)
+    # columns spanning 1e-6..1: past e4m3's range under one scale per channel (small columns
+    # round to subnormals or zero), inside it per group of 32
+    w = torch.randn(64, 256, generator=g) * torch.logspace(-6, 0, 256).unsqueeze(0)
+    q, s_ = quantize_rowwise(w)
+    qg, sg = quantize_groupwise(w, 32)
+    per_channel = q.float() * s_
+    grouped = (qg.float().reshape(64, 8, 32) * sg.unsqueeze(-1)).reshape(64, 256)
+    small = slice(0, 64)  # the smallest columns
+    rel = lambda d: ((d[:, small] - w[:, small]).norm() / w[:, small].norm()).item()  # noqa: E731
+    assert rel(grouped) < 0.05 and rel(per_channel) > 3 * rel(grouped), (rel(grouped), rel(per_channel))
+    x = torch.randn(9, 256, generator=g)
+    y = fp8_linear_grouped_ref(x, qg, sg)
+    assert ((y - x @ w.t()).norm() / (x @ w.t()).norm()).item() < 0.05
+    with pytest.raises(ValueError, match="multiple of the group"):
+        quantize_groupwise(torch.randn(4, 100), 64)
+
+
+def test_fp8_linear_with_weight_groups_and_the_engine_option():
+    from schemas.sampling import SamplingParams
+    from workers.engine import EngineConfig, LLMEngine
+
+    lin = torch.nn.Linear(64, 48, bias=False)
+    f = Fp8Linear(lin, group=32)
+    assert f.group == 32 and f.weight_scale.shape == (48, 2) and f.kernel == "reference_grouped"
+    x = torch.randn(3, 64)
+    assert ((f(x) - lin(x)).norm() / lin(x).norm()).item() < 0.04
+    assert Fp8Linear(torch.nn.Linear(40, 8), group=32).group is None  # 40 columns: per channel instead
+    with pytest.raises(ValueError, match="power of two"):
+        EngineConfig(quantization="fp8", fp8_weight_group=24)
+    eng = LLMEngine("tiny", EngineConfig(device="cpu", quantization="fp8", fp8_weight_group=16))
+    layer = eng.runner.model.layers[0]
+    assert layer.mlp.down_proj.group == 16 and layer.self_attn.qkv_proj.weight_scale.shape[1] == 64 // 16
+    eng.add_request("a", prompt="The quick brown fox", sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    out = []
+    while eng.has_unfinished():
+        out += eng.step().finished
+    assert len(out) == 1 and len(out[0].output_token_ids) == 6
