@@ -161,6 +161,44 @@ def _e(e: dict) -> dict:
     return {"max_abs": e["max_abs"], "rel_l2": e["rel_l2"], "nan": e["nan"]}
 
 
+# --------------------------------------------------------------------------------------------- FP8 GEMMs
+
+
+FP8_SHAPES = (("qkv", HIDDEN, (HQ + 2 * HK) * D), ("o", HQ * D, HIDDEN), ("gate_up", HIDDEN, 2 * INTER),
+              ("down", INTER, HIDDEN))
+
+
+def run_fp8(out: list) -> None:
+    """Each Llama-3.1-8B projection at several token counts: bf16 matmul, FP8 with per-channel
+    weight scales (torch._scaled_mm), FP8 with weight scales per 128 columns (kernels/fp8_gemm.py);
+    the FP8 times include the per-token activation quantization, as a layer runs it."""
+    from kernels.fp8_gemm import fp8_gemm_grouped_triton, quantize_groupwise
+    from kernels.fp8_linear import fp8_linear_scaled_mm, quantize_rowwise
+    from workers.engine.quantization import fp8_linear_grouped_triton
+
+    for t in (1, 64, 1024, 8192):
+        for name, k, n in FP8_SHAPES:
+            x = torch.randn(t, k, device=DEV, dtype=DT)
+            w = torch.randn(n, k, device=DEV, dtype=DT) * 0.02
+            ref = (x.float() @ w.float().t())
+            wq, ws = quantize_rowwise(w)
+            wg, wgs = quantize_groupwise(w, 128)
+            row = {"proj": name, "T": t, "K": k, "N": n}
+            row["bf16_ms"] = bench(partial(torch.matmul, x, w.t()))
+            row["quant_ms"] = bench(partial(quantize_rowwise, x))
+            row["scaled_mm_ms"] = bench(partial(fp8_linear_scaled_mm, x, wq, ws))
+            row["grouped_ms"] = bench(partial(fp8_linear_grouped_triton, x, wg, wgs))
+            xq, xs = quantize_rowwise(x)
+            row["grouped_gemm_only_ms"] = bench(partial(fp8_gemm_grouped_triton, xq, xs, wg, wgs, None, DT))
+            row["scaled_mm_rel_l2"] = err(fp8_linear_scaled_mm(x, wq, ws), ref)["rel_l2"]
+            row["grouped_rel_l2"] = err(fp8_linear_grouped_triton(x, wg, wgs), ref)["rel_l2"]
+            flop = 2 * t * k * n
+            for key in ("bf16", "scaled_mm", "grouped"):
+                row[f"{key}_TFLOPs"] = flop / row[f"{key}_ms"] / 1e9
+            out.append(row)
+            print(row, flush=True)
+
+
 # --------------------------------------------------------------------------------------------- attention
 
 
@@ -408,6 +446,14 @@ def markdown(result: dict) -> str:
             rate += f", graph {r['graph_GBps']:.0f} GB/s"
         lines.append(f"| {r['op']} | {r['shape']} | {r['max_abs']:.2e} | {r['rel_l2']:.1e} | {f(r['triton_ms'])} | "
                      f"{f(r.get('triton_graph_ms'))} | {f(r.get('host_us'), 0)} | {f(r.get('eager_ms'))} | {f(r.get('sdpa_ms'))} | {rate} |")
+    if result.get("fp8"):
+        lines += ["", "## FP8 GEMMs (Llama-3.1-8B projections; FP8 times include quantizing the activations)", "",
+                  "| proj | T | bf16 ms | FP8 per-channel (_scaled_mm) ms | FP8 per-128 (Triton) ms | quantize ms | "
+                  "TFLOP/s bf16 / scaled_mm / grouped | rel L2 scaled_mm / grouped |", "|---|---|---|---|---|---|---|---|"]
+        for r in result["fp8"]:
+            lines.append(f"| {r['proj']} | {r['T']} | {r['bf16_ms']:.4f} | {r['scaled_mm_ms']:.4f} | {r['grouped_ms']:.4f} | "
+                         f"{r['quant_ms']:.4f} | {r['bf16_TFLOPs']:.0f} / {r['scaled_mm_TFLOPs']:.0f} / {r['grouped_TFLOPs']:.0f} | "
+                         f"{r['scaled_mm_rel_l2']:.1e} / {r['grouped_rel_l2']:.1e} |")
     if result.get("sweep"):
         lines += ["", "## Tile sweep", "", "| op | shape | config | ms | rate | max diff vs default |", "|---|---|---|---|---|---|"]
         for s in result["sweep"]:
@@ -624,7 +670,7 @@ def main() -> None:
     ap.add_argument("--focus", action="store_true", help="only the split-KV / launch-overhead set (see above)")
     ap.add_argument("--old", default=None, help="folder holding the previous kernels as package `oldkernels`")
     ap.add_argument("--sections", default=None,
-                    help="comma list of sections to run (rms,silu,rope,prefill,decode,decode_kv_dtype,prefill_graph_shape,graph); default all")
+                    help="comma list of sections to run (rms,silu,rope,prefill,decode,decode_kv_dtype,prefill_graph_shape,graph,fp8); default all")
     args = ap.parse_args()
     if args.focus:
         run_focus(args)
@@ -645,7 +691,8 @@ def main() -> None:
                 ("prefill", lambda: run_prefill(rows, sweep)), ("decode", lambda: run_decode(rows, sweep)),
                 ("decode_kv_dtype", lambda: sweep is not None and run_decode_kv_dtype(sweep)),
                 ("prefill_graph_shape", lambda: sweep is not None and run_prefill_graph_shape(sweep)),
-                ("graph", lambda: result.__setitem__("graph_check", check_decode_graph())))
+                ("graph", lambda: result.__setitem__("graph_check", check_decode_graph())),
+                ("fp8", lambda: run_fp8(result.setdefault("fp8", []))))
     only = set(args.sections.split(",")) if args.sections else None
     for name, fn in sections:
         if only is not None and name not in only:
