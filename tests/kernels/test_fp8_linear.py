@@ -148,3 +148,79 @@ def test_fp8_linear_with_weight_groups_and_the_engine_option():
     while eng.has_unfinished():
         out += eng.step().finished
     assert len(out) == 1 and len(out[0].output_token_ids) == 6
+
+
+# --- RMSNorm / SiLU-and-mul fused with the activation quantization (kernels/fp8_quant.py) ---------
+
+@pytest.mark.parametrize(("t", "h", "dtype", "residual"), [(1, 6, torch.float32, False), (7, 42, torch.float32, True),
+                                                           (33, 431, torch.bfloat16, True), (5, 128, torch.float16, False)])
+def test_rms_norm_quant_triton_matches_the_unfused_path(poison_empty, t, h, dtype, residual):
+    from kernels.fp8_quant import rms_norm_quant_ref, rms_norm_quant_triton
+
+    g = torch.Generator().manual_seed(t * h)
+    x = (torch.randn(t, h, generator=g) * 3).to(dtype)
+    w = (torch.rand(h, generator=g) + 0.5).to(dtype)
+    r = torch.randn(t, h, generator=g).to(dtype) if residual else None
+    (q, s), nr = rms_norm_quant_triton(x, w, 1e-5, r)
+    (qr, sr), nrr = rms_norm_quant_ref(x, w, 1e-5, r)
+    assert q.dtype == FP8 and s.shape == (t, 1) and not s.isnan().any()
+    torch.testing.assert_close(s, sr, rtol=_scale_rtol(dtype), atol=0)
+    _same_up_to_one_step(q, s, qr, sr, dtype)
+    torch.testing.assert_close(nr, nrr)
+
+
+@pytest.mark.parametrize(("t", "inter", "dtype"), [(1, 6, torch.float32), (7, 42, torch.float32),
+                                                  (33, 431, torch.bfloat16), (4, 128, torch.float16)])
+def test_silu_and_mul_quant_triton_matches_the_unfused_path(poison_empty, t, inter, dtype):
+    from kernels.fp8_quant import silu_and_mul_quant_ref, silu_and_mul_quant_triton
+
+    g = torch.Generator().manual_seed(t + inter)
+    x = (torch.randn(t, 2 * inter, generator=g) * 2).to(dtype)
+    q, s = silu_and_mul_quant_triton(x)
+    qr, sr = silu_and_mul_quant_ref(x)
+    torch.testing.assert_close(s, sr, rtol=_scale_rtol(dtype), atol=0)
+    _same_up_to_one_step(q, s, qr, sr, dtype)
+
+
+def _scale_rtol(dtype):
+    # 16-bit outputs are rounded twice before the scale is taken, and Triton's interpreter truncates
+    # fp32 -> 16-bit where torch rounds (kernel_testutil.py): two 16-bit ulps apart at most
+    return 1e-5 if dtype == torch.float32 else 2 * 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+
+
+def _same_up_to_one_step(q, s, qr, sr, dtype):
+    """The same e4m3 values, but for a few one e4m3 step apart (a value on a rounding boundary whose
+    fp32 computation differs in the last bit); a wrong scale or index moves many, by more."""
+    got, want = q.float() * s, qr.float() * sr
+    step = 0.125 * want.abs() + 2.0**-9 * sr  # one step: 3 mantissa bits, or a subnormal step
+    step = step * (1.0 + _scale_rtol(dtype)) + (s - sr).abs() * 448
+    assert ((got - want).abs() <= step * 1.001).all(), ((got - want).abs() / step).max()
+    moved = (q.float() != qr.float()).sum()
+    assert moved <= max(2, q.numel() // (50 if dtype == torch.float32 else 5)), moved
+
+
+def test_fused_activation_quantization_gives_the_unfused_tokens():
+    """Norms and SiLU handing FP8 projections quantized activations (quantize_fp8(fuse=True), the
+    engine's default) compute what quantizing inside each projection computes."""
+    from schemas.sampling import SamplingParams
+    from workers.engine import EngineConfig, LLMEngine
+    from workers.engine.quantization import quantize_fp8
+
+    fused = LLMEngine("tiny", EngineConfig(device="cpu", quantization="fp8"))
+    layer = fused.runner.model.layers[0]
+    assert layer.input_layernorm.norm_fn is fused.runner.ops.rms_norm_quant
+    assert layer.mlp.act_fn is fused.runner.ops.silu_and_mul_quant
+    plain = LLMEngine("tiny", EngineConfig(device="cpu"))
+    assert quantize_fp8(plain.runner.model, fuse=False) == 4 * len(plain.runner.model.layers)
+    assert plain.runner.model.layers[0].input_layernorm.norm_fn is plain.runner.ops.rms_norm
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for name, eng in (("fused", fused), ("plain", plain)):
+        for i, p in enumerate(["The quick brown fox", "Kafka partitions", "def f(x):"]):
+            eng.add_request(f"{i}", prompt=p, sampling=sp)
+        got = {}
+        while eng.has_unfinished():
+            for f in eng.step().finished:
+                got[f.request_id] = f.output_token_ids
+        outs[name] = got
+    assert outs["fused"] == outs["plain"]

@@ -1,31 +1,57 @@
 """Quantized linear layers: `quantize_fp8(model)` swaps every projection of the decoder layers
-(qkv, o, gate_up, down) for an `Fp8Linear`: e4m3 weights with one scale per output channel, made
-once from the loaded weights, and activations quantized per token at run time. Embeddings, norms
-and the LM head stay in the model's dtype."""
+(qkv, o, gate_up, down) for an `Fp8Linear`: e4m3 weights with one scale per output channel (or
+per group of input columns), made once from the loaded weights, and activations quantized per
+token at run time. Embeddings, norms and the LM head stay in the model's dtype.
+
+The activations of qkv and gate_up come from an RMSNorm, and down_proj's from SiLU-and-mul: those
+ops then write e4m3 and a row scale directly (the KernelOps `rms_norm_quant`, `silu_and_mul_quant`:
+fused Triton kernels on CUDA, the references' composition elsewhere), and the projection takes the
+pair as it is. o_proj quantizes the attention output itself.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import fp8_gemm_grouped_triton, fp8_linear_grouped_ref, quantize_groupwise
-from kernels.fp8_linear import fp8_linear_ref, fp8_linear_scaled_mm, quantize_rowwise, scaled_mm_supported
+from kernels.fp8_gemm import fp8_gemm_grouped_ref, fp8_gemm_grouped_triton, quantize_groupwise
+from kernels.fp8_linear import quantize_rowwise, scaled_mm_supported
 
 QUANTIZATIONS = ("fp8",)
+
+Activation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a tensor, or (e4m3 [T, K], scale [T, 1])
+
+
+def _gemm_ref(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    # x_q: [T, K] e4m3, x_s: [T, 1]; w_q: [N, K] e4m3, w_s: [N, 1] -> [T, N]
+    out = (x_q.float() * x_s) @ (w_q.float() * w_s).t()
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
+def _gemm_scaled_mm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    # FP8 tensor cores, fp32 accumulation; w_q.t() is column-major, as _scaled_mm wants
+    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=w_s.t().contiguous(), bias=bias, out_dtype=out_dtype)
 
 
 class Fp8Linear(nn.Module):
     """A linear layer with FP8 (e4m3) weights and per-token FP8 activations (W8A8).
 
-    `group`: one weight scale per output channel and group of `group` input columns (finer; the
-    GEMM is then kernels/fp8_gemm.py's Triton kernel on CUDA) instead of one per output channel
-    (torch._scaled_mm on sm89+). A layer whose input size the group does not divide keeps one
-    scale per channel."""
+    It takes activations as a tensor (quantized here) or already quantized ((e4m3, scale), from a
+    fused norm or activation kernel). `group`: one weight scale per output channel and group of
+    `group` input columns (finer; the GEMM is then kernels/fp8_gemm.py's Triton kernel on CUDA)
+    instead of one per output channel (torch._scaled_mm on sm89+). A layer whose input size the
+    group does not divide keeps one scale per channel.
+    """
 
     def __init__(self, linear: nn.Linear, group: int | None = None) -> None:
         super().__init__()
         w = linear.weight.detach()  # [N, K]
         self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.out_dtype = w.dtype  # the model's activations (of an input that comes quantized)
         self.group = group if group is not None and self.in_features % group == 0 else None
         if self.group is not None:
             q, scale = quantize_groupwise(w, self.group)  # scale: [N, K / group]
@@ -35,35 +61,33 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", scale, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         # the GEMM picked once here, not per call: FP8 tensor cores where they exist, else the reference
-        cuda = w.device.type == "cuda"
+        gemm: Callable[..., torch.Tensor]
         if self.group is not None:
-            self._fn, self.kernel = (
-                (fp8_linear_grouped_triton, "triton_grouped") if cuda else (fp8_linear_grouped_ref, "reference_grouped")
+            cuda = w.device.type == "cuda"
+            gemm, self.kernel = (
+                (fp8_gemm_grouped_triton, "triton_grouped") if cuda else (fp8_gemm_grouped_ref, "reference_grouped")
             )
         elif scaled_mm_supported(w.device, self.in_features, self.out_features):
-            self._fn, self.kernel = fp8_linear_scaled_mm, "scaled_mm"
+            gemm, self.kernel = _gemm_scaled_mm, "scaled_mm"
         else:
-            self._fn, self.kernel = fp8_linear_ref, "reference"
+            gemm, self.kernel = _gemm_ref, "reference"
+        self._gemm = gemm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, K] -> [T, N]
-        return self._fn(x, self.weight_fp8, self.weight_scale, self.bias)
+    def forward(self, x: Activation) -> torch.Tensor:
+        # x: [T, K], or (e4m3 [T, K], scale [T, 1]) -> [T, N]
+        if isinstance(x, torch.Tensor):
+            x_q, x_s = quantize_rowwise(x)
+            return self._gemm(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, x.dtype)
+        return self._gemm(x[0], x[1], self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
 
 
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def fp8_linear_grouped_triton(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x quantized per token, then kernels/fp8_gemm.py's group-scaled GEMM -> [T, N] in x's dtype."""
-    x_q, x_scale = quantize_rowwise(x)
-    return fp8_gemm_grouped_triton(x_q, x_scale, w_q, w_scale, bias, x.dtype)
-
-
-def quantize_fp8(model: nn.Module, group: int | None = None) -> int:
+def quantize_fp8(model: nn.Module, group: int | None = None, *, fuse: bool = True) -> int:
     """Replace the decoder layers' projections by Fp8Linear (weight scales per channel, or per
-    `group` input columns), in place. Returns how many."""
+    `group` input columns), in place; with `fuse`, the norms before qkv and gate_up and the
+    activation before down_proj hand them quantized activations. Returns the layers replaced."""
     n = 0
     for layer in model.layers:  # type: ignore[attr-defined]
         for path in _PROJECTIONS:
@@ -73,4 +97,9 @@ def quantize_fp8(model: nn.Module, group: int | None = None) -> int:
             if isinstance(linear, nn.Linear):
                 setattr(parent, attr, Fp8Linear(linear, group))
                 n += 1
+        if fuse:
+            ops = model.ops  # type: ignore[attr-defined]
+            layer.input_layernorm.norm_fn = ops.rms_norm_quant
+            layer.post_attention_layernorm.norm_fn = ops.rms_norm_quant
+            layer.mlp.act_fn = ops.silu_and_mul_quant
     return n

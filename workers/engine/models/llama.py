@@ -6,6 +6,8 @@ Triton kernels replace goes through the `KernelOps` bound at construction.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -20,12 +22,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden))
         self.eps = eps
         self.ops = ops
+        # the op: ops.rms_norm, or ops.rms_norm_quant when an FP8 projection takes the output
+        # (workers/engine/quantization.py): then the first element is (e4m3, scale)
+        self.norm_fn = ops.rms_norm
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
         # x, residual: [T, H] -> (normed(x + residual), x + residual)
-        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+        return self.norm_fn(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -37,11 +40,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.attn = PagedAttention(ops, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer])
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    def forward(self, x: Any, positions: torch.Tensor, cos_sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, H], or (e4m3 [T, H], scale [T, 1]) before an FP8 qkv_proj
         cfg = self.cfg
-        t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) * D]
+        t = qkv.shape[0]
         q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -56,9 +60,10 @@ class MLP(nn.Module):
         self.ops = ops
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_fn = ops.silu_and_mul  # or ops.silu_and_mul_quant before an FP8 down_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: Any) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,162 @@
+"""RMSNorm and SiLU-and-mul fused with the per-token FP8 quantization of their output: the input of
+an FP8 projection is written once, as e4m3 with its row scale, instead of written in bf16, read
+back, and written again as e4m3 by a separate quantization.
+
+The references compose the unfused ops (`rms_norm_ref` / `silu_and_mul_ref`, then
+`quantize_rowwise`), so a fused kernel must give what the unfused path gives: the same rounding to
+the activation dtype before the scale is taken.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels._triton import check, lazy_jit, next_pow2
+from kernels.fp8_linear import FP8, FP8_MAX, quantize_rowwise
+from kernels.rmsnorm import rms_norm_ref
+from kernels.silu_mul import silu_and_mul_ref
+
+Quantized = tuple[torch.Tensor, torch.Tensor]  # (q: [T, C] e4m3, scale: [T, 1] fp32)
+
+
+def rms_norm_quant_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[Quantized, torch.Tensor]:
+    """((q, scale), new_residual): rms_norm_ref's output quantized per token."""
+    normed, new_res = rms_norm_ref(x, weight, eps, residual)
+    return quantize_rowwise(normed), new_res
+
+
+def silu_and_mul_quant_ref(x: torch.Tensor) -> Quantized:
+    """(q, scale): silu_and_mul_ref's output quantized per token."""
+    return quantize_rowwise(silu_and_mul_ref(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton
+# ---------------------------------------------------------------------------------------------
+
+tl: Any = None  # triton.language, bound at the first launch by kernels._triton.lazy_jit
+
+
+@lazy_jit
+def _rms_norm_quant_kernel(
+    x_ptr,  # x: [T, H], last dim contiguous
+    res_ptr,  # residual: [T, H] (read only when HAS_RESIDUAL)
+    w_ptr,  # weight: [H], contiguous
+    q_ptr,  # out: [T, H] e4m3, contiguous
+    scale_ptr,  # out: [T] fp32, one scale per row
+    new_res_ptr,  # new residual out: [T, H], contiguous (written only when HAS_RESIDUAL)
+    stride_x,  # row stride of x (elements)
+    stride_res,  # row stride of residual (elements)
+    H,  # hidden size
+    eps,  # variance epsilon
+    FP8_MAX_: tl.constexpr,  # 448: e4m3's largest value
+    HAS_RESIDUAL: tl.constexpr,  # fuse new_residual = x + residual
+    BLOCK_H: tl.constexpr,  # power of two >= H: one program handles one whole row
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(new_res_ptr + row * H + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / H
+    normed = (xf * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    # the unfused path rounds the weighted output to the activation dtype before quantizing it
+    y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)
+    scale = amax / FP8_MAX_
+    q = tl.minimum(tl.maximum(y / scale, -FP8_MAX_), FP8_MAX_)
+    # rounded to the e4m3 grid here (nearest, half away from zero), so the cast below is exact and
+    # does not hang on a backend's fp8 rounding (Triton's interpreter rounds values just under a
+    # power of two down a whole binade); below 2^-6 the grid is e4m3's subnormal step, 2^-9
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(q), 0.015625))) - 3.0)
+    q = tl.where(q < 0, -1.0, 1.0) * tl.floor(tl.abs(q) / step + 0.5) * step
+    tl.store(q_ptr + row * H + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def rms_norm_quant_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[Quantized, torch.Tensor]:
+    """Triton `rms_norm_quant_ref`: one pass per row; residual add, norm and quantization fused."""
+    check(x.dim() == 2, "rms_norm_quant: x must be [T, H], got {}", tuple(x.shape))
+    t, h = x.shape
+    check(weight.shape == (h,) and weight.is_contiguous(), "rms_norm_quant: weight must be a contiguous [{}]", h)
+    check(weight.dtype == x.dtype, "rms_norm_quant: weight dtype {} != x dtype {}", weight.dtype, x.dtype)
+    check(x.stride(1) == 1 or h == 1, "rms_norm_quant: x's last dim must be contiguous")
+    check(h <= 65536, "rms_norm_quant: hidden size {} > 65536 is not supported (one row per program)", h)
+    if residual is not None:
+        check(residual.shape == x.shape and residual.dtype == x.dtype, "rms_norm_quant: residual must match x")
+        check(residual.stride(1) == 1 or h == 1, "rms_norm_quant: residual's last dim must be contiguous")
+    q = torch.empty((t, h), dtype=FP8, device=x.device)
+    scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    new_res = torch.empty((t, h), dtype=x.dtype, device=x.device) if residual is not None else x
+    if t == 0:
+        return (q, scale), new_res
+    block_h = next_pow2(h)
+    _rms_norm_quant_kernel.launch((t,), (
+        x, residual if residual is not None else x, weight, q, scale, new_res,
+        x.stride(0), residual.stride(0) if residual is not None else 0, h, eps,
+    ), {"FP8_MAX_": FP8_MAX, "HAS_RESIDUAL": residual is not None, "BLOCK_H": block_h},
+        min(16, max(1, block_h // 256)), 3, x.device.type == "cuda")
+    return (q, scale), new_res
+
+
+@lazy_jit
+def _silu_and_mul_quant_kernel(
+    x_ptr,  # x: [T, 2 * I] (gate | up), last dim contiguous
+    q_ptr,  # out: [T, I] e4m3, contiguous
+    scale_ptr,  # out: [T] fp32
+    stride_x,  # row stride of x (elements)
+    inter,  # I: the intermediate size
+    FP8_MAX_: tl.constexpr,  # 448
+    BLOCK: tl.constexpr,  # power of two >= I: one program handles one whole row
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    # rounded to the activation dtype, as the unfused silu_and_mul writes it
+    y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)
+    scale = amax / FP8_MAX_
+    q = tl.minimum(tl.maximum(y / scale, -FP8_MAX_), FP8_MAX_)
+    # rounded to the e4m3 grid here (nearest, half away from zero), so the cast below is exact and
+    # does not hang on a backend's fp8 rounding (Triton's interpreter rounds values just under a
+    # power of two down a whole binade); below 2^-6 the grid is e4m3's subnormal step, 2^-9
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(q), 0.015625))) - 3.0)
+    q = tl.where(q < 0, -1.0, 1.0) * tl.floor(tl.abs(q) / step + 0.5) * step
+    tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def silu_and_mul_quant_triton(x: torch.Tensor) -> Quantized:
+    """Triton `silu_and_mul_quant_ref`: x [T, 2 * I] -> (q [T, I] e4m3, scale [T, 1])."""
+    check(x.dim() == 2 and x.shape[1] % 2 == 0, "silu_and_mul_quant: x must be [T, 2 * I], got {}", tuple(x.shape))
+    check(x.stride(1) == 1, "silu_and_mul_quant: x's last dim must be contiguous")
+    t, two_i = x.shape
+    inter = two_i // 2
+    check(inter <= 65536, "silu_and_mul_quant: I={} > 65536 is not supported (one row per program)", inter)
+    q = torch.empty((t, inter), dtype=FP8, device=x.device)
+    scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    if t == 0 or inter == 0:
+        return q, scale
+    block = next_pow2(inter)
+    _silu_and_mul_quant_kernel.launch((t,), (x, q, scale, x.stride(0), inter),
+                                      {"FP8_MAX_": FP8_MAX, "BLOCK": block},
+                                      min(16, max(1, block // 256)), 3, x.device.type == "cuda")
+    return q, scale
+
+
+
