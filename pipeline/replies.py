@@ -7,8 +7,8 @@ queued, so it misses nothing a live worker sends. Pub/sub is fire-and-forget: th
 the store stays the record (a waiter that hears nothing looks there), and a publisher that cannot
 reach Redis drops replies without slowing the worker (it says so once).
 
-Messages are JSON: `{"type": "delta", "text": "...", "tokens": n}` and `{"type": "final",
-"result": <JobResult as JSON>}`.
+Messages are JSON: `{"type": "delta", "text": "...", "tokens": n, "offset": chars before it}` and
+`{"type": "final", "result": <JobResult as JSON>}`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ def reply_channel(job_id: str) -> str:
     return CHANNEL_PREFIX + job_id
 
 
-def delta_message(text: str, tokens: int) -> bytes:
-    """A text delta: `text` is new output, `tokens` the output tokens so far."""
-    return json.dumps({"type": "delta", "text": text, "tokens": tokens}, ensure_ascii=False).encode()
+def delta_message(text: str, tokens: int, offset: int) -> bytes:
+    """A text delta: `text` is new output starting at character `offset` of the job's text,
+    `tokens` the output tokens so far. The offset lets a waiter drop what it already has when a
+    job redelivered to another worker streams again from its start."""
+    return json.dumps({"type": "delta", "text": text, "tokens": tokens, "offset": offset}, ensure_ascii=False).encode()
 
 
 def final_message(result: JobResult) -> bytes:

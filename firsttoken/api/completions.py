@@ -194,9 +194,18 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def stream_text(sent: str, msg: dict[str, Any]) -> str:
+    """The part of a delta message not sent yet: a job redelivered to another worker streams again
+    from its start, and its deltas then repeat text the client has (dropped by their offsets)."""
+    text, offset = msg["text"], msg.get("offset", len(sent))
+    if offset > len(sent):  # a delta missed in between: wait for the final text to fill the gap
+        return ""
+    return text[len(sent) - offset :] if offset + len(text) > len(sent) else ""
+
+
 async def _events(state: ApiState, request: Request, job: JobRequest, fmt: LineFormat, include_usage: bool,
                   sub: Subscription) -> AsyncIterator[bytes]:
-    model, created, sent = state.model_name, int(time.time()), 0
+    model, created, sent = state.model_name, int(time.time()), ""
     done = False
     try:
         yield _sse(_chunk(job, fmt, model, created, "" if fmt is LineFormat.OPENAI_CHAT else None, None, role=True))
@@ -208,9 +217,11 @@ async def _events(state: ApiState, request: Request, job: JobRequest, fmt: LineF
             msg = await sub.next(POLL_STORE_S)
             if msg is None:
                 result = await _stored_result(state, job.id)
-            elif msg["type"] == "delta" and msg["text"]:
-                sent += len(msg["text"])
-                yield _sse(_chunk(job, fmt, model, created, msg["text"], None))
+            elif msg["type"] == "delta":
+                new = stream_text(sent, msg)
+                if new:
+                    sent += new
+                    yield _sse(_chunk(job, fmt, model, created, new, None))
             elif msg["type"] == "final":
                 result = msg["result"]
         if result is None:
@@ -218,10 +229,14 @@ async def _events(state: ApiState, request: Request, job: JobRequest, fmt: LineF
             yield _sse({"error": {"code": "timeout", "type": "timeout", "message": "no result in time", "param": None}})
         elif result.error_code is not None:
             yield _sse(openai_response(result, fmt)[1])
+        elif not result.text.startswith(sent):
+            # a sampled job run again after its worker died, and this run's text differs from what was sent
+            yield _sse({"error": {"code": "restarted", "type": "restarted", "param": None,
+                                  "message": "the job was run again after its worker failed and its text changed; "
+                                             f"the full text is on job {job.id}"}})
         else:
-            rest = result.text[sent:] if result.text.startswith(result.text[:sent]) else ""
             finish = None if result.finish_reason is None else result.finish_reason.value
-            last = _chunk(job, fmt, model, created, rest, finish)
+            last = _chunk(job, fmt, model, created, result.text[len(sent):], finish)
             last["firsttoken"] = firsttoken_extension(result)
             yield _sse(last)
             if include_usage:

@@ -292,3 +292,52 @@ def test_openai_batches_fail_when_no_line_is_valid_and_expire_after_their_window
         assert expired.status == "expired" and expired.progress.counts == {JobStatus.CANCELLED: 1}
         view = c.get(f"/v1/batches/{b['id']}", headers=ALICE).json()
         assert view["status"] == "expired" and view["expired_at"] is not None and view["error_file_id"]
+
+
+def test_a_restarted_stream_sends_each_character_once():
+    """A job redelivered to another worker streams again from its start: the deltas' offsets let
+    the API drop what the client has; a run whose text differs ends the stream with an error."""
+    import asyncio
+
+    from firsttoken.api.completions import _events, stream_text
+    from firsttoken.api.deps import ApiState
+    from schemas.batchfile import LineFormat
+    from schemas.job import FinishReason, JobRequest, JobResult
+
+    assert stream_text("", {"text": "Hel", "offset": 0}) == "Hel"
+    assert stream_text("Hel", {"text": "lo", "offset": 3}) == "lo"
+    assert stream_text("Hello", {"text": "He", "offset": 0}) == ""  # the second run repeating
+    assert stream_text("Hello", {"text": "llo wo", "offset": 2}) == " wo"  # overlapping
+    assert stream_text("He", {"text": "o", "offset": 4}) == ""  # a gap: the final text fills it
+
+    class Script:
+        def __init__(self, msgs):
+            self.msgs = list(msgs)
+
+        async def next(self, timeout_s):
+            return self.msgs.pop(0) if self.msgs else None
+
+        async def close(self):
+            pass
+
+    def run(msgs):
+        state = ApiState(settings=Settings(api_no_auth=True), authenticate=lambda r: None, model_name="m")
+        job = JobRequest(id="j1", prompt="x")
+
+        async def collect():
+            return [c async for c in _events(state, None, job, LineFormat.OPENAI_COMPLETIONS, False, Script(msgs))]
+
+        chunks = asyncio.run(collect())
+        out = [json.loads(c[6:]) for c in chunks if c.startswith(b"data: {")]
+        return "".join(x["choices"][0]["text"] for x in out if "choices" in x), out
+
+    final = {"type": "final", "result": JobResult(id="j1", status="succeeded", text="Hello world",
+                                                  finish_reason=FinishReason.LENGTH)}
+    first_run = [{"type": "delta", "text": "Hel", "offset": 0}, {"type": "delta", "text": "lo", "offset": 3}]
+    second_run = [{"type": "delta", "text": "Hel", "offset": 0}, {"type": "delta", "text": "lo w", "offset": 3}]
+    text, _ = run([*first_run, *second_run, final])
+    assert text == "Hello world"  # each character once
+    changed = {"type": "final", "result": JobResult(id="j1", status="succeeded", text="Help me",
+                                                    finish_reason=FinishReason.LENGTH)}
+    text, out = run([*first_run, changed])
+    assert text == "Hello" and out[-1]["error"]["code"] == "restarted"
