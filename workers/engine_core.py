@@ -72,7 +72,7 @@ class CoreOutputs:
 
     first_tokens: list[tuple[str, float]] = field(default_factory=list)  # (request id, monotonic)
     finished: list[FinishedRequest] = field(default_factory=list)
-    deltas: list[tuple[str, str, int]] = field(default_factory=list)  # (request id, text, tokens) of streamed ones
+    deltas: list[tuple[str, str, int, int]] = field(default_factory=list)  # StepOutput.deltas of streamed ones
     rejected: list[tuple[str, str, str]] = field(default_factory=list)  # (request id, code, message)
     stats: EngineStats | None = None
 

@@ -91,7 +91,6 @@ class _InFlight:
     admitted_mono: float
     first_token_mono: float | None = None
     paused_s: float = 0.0  # of submitted -> admitted, the time this worker held off (back-pressure)
-    streamed_chars: int = 0  # text published as deltas so far (a streamed job)
 
 
 @dataclass
@@ -353,11 +352,9 @@ class Worker:
                 if entry is not None:
                     entry.first_token_mono = t
             if self.replies is not None:
-                for rid, text, tokens in out.deltas:
-                    entry = self._inflight.get(rid)
-                    if entry is not None:
-                        self.replies.put(rid, delta_message(text, tokens, entry.streamed_chars))
-                        entry.streamed_chars += len(text)
+                for rid, text, tokens, offset in out.deltas:
+                    if rid in self._inflight:
+                        self.replies.put(rid, delta_message(text, tokens, offset))
             for rid, code, message in out.rejected:
                 entry = self._inflight.pop(rid, None)
                 if entry is not None:

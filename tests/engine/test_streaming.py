@@ -19,7 +19,8 @@ def _run(engine: LLMEngine, stream: bool, sp: SamplingParams):
     finished = {}
     while engine.has_unfinished():
         out = engine.step()
-        for rid, text, n in out.deltas:
+        for rid, text, n, offset in out.deltas:
+            assert offset == sum(len(t) for t, _ in deltas[rid])  # where the text goes
             deltas[rid].append((text, n))
         for f in out.finished:
             finished[f.request_id] = f

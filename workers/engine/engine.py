@@ -146,6 +146,7 @@ class LLMEngine:
             eos_token_ids=frozenset() if sp.ignore_eos else self.eos_token_ids,
         )
         req.stream = stream
+        req.stop_holdback = max((len(s) for s in sp.stop), default=1) - 1
         self.requests[request_id] = req
         if sp.stop or stream:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids)
@@ -281,8 +282,8 @@ class LLMEngine:
         detok = self._detok.get(req.request_id)
         if detok is not None:
             delta = detok.add(tok)
-            if delta and sp.stop:
-                start = max(0, len(req.text) - max(len(s) for s in sp.stop) + 1)
+            if delta:
+                start = max(0, len(req.text) - req.stop_holdback)
                 req.text += delta
                 for s in sp.stop:
                     pos = req.text.find(s, start)
@@ -290,8 +291,6 @@ class LLMEngine:
                         req.text = req.text[:pos]
                         req.stop_reason = s
                         return "stop"
-            elif delta:
-                req.text += delta
         if num_tokens - req.num_prompt_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -299,10 +298,9 @@ class LLMEngine:
     @staticmethod
     def _stream_delta(req: Request, num_output: int, result: StepOutput) -> None:
         """Report the text a streamed request gained, short of what might yet become a stop string."""
-        stop = req.sampling.stop
-        safe = len(req.text) - (max(len(s) for s in stop) - 1 if stop else 0)
+        safe = len(req.text) - req.stop_holdback
         if safe > req.streamed_chars:
-            result.deltas.append((req.request_id, req.text[req.streamed_chars : safe], num_output))
+            result.deltas.append((req.request_id, req.text[req.streamed_chars : safe], num_output, req.streamed_chars))
             req.streamed_chars = safe
 
     def _finish(self, req: Request, now: float) -> FinishedRequest:

@@ -82,10 +82,11 @@ class StepOutput:
 
     first_tokens: list[FirstTokenEvent] = field(default_factory=list)
     finished: list[FinishedRequest] = field(default_factory=list)
-    # (request id, new text, output tokens so far) of streamed requests: the text reported is
-    # always a prefix of the request's final text (text that could still become a stop string is
-    # held back), so a client that appends the deltas, then the rest of the final text, is exact
-    deltas: list[tuple[str, str, int]] = field(default_factory=list)
+    # (request id, new text, output tokens so far, the text's offset in the output) of streamed
+    # requests: the text reported is always a prefix of the request's final text (text that could
+    # still become a stop string is held back), so a client that appends the deltas, then the rest
+    # of the final text, is exact
+    deltas: list[tuple[str, str, int, int]] = field(default_factory=list)
     num_scheduled: int = 0  # requests that computed tokens this step
     num_batched_tokens: int = 0
 

@@ -57,6 +57,9 @@ class Request:
     text: str = ""  # output text so far (kept only when stop strings or streaming need it)
     stream: bool = False  # report text deltas as tokens arrive (StepOutput.deltas)
     streamed_chars: int = 0  # how much of `text` the deltas have reported
+    # the longest stop string's length minus one (0 without stop strings): how far back a new
+    # piece of text can complete a stop string, and so how much of `text` a delta holds back
+    stop_holdback: int = 0
     # async scheduling: sampled tokens not read back yet sit at the end of token_ids as
     # PENDING_TOKEN (at most two: the step in flight and the one launched after it); the last
     # one's value is at row `pending_row` of its step's sampled tokens on the device
