@@ -35,11 +35,12 @@ class JobMetrics:
         self.labels = labels
         names = list(labels)
 
+        # the process's own labels are fixed: each metric's child is bound once, not per result
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=registry)
+            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=registry).labels(**labels)
 
-        def count(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, [*names, *extra], registry=registry)
+        def count(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, names, registry=registry).labels(**labels)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token: submission to first token, queue included", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Each job's mean time per output token after the first", ITL_BUCKETS)
@@ -49,7 +50,8 @@ class JobMetrics:
         self.generation_tokens = count("generation_tokens", "Output tokens of finished jobs")
         self.prefix_hits = count("prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.prefix_queries = count("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.results = count("request_results", "Terminal results by status and error code", ("status", "error_code"))
+        self.results = Counter(PREFIX + "request_results", "Terminal results by status and error code",
+                               [*names, "status", "error_code"], registry=registry)
 
     def observe(self, results: Iterable[JobResult]) -> None:
         """Count these terminal results (and time the succeeded ones)."""
@@ -61,8 +63,8 @@ class JobMetrics:
             t, u = r.timings, r.usage
             for hist, ms in ((self.ttft, t.ttft_ms), (self.itl, t.tpot_ms), (self.e2e, t.e2e_ms), (self.queue, t.queue_ms)):
                 if ms is not None:
-                    hist.labels(*lv).observe(ms / 1000.0)
-            self.prompt_tokens.labels(*lv).inc(u.prompt_tokens)
-            self.generation_tokens.labels(*lv).inc(u.completion_tokens)
-            self.prefix_hits.labels(*lv).inc(u.cached_prompt_tokens)
-            self.prefix_queries.labels(*lv).inc(u.prompt_tokens)
+                    hist.observe(ms / 1000.0)
+            self.prompt_tokens.inc(u.prompt_tokens)
+            self.generation_tokens.inc(u.completion_tokens)
+            self.prefix_hits.inc(u.cached_prompt_tokens)
+            self.prefix_queries.inc(u.prompt_tokens)
