@@ -238,10 +238,10 @@ class _BatchRun:
                 failures.append((self._duplicate(job, first[job.id].line_no), item.line_no, job.line_format))
             else:
                 first[job.id] = job
-        publish = self._new_or_unfinished(list(first.values()), failures)
         now = time.time()
-        for j in publish:  # stamped here, by the server: a client never sets submitted_at
+        for j in first.values():  # stamped here, by the server (a client never sets submitted_at): row and message
             j.submitted_at = now
+        publish = self._new_or_unfinished(list(first.values()), failures)
         if publish:
             self.p.queue.publish(publish)
             self.published += len(publish)
@@ -274,9 +274,6 @@ class _BatchRun:
                     self._seen.add(j.id)
                     out.append(j)
             return out
-        now = time.time()
-        for j in jobs:  # the queued row's submitted_at; the message's is stamped just before publishing
-            j.submitted_at = now
         inserted = store.record_queued(jobs)
         if len(inserted) == len(jobs):
             return jobs

@@ -5,8 +5,6 @@ from its rows when asked for)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
@@ -15,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from firsttoken.api.batches import ERRORS_PREFIX, OUTPUT_PREFIX
 from firsttoken.api.deps import ApiError, ApiState, Principal, State, Who
 from pipeline.batch_io import batch_format, result_lines
-from pipeline.store import FileRecord
+from pipeline.store import BatchRecord, FileRecord
 from schemas.job import ErrorCode, JobStatus, new_job_id
 
 router = APIRouter(tags=["files"])
@@ -65,15 +63,14 @@ async def upload(request: Request, who: Who, state: State) -> FileView:
     return _view(rec)
 
 
-def _generated(state: ApiState, who: Principal, file_id: str) -> tuple[str, Any] | None:
-    """(batch id, statuses) of a batch's output or error file id, or None."""
+def _generated(state: ApiState, who: Principal, file_id: str) -> tuple[BatchRecord, set[JobStatus]] | None:
+    """(the batch, the statuses of its lines) of a batch's output or error file id, or None."""
     for prefix, statuses in (
         (OUTPUT_PREFIX, {JobStatus.SUCCEEDED}),
         (ERRORS_PREFIX, {JobStatus.FAILED, JobStatus.CANCELLED}),
     ):
         if file_id.startswith(prefix):
-            b = state.find_batch(who, file_id[len(prefix) :])
-            return b.id, statuses
+            return state.find_batch(who, file_id[len(prefix) :]), statuses
     return None
 
 
@@ -82,7 +79,7 @@ def get_file(file_id: str, who: Who, state: State) -> FileView:
     """An uploaded file's description, or a batch's output or error file's."""
     gen = _generated(state, who, file_id)
     if gen is not None:
-        b = state.find_batch(who, gen[0])
+        b = gen[0]
         return FileView(id=file_id, bytes=0, created_at=int(b.finished_at or b.created_at),
                         filename=f"{file_id}.jsonl", purpose="batch_output")
     f = state.st.get_file(file_id)
@@ -96,8 +93,8 @@ def file_content(file_id: str, who: Who, state: State) -> Response:
     """An uploaded file's bytes, or a batch's output or error lines in input order."""
     gen = _generated(state, who, file_id)
     if gen is not None:
-        b = state.find_batch(who, gen[0])
-        lines = result_lines(state.st, b.id, batch_format(b.input_format), statuses=gen[1])
+        b, statuses = gen
+        lines = result_lines(state.st, b.id, batch_format(b.input_format), statuses=statuses)
         return StreamingResponse(lines, media_type="application/jsonl")
     f = state.st.get_file(file_id)
     if f is None or not who.may_see(f.owner):
