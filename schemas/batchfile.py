@@ -39,6 +39,7 @@ from schemas.job import (
     job_id_hint,
     job_id_in_batch,
     job_id_of_line,
+    nests_deeper_than,
 )
 from schemas.limits import MAX_JSON_DEPTH, MAX_LINE_BYTES
 from schemas.sampling import SamplingParams
@@ -273,26 +274,6 @@ def loads_strict(text: str | bytes) -> Any:
     return json.loads(text, parse_constant=_reject_constant)
 
 
-def json_depth_error(obj: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
-    """Why `obj` nests too deeply (more than `limit` lists/objects), or None."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(obj, 0)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            children: Iterable[Any] = v.values()
-        elif isinstance(v, list):
-            children = v
-        else:
-            continue
-        d += 1
-        if d > limit:
-            return f"JSON nests deeper than {limit} levels"
-        deepest = max(deepest, d)
-        stack.extend((c, d) for c in children)
-    return None
-
-
 def parse_json_object(raw: str | bytes, *, max_bytes: int = MAX_LINE_BYTES) -> dict[str, Any]:
     """One JSON object from a line or a request body, within the size and nesting limits.
 
@@ -315,9 +296,8 @@ def parse_json_object(raw: str | bytes, *, max_bytes: int = MAX_LINE_BYTES) -> d
         raise LineError(ErrorCode.INVALID_REQUEST, f"not valid JSON: {str(exc)[:120]}") from None
     if not isinstance(obj, dict):
         raise LineError(ErrorCode.INVALID_REQUEST, "must be a JSON object")
-    deep = json_depth_error(obj)
-    if deep is not None:
-        raise LineError(ErrorCode.TOO_LARGE, deep)
+    if nests_deeper_than(obj, MAX_JSON_DEPTH):
+        raise LineError(ErrorCode.TOO_LARGE, f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
     return obj
 
 

@@ -158,9 +158,9 @@ class ChatMessage(BaseModel):
         return _check_utf8(v)
 
 
-def _json_depth(value: object) -> int:
-    """How deeply `value` nests lists and objects (a scalar is 0), walked without recursion."""
-    deepest = 0
+def nests_deeper_than(value: object, limit: int) -> bool:
+    """True when `value` nests lists and objects more than `limit` levels (a scalar is 0),
+    walked without recursion and given up on at the first level past the limit."""
     stack: list[tuple[object, int]] = [(value, 0)]
     while stack:
         v, d = stack.pop()
@@ -170,16 +170,14 @@ def _json_depth(value: object) -> int:
             children = v
         else:
             continue
-        d += 1
-        deepest = max(deepest, d)
-        if deepest > MAX_METADATA_DEPTH:
-            return deepest
-        stack.extend((c, d) for c in children)
-    return deepest
+        if d + 1 > limit:
+            return True
+        stack.extend((c, d + 1) for c in children)
+    return False
 
 
 def _check_metadata(value: object) -> object:
-    if _json_depth(value) > MAX_METADATA_DEPTH:
+    if nests_deeper_than(value, MAX_METADATA_DEPTH):
         raise PydanticCustomError(
             "too_large", "nests deeper than {depth} levels", {"depth": MAX_METADATA_DEPTH}
         )
