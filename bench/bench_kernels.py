@@ -172,9 +172,8 @@ def run_fp8(out: list) -> None:
     """Each Llama-3.1-8B projection at several token counts: bf16 matmul, FP8 with per-channel
     weight scales (torch._scaled_mm), FP8 with weight scales per 128 columns (kernels/fp8_gemm.py);
     the FP8 times include the per-token activation quantization, as a layer runs it."""
-    from kernels.fp8_gemm import fp8_gemm_grouped_triton, quantize_groupwise
+    from kernels.fp8_gemm import fp8_gemm_grouped_triton, fp8_linear_grouped_triton, quantize_groupwise
     from kernels.fp8_linear import fp8_linear_scaled_mm, quantize_rowwise
-    from workers.engine.quantization import fp8_linear_grouped_triton
 
     for t in (1, 64, 1024, 8192):
         for name, k, n in FP8_SHAPES:

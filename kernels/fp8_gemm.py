@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kernels._triton import cdiv, check, lazy_jit
-from kernels.fp8_linear import FP8, FP8_MAX, quantize_rowwise
+from kernels.fp8_linear import FP8, FP8_MAX, fp8_linear
 
 
 def quantize_groupwise(w: torch.Tensor, group: int, eps: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,28 +28,6 @@ def quantize_groupwise(w: torch.Tensor, group: int, eps: float = 1e-12) -> tuple
     scale = wg.abs().amax(dim=-1).clamp(min=eps) / FP8_MAX  # [N, G]
     q = (wg / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(n, k)
     return q, scale
-
-
-def fp8_gemm_grouped_ref(
-    a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
-    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """a_q: [M, K] e4m3, a_scale: [M, 1], b_q: [N, K] e4m3, b_scale: [N, K // group] -> [M, N]:
-    both dequantized, multiplied in fp32."""
-    n, k = b_q.shape
-    group = k // b_scale.shape[1]
-    b = (b_q.float().reshape(n, -1, group) * b_scale.unsqueeze(-1)).reshape(n, k)  # [N, K]
-    out = (a_q.float() * a_scale) @ b.t()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
-
-
-def fp8_linear_grouped_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, K] quantized per token, times group-scaled FP8 weights -> [T, N] in x's dtype."""
-    x_q, x_scale = quantize_rowwise(x)
-    return fp8_gemm_grouped_ref(x_q, x_scale, w_q, w_scale, bias, x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +81,7 @@ def fp8_gemm_grouped_triton(
     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
     block_m: int = 64, block_n: int = 64,
 ) -> torch.Tensor:
-    """Triton `fp8_gemm_grouped_ref`."""
+    """Triton `kernels.fp8_linear.fp8_gemm_ref` for group-scaled weights ([N, K / group])."""
     check(a_q.dtype == FP8 and b_q.dtype == FP8, "fp8_gemm: A and B must be float8_e4m3fn")
     m, k = a_q.shape
     n, kb = b_q.shape
@@ -126,3 +104,10 @@ def fp8_gemm_grouped_triton(
     _fp8_gemm_grouped_kernel.launch((cdiv(m, block_m), cdiv(n, block_n)), args, consts, 4, 3,
                                     a_q.device.type == "cuda")
     return c
+
+
+def fp8_linear_grouped_triton(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`kernels.fp8_linear.fp8_linear` through the Triton group-scaled GEMM."""
+    return fp8_linear(fp8_gemm_grouped_triton, x, w_q, w_scale, bias)

@@ -1,13 +1,18 @@
 """FP8 (e4m3) W8A8 linear layers: weights quantized once per output channel, activations per
 token at run time, the product accumulated in fp32.
 
-`fp8_linear_ref` is the reference (and the CPU path): it dequantizes both operands and multiplies
-in fp32, which is what an FP8 tensor-core GEMM with fp32 accumulation computes, up to the order
-of the sums. `fp8_linear_scaled_mm` runs the GEMM on the GPU with `torch._scaled_mm` (row-wise
-scales: one per token for the activations, one per output channel for the weights; sm89+).
+The GEMMs take quantized activations (e4m3 and one scale per token) and weights (e4m3 and one
+scale per output channel, [N, 1], or per output channel and group of columns, [N, K / group]):
+`fp8_gemm_ref` is the reference (and the CPU path): it dequantizes both operands and multiplies in
+fp32, which is what an FP8 tensor-core GEMM with fp32 accumulation computes, up to the order of
+the sums. `fp8_gemm_scaled_mm` runs it on the GPU with `torch._scaled_mm` (per-channel weight scales;
+sm89+); kernels/fp8_gemm.py has a Triton one for group scales. `fp8_linear` quantizes the
+activations first, as a layer whose input comes unquantized does.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -25,27 +30,55 @@ def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12) -> tuple[torch.Tensor,
     return q, scale
 
 
+Gemm = Callable[..., torch.Tensor]  # (x_q, x_scale, w_q, w_scale, bias, out_dtype) -> [T, N]
+
+
+def fp8_gemm_ref(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """x_q: [T, K] e4m3, x_scale: [T, 1], w_q: [N, K] e4m3, w_scale: [N, G] (G = 1: per channel;
+    else per group of K / G columns) -> [T, N] in out_dtype: both dequantized, multiplied in fp32."""
+    n, k = w_q.shape
+    w = (w_q.float().reshape(n, w_scale.shape[1], -1) * w_scale.unsqueeze(-1)).reshape(n, k)  # [N, K]
+    out = (x_q.float() * x_scale) @ w.t()  # [T, N] fp32
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def fp8_gemm_scaled_mm(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The same on CUDA with torch._scaled_mm (FP8 tensor cores, fp32 accumulation), per-channel
+    weight scales ([N, 1]) only. K and N must be multiples of 16; w_q.t() is column-major, as
+    _scaled_mm wants its second operand."""
+    return torch._scaled_mm(
+        x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.t().contiguous(), bias=bias, out_dtype=out_dtype
+    )
+
+
+def fp8_linear(
+    gemm: Gemm, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [T, K] (any float dtype) quantized per token, then `gemm` -> [T, N] in x's dtype."""
+    x_q, x_scale = quantize_rowwise(x)  # [T, K], [T, 1]
+    return gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+
+
 def fp8_linear_ref(
     x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x: [T, K] (any float dtype), w_q: [N, K] e4m3, w_scale: [N, 1] fp32 -> [T, N] in x's dtype:
-    x quantized per token, both dequantized, multiplied in fp32."""
-    x_q, x_scale = quantize_rowwise(x)  # [T, K], [T, 1]
-    out = (x_q.float() * x_scale) @ (w_q.float() * w_scale).t()  # [T, N] fp32
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
+    """`fp8_linear` through the reference GEMM."""
+    return fp8_linear(fp8_gemm_ref, x, w_q, w_scale, bias)
 
 
 def fp8_linear_scaled_mm(
     x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The same on CUDA with torch._scaled_mm (FP8 tensor cores, fp32 accumulation). K and N must be
-    multiples of 16; w_q.t() is column-major, as _scaled_mm wants its second operand."""
-    x_q, x_scale = quantize_rowwise(x)  # [T, K], [T, 1]
-    return torch._scaled_mm(
-        x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.t().contiguous(), bias=bias, out_dtype=x.dtype
-    )
+    """`fp8_linear` through torch._scaled_mm."""
+    return fp8_linear(fp8_gemm_scaled_mm, x, w_q, w_scale, bias)
 
 
 def scaled_mm_supported(device: torch.device, k: int, n: int) -> bool:

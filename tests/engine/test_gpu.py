@@ -178,8 +178,8 @@ def test_cuda_engine_in_its_own_process_matches_in_process():
 def test_cuda_fp8_gemms_match_their_reference():
     """The FP8 GEMMs the engine runs on the GPU (torch._scaled_mm per channel; the Triton kernel
     per group of columns) against the fp32 reference of the same quantized operands."""
-    from kernels.fp8_gemm import fp8_gemm_grouped_ref, fp8_gemm_grouped_triton, quantize_groupwise
-    from kernels.fp8_linear import fp8_linear_ref, fp8_linear_scaled_mm, quantize_rowwise
+    from kernels.fp8_gemm import fp8_gemm_grouped_triton, quantize_groupwise
+    from kernels.fp8_linear import fp8_gemm_ref, fp8_linear_ref, fp8_linear_scaled_mm, quantize_rowwise
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for t, k, n in ((1, 4096, 6144), (77, 4096, 4096), (512, 14336, 4096)):
@@ -191,7 +191,7 @@ def test_cuda_fp8_gemms_match_their_reference():
         wg, wgs = quantize_groupwise(w, 128)
         xq, xs = quantize_rowwise(x)
         got = fp8_gemm_grouped_triton(xq, xs, wg, wgs, None, torch.float32)
-        want = fp8_gemm_grouped_ref(xq, xs, wg, wgs, None, torch.float32)
+        want = fp8_gemm_ref(xq, xs, wg, wgs, None, torch.float32)
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-3)
 
 

@@ -89,7 +89,8 @@ def test_engine_serves_with_fp8_projections():
 def test_grouped_gemm_triton_against_reference(poison_empty, m, n, k, group, bias, out_dtype):
     from kernels_testutil_tol import tol
 
-    from kernels.fp8_gemm import fp8_gemm_grouped_ref, fp8_gemm_grouped_triton, quantize_groupwise
+    from kernels.fp8_gemm import fp8_gemm_grouped_triton, quantize_groupwise
+    from kernels.fp8_linear import fp8_gemm_ref
 
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g)
@@ -98,17 +99,17 @@ def test_grouped_gemm_triton_against_reference(poison_empty, m, n, k, group, bia
     a_q, a_s = quantize_rowwise(x)
     w_q, w_s = quantize_groupwise(w, group)
     assert w_s.shape == (n, k // group)
-    want = fp8_gemm_grouped_ref(a_q, a_s, w_q, w_s, b, out_dtype)
+    want = fp8_gemm_ref(a_q, a_s, w_q, w_s, b, out_dtype)
     got = fp8_gemm_grouped_triton(a_q, a_s, w_q, w_s, b, out_dtype, block_m=16, block_n=32)
     assert got.dtype == out_dtype and not got.isnan().any()
     torch.testing.assert_close(got.float(), want.float(), **tol(out_dtype))
     # a wrong group index (scales of the group before) is far outside the tolerance
-    shifted = fp8_gemm_grouped_ref(a_q, a_s, w_q, torch.roll(w_s, 1, dims=1), b, torch.float32)
+    shifted = fp8_gemm_ref(a_q, a_s, w_q, torch.roll(w_s, 1, dims=1), b, torch.float32)
     assert (shifted - want.float()).abs().max() > 100 * tol(out_dtype)["atol"]
 
 
 def test_group_scales_beat_channel_scales_on_spread_columns():
-    from kernels.fp8_gemm import fp8_linear_grouped_ref, quantize_groupwise
+    from kernels.fp8_gemm import quantize_groupwise
 
     g = torch.Generator().manual_seed(0)
     # columns spanning 1e-6..1: past e4m3's range under one scale per channel (small columns
@@ -122,7 +123,7 @@ def test_group_scales_beat_channel_scales_on_spread_columns():
     rel = lambda d: ((d[:, small] - w[:, small]).norm() / w[:, small].norm()).item()  # noqa: E731
     assert rel(grouped) < 0.05 and rel(per_channel) > 3 * rel(grouped), (rel(grouped), rel(per_channel))
     x = torch.randn(9, 256, generator=g)
-    y = fp8_linear_grouped_ref(x, qg, sg)
+    y = fp8_linear_ref(x, qg, sg)
     assert ((y - x @ w.t()).norm() / (x @ w.t()).norm()).item() < 0.05
     with pytest.raises(ValueError, match="multiple of the group"):
         quantize_groupwise(torch.randn(4, 100), 64)

@@ -11,30 +11,15 @@ pair as it is. o_proj quantizes the attention output itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import fp8_gemm_grouped_ref, fp8_gemm_grouped_triton, quantize_groupwise
-from kernels.fp8_linear import quantize_rowwise, scaled_mm_supported
+from kernels.fp8_gemm import fp8_gemm_grouped_triton, quantize_groupwise
+from kernels.fp8_linear import Gemm, fp8_gemm_ref, fp8_gemm_scaled_mm, quantize_rowwise, scaled_mm_supported
 
 QUANTIZATIONS = ("fp8",)
 
 Activation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a tensor, or (e4m3 [T, K], scale [T, 1])
-
-
-def _gemm_ref(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
-              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    # x_q: [T, K] e4m3, x_s: [T, 1]; w_q: [N, K] e4m3, w_s: [N, 1] -> [T, N]
-    out = (x_q.float() * x_s) @ (w_q.float() * w_s).t()
-    return (out if bias is None else out + bias.float()).to(out_dtype)
-
-
-def _gemm_scaled_mm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
-                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    # FP8 tensor cores, fp32 accumulation; w_q.t() is column-major, as _scaled_mm wants
-    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=w_s.t().contiguous(), bias=bias, out_dtype=out_dtype)
 
 
 class Fp8Linear(nn.Module):
@@ -61,16 +46,16 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", scale, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         # the GEMM picked once here, not per call: FP8 tensor cores where they exist, else the reference
-        gemm: Callable[..., torch.Tensor]
+        gemm: Gemm
         if self.group is not None:
             cuda = w.device.type == "cuda"
             gemm, self.kernel = (
-                (fp8_gemm_grouped_triton, "triton_grouped") if cuda else (fp8_gemm_grouped_ref, "reference_grouped")
+                (fp8_gemm_grouped_triton, "triton_grouped") if cuda else (fp8_gemm_ref, "reference_grouped")
             )
         elif scaled_mm_supported(w.device, self.in_features, self.out_features):
-            gemm, self.kernel = _gemm_scaled_mm, "scaled_mm"
+            gemm, self.kernel = fp8_gemm_scaled_mm, "scaled_mm"
         else:
-            gemm, self.kernel = _gemm_ref, "reference"
+            gemm, self.kernel = fp8_gemm_ref, "reference"
         self._gemm = gemm
 
     def forward(self, x: Activation) -> torch.Tensor:
