@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -233,7 +232,7 @@ def _watch_until_done(db: str, batch_id: str, *, progress: bool = True, timeout_
 
     store = ResultStore.from_url(db)
     try:
-        b = watch(store, batch_id, out=sys.stderr if progress else open(os.devnull, "w"), timeout_s=timeout_s)  # noqa: SIM115
+        b = watch(store, batch_id, progress=progress, timeout_s=timeout_s)
     finally:
         store.close()
     if b is None:

@@ -74,15 +74,16 @@ def status_line(b: BatchRecord) -> str:
 
 
 def watch(store: ResultStore, batch_id: str, *, every_s: float = 1.0, out: TextIO = sys.stderr,
-          timeout_s: float | None = None) -> BatchRecord | None:
-    """Follow a batch with a progress bar until it ends (or `timeout_s`); its last record."""
+          timeout_s: float | None = None, progress: bool = True) -> BatchRecord | None:
+    """Follow a batch with a progress bar (on a terminal, when `progress`) until it ends (or
+    `timeout_s`); its last record."""
     from tqdm import tqdm
 
     b = store.get_batch(batch_id)
     if b is None:
         return None
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    with tqdm(total=b.progress.total or b.progress.recorded, unit="job", file=out, disable=None,
+    with tqdm(total=b.progress.total or b.progress.recorded, unit="job", file=out, disable=None if progress else True,
               desc=batch_id[:30], dynamic_ncols=True) as bar:
         while True:
             p = b.progress

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
@@ -194,8 +194,6 @@ async def submit_batch(
     oa = _openai_request(raw)
     if oa is not None:
         view = await run_in_threadpool(_create_openai_batch, state, oa, who)
-        from fastapi.responses import JSONResponse
-
         return JSONResponse(view.model_dump(mode="json"), status_code=200)
     return await run_in_threadpool(_submit_lines, state, raw, batch_id, max_tokens, who)
 
