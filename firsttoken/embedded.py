@@ -135,10 +135,10 @@ def _wait_until_done(queue: LocalQueue, worker: object, progress: bool | None) -
     with tqdm(total=total, unit="job", disable=None if progress is None else not progress, file=sys.stderr,
               dynamic_ncols=True) as bar:
         while True:
-            done = sum(queue.committed().values())
-            bar.n = done
+            committed = queue.committed()
+            bar.n = sum(committed.values())
             bar.refresh()
-            if done >= total and queue.committed() == end:
+            if committed == end:
                 return
             failed = worker.failed_with  # type: ignore[attr-defined]
             if failed is not None:

@@ -203,8 +203,9 @@ def stream_text(sent: str, msg: dict[str, Any]) -> str:
     return text[len(sent) - offset :] if offset + len(text) > len(sent) else ""
 
 
-async def _events(state: ApiState, request: Request, job: JobRequest, fmt: LineFormat, include_usage: bool,
+async def _events(state: ApiState, job: JobRequest, fmt: LineFormat, include_usage: bool,
                   sub: Subscription) -> AsyncIterator[bytes]:
+    # a client that goes away cancels the generator: its `finally` abandons the job
     model, created, sent = state.model_name, int(time.time()), ""
     done = False
     try:
@@ -255,7 +256,7 @@ async def _events(state: ApiState, request: Request, job: JobRequest, fmt: LineF
 async def _complete(request: Request, who: Principal, state: ApiState, fmt: LineFormat) -> Any:
     job, stream, include_usage, sub = await _start(state, request, fmt, who)
     if stream:
-        return StreamingResponse(_events(state, request, job, fmt, include_usage, sub), media_type="text/event-stream",
+        return StreamingResponse(_events(state, job, fmt, include_usage, sub), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-firsttoken-job-id": job.id})
     try:
         result = await _final(state, request, job, sub)

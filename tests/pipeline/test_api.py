@@ -325,7 +325,7 @@ def test_a_restarted_stream_sends_each_character_once():
         job = JobRequest(id="j1", prompt="x")
 
         async def collect():
-            return [c async for c in _events(state, None, job, LineFormat.OPENAI_COMPLETIONS, False, Script(msgs))]
+            return [c async for c in _events(state, job, LineFormat.OPENAI_COMPLETIONS, False, Script(msgs))]
 
         chunks = asyncio.run(collect())
         out = [json.loads(c[6:]) for c in chunks if c.startswith(b"data: {")]
