@@ -2,6 +2,8 @@
 
     python3 bench/bench_engine.py --sections ttft,decode      # TTFT and time per output token
     python3 bench/bench_engine.py --sections throughput        # offline throughput (1000 prompts)
+    python3 bench/bench_engine.py --sections ttft,decode,throughput --engines bf16,fp8+kv8,fp8-block+kv8
+                                                               # FP8 engines beside bf16, each with its floor
 
 Model: the Llama-3.1-8B shape with random bf16 weights (preset `llama3-8b`). Floors use a bf16
 matmul rate and a copy bandwidth measured at the start of the same run.
@@ -27,7 +29,7 @@ from bench.common import (
     kv_bytes,
     md_table,
     measure_ceilings,
-    prefill_flops,
+    prefill_compute_s,
     throughput_floor_s,
     weight_bytes,
     write_report,
@@ -37,14 +39,32 @@ from schemas.sampling import SamplingParams
 from workers.engine import EngineConfig, LLMEngine
 from workers.engine.presets import get_preset
 
-TTFT_LENGTHS = [512, 2048, 8192, 32768]
+TTFT_LENGTHS = [512, 2048, 8192, 32768]  # --ttft-lengths replaces them
 DECODE_BATCHES = [1, 8, 64, 256]
+
+
+def sync() -> None:
+    """Wait for the GPU (nothing to wait for on a CPU smoke run)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 _rng = random.Random(0)
 
 
+def token_range(vocab: int) -> tuple[int, int]:
+    """Ids away from the special tokens at both ends of the vocabulary."""
+    edge = min(1000, vocab // 4)
+    return edge, vocab - edge
+
+
 def rand_ids(n: int, vocab: int) -> list[int]:
-    return [_rng.randrange(1000, vocab - 1000) for _ in range(n)]
+    return [_rng.randrange(*token_range(vocab)) for _ in range(n)]
 
 
 # ---- Hugging Face transformers side -----------------------------------------------------------
@@ -100,7 +120,7 @@ def hf_section(preset: str, sections: set[str], vocab: int) -> dict[str, Any]:
 # ---- our engine ---------------------------------------------------------------------------------
 def run_until_first_token(engine: LLMEngine, rid: str, ids: list[int]) -> float:
     """Submit one request; return ms until its first token is on the host; then drain the engine."""
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     engine.add_request(rid, prompt_token_ids=ids, sampling=ONE)
     while True:
@@ -139,7 +159,7 @@ def ours_decode(engine: LLMEngine, vocab: int, batches: list[int], steps: int = 
         while started < b:
             started += len(engine.step().first_tokens)
         engine.step()  # one more so every request is in pure decode
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -200,25 +220,91 @@ def hf_throughput(preset: str, prompts: list[list[int]], outs: list[int]) -> dic
     return {"hf_throughput_tok_s": sum(outs) / dt, "hf_throughput_s": dt, "hf_throughput_prompts": len(prompts)}
 
 
+ENGINES = {  # --engines names -> EngineConfig fields
+    "bf16": {},
+    "fp8": {"quantization": "fp8"},  # per-channel weight scales: torch._scaled_mm
+    "fp8-g128": {"quantization": "fp8", "fp8_weight_group": 128},  # weight scales per 128 columns: Triton
+    "fp8-block": {"quantization": "fp8", "fp8_act_group": 128},  # and activation scales per 128 columns
+}
+
+
+def engine_spec(spec: str, kv_default: str) -> dict[str, Any]:
+    """'fp8' or 'fp8+kv8' (the KV cache in fp8 too) -> EngineConfig fields."""
+    name, _, kv = spec.partition("+")
+    if name not in ENGINES or kv not in ("", "kv8"):
+        raise SystemExit(f"unknown engine {spec!r}: one of {sorted(ENGINES)}, optionally +kv8")
+    return {**ENGINES[name], "kv_cache_dtype": "fp8" if kv == "kv8" else kv_default}
+
+
+def run_engine(spec: str, fields: dict[str, Any], args: argparse.Namespace, sections: set[str], vocab: int,
+               prompts: list[list[int]], lens_out: list[int]) -> dict[str, Any]:
+    """One engine through the sections; returns its numbers (the engine is freed before returning)."""
+    big = max(TTFT_LENGTHS) if "ttft" in sections else 8192
+    ecfg = EngineConfig(max_model_len=max(big, 2176) + 256, max_num_batched_tokens=big if "ttft" in sections else 8192,
+                        max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.90, device=args.device, **fields)
+    t0 = time.perf_counter()
+    engine = LLMEngine(args.preset, ecfg)
+    st = engine.stats()
+    ours: dict[str, Any] = {"engine_start_s": time.perf_counter() - t0, "engine": {
+        "spec": spec, **fields, "kv_blocks": st.kv_blocks_total, "kernels": st.kernel_backend,
+        "cuda_graphs": st.cuda_graphs, "max_num_seqs": args.max_num_seqs}}
+    print(f"# engine {spec} up in {ours['engine_start_s']:.1f}s: {ours['engine']}", flush=True)
+    if "ttft" in sections:
+        ours.update(ours_ttft(engine, vocab))
+        print(f"# {spec} ttft done", flush=True)
+    if "decode" in sections:
+        batches = [int(b) for b in args.decode_batches.split(",")]
+        ours["decode_graphs"] = ours_decode(engine, vocab, batches)
+        graphs = engine.runner.graphs, engine.runner.prefill_graphs
+        engine.runner.graphs = engine.runner.prefill_graphs = None
+        ours["decode_eager"] = ours_decode(engine, vocab, batches)
+        engine.runner.graphs, engine.runner.prefill_graphs = graphs
+        del graphs
+        print(f"# {spec} decode done", flush=True)
+    if "throughput" in sections:
+        engine.scheduler.max_num_batched_tokens = 8192  # the throughput budget, whatever TTFT used
+        compiles = kernel_compiles()
+        ours.update(ours_throughput(engine, prompts, lens_out))
+        ours["throughput_kernel_compiles"] = kernel_compiles() - compiles
+        st = engine.stats()
+        mem = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        ours["throughput_stats"] = {"preemptions": st.num_preemptions, "prefix_hit_rate": st.prefix_hit_rate,
+                                    "alloc_retries": mem.get("num_alloc_retries"),
+                                    "device_allocs": mem.get("num_device_alloc")}
+        print(f"# {spec} throughput {ours['throughput_tok_s']:.0f} tok/s", flush=True)
+    del engine
+    free_memory()
+    return ours
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="ttft,decode")
     ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--engines", default="bf16",
+                    help=f"comma list run one after the other in this call: {', '.join(ENGINES)}; '+kv8' adds an fp8 "
+                         "KV cache (e.g. bf16,fp8+kv8,fp8-block+kv8)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--hf-prompts", type=int, default=64)
     ap.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    ap.add_argument("--ttft-lengths", default=",".join(map(str, TTFT_LENGTHS)))
+    ap.add_argument("--device", default=None, help="cuda (default when there is one); cpu for a smoke run")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="for engines without +kv8")
     ap.add_argument("--max-num-seqs", type=int, default=512,
                     help="sequences running at once (decode batch); more amortises the GEMMs at the cost of KV room")
     args = ap.parse_args()
+    TTFT_LENGTHS[:] = [int(n) for n in args.ttft_lengths.split(",")]
     sections = set(args.sections.split(","))
+    specs = args.engines.split(",")
+    fields = {s: engine_spec(s, args.kv_cache_dtype) for s in specs}
     cfg = get_preset(args.preset)
     vocab = cfg.vocab_size
-    data: dict[str, Any] = {"header": header(), "preset": args.preset}
+    data: dict[str, Any] = {"header": header(), "preset": args.preset, "engines": specs}
     t_start = time.perf_counter()
-    data["ceilings"] = ceil = measure_ceilings()
+    data["ceilings"] = ceil = measure_ceilings(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rate = ceil["bf16_matmul_tflops"] * 1e12
+    fp8_rate = ceil.get("fp8_matmul_tflops", 0.0) * 1e12 or None
     bw = ceil["copy_gbps"] * 1e9
     print(f"# ceilings {ceil}", flush=True)
 
@@ -227,89 +313,82 @@ def main() -> None:
         hf = hf_section(args.preset, sections, vocab)
         print(f"# hf {hf} ({time.perf_counter() - t_start:.0f}s)", flush=True)
 
-    big = max(TTFT_LENGTHS) if "ttft" in sections else 8192
-    ecfg = EngineConfig(max_model_len=big + 256, max_num_batched_tokens=big if "ttft" in sections else 8192,
-                        max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.90, kv_cache_dtype=args.kv_cache_dtype)
-    t0 = time.perf_counter()
-    engine = LLMEngine(args.preset, ecfg)
-    data["engine_start_s"] = time.perf_counter() - t0
-    st = engine.stats()
-    data["engine"] = {"kv_blocks": st.kv_blocks_total, "kernels": st.kernel_backend, "cuda_graphs": st.cuda_graphs,
-                      "kv_cache_dtype": args.kv_cache_dtype, "max_num_seqs": args.max_num_seqs}
-    print(f"# engine up in {data['engine_start_s']:.1f}s: {data['engine']}", flush=True)
-    ours: dict[str, Any] = {}
-    rows: list[dict[str, Any]] = []
+    r = random.Random(42)
+    lens_in = [r.randint(100, 1024) for _ in range(args.num_prompts)]
+    lens_out = [r.randint(100, 1024) for _ in range(args.num_prompts)]
+    prompts = [[r.randrange(*token_range(vocab)) for _ in range(n)] for n in lens_in]
+    ours = {s: run_engine(s, fields[s], args, sections, vocab, prompts, lens_out) for s in specs}
+    print(f"# engines done ({time.perf_counter() - t_start:.0f}s)", flush=True)
+    if "throughput" in sections and not args.no_hf:
+        k = args.hf_prompts
+        try:
+            hf.update(hf_throughput(args.preset, prompts[:k], lens_out[:k]))
+        except Exception as e:  # keep our numbers when the reference cannot run
+            hf["hf_throughput_error"] = repr(e)[:500]
+            print(f"# transformers throughput failed: {e!r}"[:600], flush=True)
+
+    def floors(spec: str) -> dict[str, Any]:
+        """This engine's floors: FP8 projections at the FP8 rate and 1 byte a weight, an fp8 KV cache at 1 byte."""
+        f = fields[spec]
+        q = f.get("quantization") == "fp8" and fp8_rate is not None
+        lin_rate, lin_bytes = (fp8_rate, 1) if q else (None, None)
+        kvb = 1 if f["kv_cache_dtype"] == "fp8" else 2
+        w = weight_bytes(cfg, 2, lin_bytes)
+        out = {f"ttft_{n}": max(prefill_compute_s(cfg, n, 0, rate, lin_rate), w / bw) * 1e3 for n in TTFT_LENGTHS}
+        out["ttft_2048c_128"] = max(prefill_compute_s(cfg, 128, 2048, rate, lin_rate),
+                                    (w + kv_bytes(cfg, 2176, kvb)) / bw) * 1e3
+        for b in [int(x) for x in args.decode_batches.split(",")]:
+            out[f"tpot_b{b}"] = (w + kv_bytes(cfg, b * 536, kvb)) / bw * 1e3
+        out["throughput"] = sum(lens_out) / throughput_floor_s(cfg, lens_in, lens_out, rate, bw, kvb, lin_rate)
+        return out
+
+    fl = {s: floors(s) for s in specs}
+    metrics: list[tuple[str, str, str | None]] = []  # (row name, key, transformers key)
     if "ttft" in sections:
-        ours.update(ours_ttft(engine, vocab))
-        for n in TTFT_LENGTHS:
-            fl = max(prefill_flops(cfg, n) / rate, weight_bytes(cfg) / bw) * 1e3
-            rows.append({"metric": f"TTFT {n}", "floor_ms": fl, "transformers_ms": hf.get(f"ttft_{n}"),
-                         "firsttoken_ms": ours[f"ttft_{n}"], "x_floor": ours[f"ttft_{n}"] / fl})
-        fl = max(prefill_flops(cfg, 128, 2048) / rate, (weight_bytes(cfg) + kv_bytes(cfg, 2176)) / bw) * 1e3
-        rows.append({"metric": "TTFT 2048 cached + 128", "floor_ms": fl, "transformers_ms": hf.get("ttft_2176"),
-                     "firsttoken_ms": ours["ttft_2048c_128"], "x_floor": ours["ttft_2048c_128"] / fl})
-        print(f"# ttft done ({time.perf_counter() - t_start:.0f}s)", flush=True)
+        metrics += [(f"TTFT {n}", f"ttft_{n}", f"ttft_{n}") for n in TTFT_LENGTHS]
+        metrics.append(("TTFT 2048 cached + 128", "ttft_2048c_128", "ttft_2176"))
     if "decode" in sections:
-        batches = [int(b) for b in args.decode_batches.split(",")]
-        ours_g = ours_decode(engine, vocab, batches)
-        graphs = engine.runner.graphs, engine.runner.prefill_graphs
-        engine.runner.graphs = engine.runner.prefill_graphs = None
-        ours_e = ours_decode(engine, vocab, batches)
-        engine.runner.graphs, engine.runner.prefill_graphs = graphs
-        del graphs  # they hold the runner: the transformers run below needs its memory back
-        for b in batches:
-            fl = (weight_bytes(cfg) + kv_bytes(cfg, b * 536)) / bw * 1e3
-            rows.append({"metric": f"decode b{b} per token", "floor_ms": fl,
-                         "transformers_ms": hf.get("tpot_b1") if b == 1 else None,
-                         "firsttoken_ms": ours_g[f"tpot_b{b}"], "x_floor": ours_g[f"tpot_b{b}"] / fl,
-                         "no_graphs_ms": ours_e[f"tpot_b{b}"]})
-        ours["decode_graphs"] = ours_g
-        ours["decode_eager"] = ours_e
-        print(f"# decode done ({time.perf_counter() - t_start:.0f}s)", flush=True)
+        metrics += [(f"decode b{b} per token", f"tpot_b{b}", "tpot_b1" if b == 1 else None)
+                    for b in [int(x) for x in args.decode_batches.split(",")]]
     if "throughput" in sections:
-        r = random.Random(42)
-        lens_in = [r.randint(100, 1024) for _ in range(args.num_prompts)]
-        lens_out = [r.randint(100, 1024) for _ in range(args.num_prompts)]
-        prompts = [[r.randrange(1000, vocab - 1000) for _ in range(n)] for n in lens_in]
-        engine.scheduler.max_num_batched_tokens = 8192  # the throughput budget, whatever TTFT used
-        compiles = kernel_compiles()
-        ours.update(ours_throughput(engine, prompts, lens_out))
-        ours["throughput_kernel_compiles"] = kernel_compiles() - compiles
-        st = engine.stats()
-        mem = torch.cuda.memory_stats()
-        data["throughput_stats"] = {"preemptions": st.num_preemptions, "prefix_hit_rate": st.prefix_hit_rate,
-                                    "alloc_retries": mem.get("num_alloc_retries"),
-                                    "device_allocs": mem.get("num_device_alloc")}
-        print(f"# ours throughput {ours['throughput_tok_s']:.0f} tok/s ({time.perf_counter() - t_start:.0f}s)",
-              flush=True)
-        if not args.no_hf:
-            del engine
-            gc.collect()
-            torch.cuda.empty_cache()
-            k = args.hf_prompts
-            try:
-                hf.update(hf_throughput(args.preset, prompts[:k], lens_out[:k]))
-            except Exception as e:  # keep our numbers when the reference cannot run
-                hf["hf_throughput_error"] = repr(e)[:500]
-                print(f"# transformers throughput failed: {e!r}"[:600], flush=True)
-        kvb = 1 if args.kv_cache_dtype == "fp8" else 2
-        ceiling = sum(lens_out) / throughput_floor_s(cfg, lens_in, lens_out, rate, bw, kvb)
-        rows.append({"metric": "offline throughput, output tok/s (floor column: the ceiling)",
-                     "floor_ms": ceiling, "transformers_ms": hf.get("hf_throughput_tok_s"),
-                     "firsttoken_ms": ours["throughput_tok_s"], "x_floor": ceiling / ours["throughput_tok_s"]})
+        metrics.append(("offline throughput, output tok/s (floor columns: the ceiling)", "throughput",
+                        "hf_throughput_tok_s"))
+    rows: list[dict[str, Any]] = []
+    for name, key, hf_key in metrics:
+        row: dict[str, Any] = {"metric": name, "transformers": hf.get(hf_key) if hf_key else None}
+        for s in specs:
+            if key == "throughput":
+                got = ours[s]["throughput_tok_s"]
+            elif key.startswith("tpot_"):
+                got = ours[s]["decode_graphs"][key]
+                row[f"{s} no graphs"] = ours[s]["decode_eager"][key]
+            else:
+                got = ours[s][key]
+            row[f"{s} floor"] = fl[s][key]
+            row[s] = got
+            row[f"{s} x floor"] = fl[s][key] / got if key == "throughput" else got / fl[s][key]
+        rows.append(row)
     data["ours"] = ours
+    data["floors"] = fl
     data["transformers"] = hf
     data["rows"] = rows
     data["wall_s"] = time.perf_counter() - t_start
     h = data["header"]
+    fp8_txt = f", FP8 matmul {ceil['fp8_matmul_tflops']:.0f} TFLOP/s" if "fp8_matmul_tflops" in ceil else ""
     md = (f"### engine benchmark, {h['date']}, commit {h['commit']}, {h['machine']}, torch {h['torch']}, "
-          f"triton {h['triton']}\n\nceilings: bf16 matmul {ceil['bf16_matmul_tflops']:.0f} TFLOP/s, copy "
-          f"{ceil['copy_gbps']:.0f} GB/s. Columns are ms except the throughput row (output tokens/s).\n\n")
-    md += md_table(rows, ["metric", "floor_ms", "transformers_ms", "firsttoken_ms", "x_floor", "no_graphs_ms"])
-    kv_tag = "" if args.kv_cache_dtype == "auto" else f"_kv{args.kv_cache_dtype}"
+          f"triton {h['triton']}\n\nceilings: bf16 matmul {ceil['bf16_matmul_tflops']:.0f} TFLOP/s{fp8_txt}, copy "
+          f"{ceil['copy_gbps']:.0f} GB/s. Columns are ms except the throughput row (output tokens/s); each engine's "
+          f"floor counts its own projections (FP8: the FP8 rate, 1 byte a weight) and KV bytes.\n\n")
+    cols = ["metric", "transformers"]
+    for s in specs:
+        cols += [f"{s} floor", s, f"{s} x floor"] + ([f"{s} no graphs"] if "decode" in sections else [])
+    md += md_table(rows, cols)
+    tag = "" if specs == ["bf16"] else "_" + "_".join(s.replace("+", "") for s in specs)
+    if args.kv_cache_dtype != "auto":
+        tag += f"_kv{args.kv_cache_dtype}"
     if args.max_num_seqs != 512:
-        kv_tag += f"_seqs{args.max_num_seqs}"
-    write_report("bench_engine_" + "_".join(sorted(sections)) + kv_tag, data, md)
+        tag += f"_seqs{args.max_num_seqs}"
+    write_report("bench_engine_" + "_".join(sorted(sections)) + tag, data, md)
 
 
 if __name__ == "__main__":

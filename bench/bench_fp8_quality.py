@@ -5,12 +5,12 @@ bf16 weights and activations (the usual serving precision) as the yardstick.
 
 The quantized model is transformers' Llama with each projection (q, k, v, o, gate, up, down)
 swapped for firsttoken's Fp8Linear: per-output-channel weight scales and per-token activation
-scales, exactly as the engine's fused qkv and gate_up matrices quantize (a fused matrix's rows are
+scales (or per group of columns: --group, --act-group), exactly as the engine's fused qkv and gate_up matrices quantize (a fused matrix's rows are
 the separate ones', and its input the same activations). On CPU the GEMM is the reference
 (dequantize, multiply in fp32); on a GPU (sm89+) it is torch._scaled_mm, so running this script
 on both is the CPU-emulation-vs-real-kernels check.
 
-    python3 bench/bench_fp8_quality.py [--device cpu|cuda] [--positions 400]
+    python3 bench/bench_fp8_quality.py [--device cpu|cuda] [--positions 400] [--group 64 [--act-group 64]]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import header
+from kernels.fp8_linear import dequantize
 from workers.engine.downloads import ensure_model
 from workers.engine.quantization import Fp8Linear
 
@@ -49,23 +50,22 @@ TEXTS = [
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = (), group: int | None = None) -> int:
+def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = (), group: int | None = None,
+             act_group: int | None = None) -> int:
     names = tuple(n for n in PROJECTIONS if n not in keep)
     n = 0
     for module in list(model.modules()):
         for name in names:
             child = getattr(module, name, None)
             if isinstance(child, torch.nn.Linear):
-                setattr(module, name, Fp8Linear(child, group))
+                setattr(module, name, Fp8Linear(child, group, act_group))
                 n += 1
     return n
 
 
 def _weight_only_forward(m: Fp8Linear):
     """The layer's forward with its FP8 weights but unquantized activations."""
-    n, k = m.weight_fp8.shape
-    groups = m.weight_scale.shape[1]
-    w = (m.weight_fp8.float().reshape(n, groups, k // groups) * m.weight_scale.unsqueeze(-1)).reshape(n, k)
+    w = dequantize(m.weight_fp8, m.weight_scale)  # [N, K] fp32
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         out = x.float() @ w.t()
@@ -95,10 +95,14 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=400)
     ap.add_argument("--out", default=None, help="write the JSON here too")
     ap.add_argument("--group", type=int, default=None, help="weight scales per this many input columns")
+    ap.add_argument("--act-group", type=int, default=None,
+                    help="activation scales per token and this many columns (block-wise; sets --group to the same)")
     ap.add_argument("--keep", default="", help="projections left unquantized, e.g. down_proj (an experiment)")
     ap.add_argument("--weight-only", action="store_true",
                     help="quantize the weights only (activations stay as they are): which side the error comes from")
     args = ap.parse_args()
+    if args.act_group is not None:
+        args.group = args.group or args.act_group
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = ensure_model("smollm2-135m")
@@ -119,7 +123,7 @@ def main() -> None:
     def quantized(dtype: torch.dtype) -> tuple[torch.nn.Module, int]:
         # loaded in `dtype`, then quantized (as the engine does): a quantized model is never cast
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval()
-        n = swap_fp8(model, keep, args.group)
+        n = swap_fp8(model, keep, args.group, args.act_group)
         if args.weight_only:
             for m in model.modules():
                 if isinstance(m, Fp8Linear):
@@ -139,6 +143,7 @@ def main() -> None:
         "kept_unquantized": list(keep),
         "weight_only": args.weight_only,
         "weight_group": args.group,
+        "act_group": args.act_group,
         "fp8_kernel": kernels,
         "reference": "fp32 activations over the checkpoint's weights",
         "bf16_vs_fp32": compare(ref, bf16),

@@ -170,10 +170,11 @@ FP8_SHAPES = (("qkv", HIDDEN, (HQ + 2 * HK) * D), ("o", HQ * D, HIDDEN), ("gate_
 
 def run_fp8(out: list) -> None:
     """Each Llama-3.1-8B projection at several token counts: bf16 matmul, FP8 with per-channel
-    weight scales (torch._scaled_mm), FP8 with weight scales per 128 columns (kernels/fp8_gemm.py);
-    the FP8 times include the per-token activation quantization, as a layer runs it."""
-    from kernels.fp8_gemm import fp8_gemm_grouped_triton, fp8_linear_grouped_triton, quantize_groupwise
-    from kernels.fp8_linear import fp8_linear_scaled_mm, quantize_rowwise
+    weight scales (torch._scaled_mm), FP8 with weight scales per 128 columns (kernels/fp8_gemm.py),
+    and block-wise FP8 (activation scales per token and 128 columns too, the same kernel); the FP8
+    times include the activation quantization, as a layer runs it unfused."""
+    from kernels.fp8_gemm import fp8_gemm_grouped_triton, fp8_linear_grouped_triton
+    from kernels.fp8_linear import fp8_linear_scaled_mm, quantize_groupwise, quantize_rowwise
 
     for t in (1, 64, 1024, 8192):
         for name, k, n in FP8_SHAPES:
@@ -189,10 +190,14 @@ def run_fp8(out: list) -> None:
             row["grouped_ms"] = bench(partial(fp8_linear_grouped_triton, x, wg, wgs))
             xq, xs = quantize_rowwise(x)
             row["grouped_gemm_only_ms"] = bench(partial(fp8_gemm_grouped_triton, xq, xs, wg, wgs, None, DT))
+            row["blockwise_ms"] = bench(partial(fp8_linear_grouped_triton, x, wg, wgs, None, 128))
+            xbq, xbs = quantize_groupwise(x, 128)
+            row["blockwise_gemm_only_ms"] = bench(partial(fp8_gemm_grouped_triton, xbq, xbs, wg, wgs, None, DT))
             row["scaled_mm_rel_l2"] = err(fp8_linear_scaled_mm(x, wq, ws), ref)["rel_l2"]
             row["grouped_rel_l2"] = err(fp8_linear_grouped_triton(x, wg, wgs), ref)["rel_l2"]
+            row["blockwise_rel_l2"] = err(fp8_linear_grouped_triton(x, wg, wgs, None, 128), ref)["rel_l2"]
             flop = 2 * t * k * n
-            for key in ("bf16", "scaled_mm", "grouped"):
+            for key in ("bf16", "scaled_mm", "grouped", "blockwise"):
                 row[f"{key}_TFLOPs"] = flop / row[f"{key}_ms"] / 1e9
             out.append(row)
             print(row, flush=True)
@@ -447,12 +452,14 @@ def markdown(result: dict) -> str:
                      f"{f(r.get('triton_graph_ms'))} | {f(r.get('host_us'), 0)} | {f(r.get('eager_ms'))} | {f(r.get('sdpa_ms'))} | {rate} |")
     if result.get("fp8"):
         lines += ["", "## FP8 GEMMs (Llama-3.1-8B projections; FP8 times include quantizing the activations)", "",
-                  "| proj | T | bf16 ms | FP8 per-channel (_scaled_mm) ms | FP8 per-128 (Triton) ms | quantize ms | "
-                  "TFLOP/s bf16 / scaled_mm / grouped | rel L2 scaled_mm / grouped |", "|---|---|---|---|---|---|---|---|"]
+                  "| proj | T | bf16 ms | FP8 per-channel (_scaled_mm) ms | FP8 per-128 (Triton) ms | block-wise 1x128 act "
+                  "(Triton) ms | quantize ms | TFLOP/s bf16 / scaled_mm / grouped / block-wise | rel L2 scaled_mm / grouped / "
+                  "block-wise |", "|---|---|---|---|---|---|---|---|---|"]
         for r in result["fp8"]:
             lines.append(f"| {r['proj']} | {r['T']} | {r['bf16_ms']:.4f} | {r['scaled_mm_ms']:.4f} | {r['grouped_ms']:.4f} | "
-                         f"{r['quant_ms']:.4f} | {r['bf16_TFLOPs']:.0f} / {r['scaled_mm_TFLOPs']:.0f} / {r['grouped_TFLOPs']:.0f} | "
-                         f"{r['scaled_mm_rel_l2']:.1e} / {r['grouped_rel_l2']:.1e} |")
+                         f"{r['blockwise_ms']:.4f} | {r['quant_ms']:.4f} | {r['bf16_TFLOPs']:.0f} / {r['scaled_mm_TFLOPs']:.0f} / "
+                         f"{r['grouped_TFLOPs']:.0f} / {r['blockwise_TFLOPs']:.0f} | {r['scaled_mm_rel_l2']:.1e} / "
+                         f"{r['grouped_rel_l2']:.1e} / {r['blockwise_rel_l2']:.1e} |")
     if result.get("sweep"):
         lines += ["", "## Tile sweep", "", "| op | shape | config | ms | rate | max diff vs default |", "|---|---|---|---|---|---|"]
         for s in result["sweep"]:

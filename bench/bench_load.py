@@ -81,7 +81,11 @@ def run_rate(engine: LLMEngine, reqs: list[tuple[float, list[int], int]], durati
     wall = time.monotonic() - start
     ttft = [(first[r] - arrival[r]) * 1e3 for r in first]
     tpot = [(done[r][0] - first[r]) * 1e3 / (done[r][1] - 1) for r in done if r in first and done[r][1] > 1]
-    return {"requests": len(reqs), "wall_s": wall, "ttft_ms": ttft, "tpot_ms": tpot, "per_request": {
+    slo = getattr(engine, "slo", None)
+    return {"requests": len(reqs), "wall_s": wall,
+            "cost_model": None if slo is None else {
+                "fixed_ms": slo.model.fixed_s * 1e3, "per_token_us": slo.model.per_token_s * 1e6,
+                "mean_rel_error": slo.model.mean_rel_error, "steps": slo.model.observed}, "ttft_ms": ttft, "tpot_ms": tpot, "per_request": {
         r: ((first[r] - arrival[r]) * 1e3, (done[r][0] - first[r]) * 1e3 / max(1, done[r][1] - 1)) for r in done if r in first},
         "output_tokens": sum(n for _, n in done.values())}
 
@@ -129,12 +133,14 @@ def main() -> None:
                 "goodput_rps": good / r["wall_s"],
                 "slo_met": good / max(1, r["requests"]),
                 "mean_ttft": statistics.fmean(r["ttft_ms"]) if r["ttft_ms"] else None,
+                "cost_model": r["cost_model"],
+                "model_err": (r["cost_model"] or {}).get("mean_rel_error"),
             }
             rows.append(row)
             data["rates"].append(row)
         del engine
     md = md_table(rows, ["tpot_target", "rate", "requests", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99",
-                         "out_tok_s", "goodput_rps", "slo_met"])
+                         "out_tok_s", "goodput_rps", "slo_met", "model_err"])
     write_report(f"bench_load_{args.preset}{'_' + args.quantization if args.quantization else ''}", data,
                  f"TTFT under load, {args.preset}, quantization {args.quantization}, times in ms\n\n{md}")
 

@@ -15,13 +15,24 @@ from workers.engine.config import ModelConfig
 
 
 def measure_ceilings(device: str = "cuda") -> dict[str, float]:
-    """bf16 matmul rate (TFLOP/s, 8192^3 on random data) and copy bandwidth (GB/s, read+write of 4 GiB)."""
+    """bf16 matmul rate (TFLOP/s, 8192^3 on random data), FP8 e4m3 matmul rate (torch._scaled_mm,
+    the same shape; sm89+ only) and copy bandwidth (GB/s, read+write of 4 GiB). On a CPU (a smoke
+    run of a benchmark): a small fp32 matmul and copy, timed with the wall clock."""
+    if torch.device(device).type != "cuda":
+        return _cpu_ceilings()
     import triton.testing
 
     def matmul_ms(n: int) -> float:
         a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
         b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
         return triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+
+    def fp8_matmul_ms(n: int) -> float:
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+        one = torch.ones((), device=device)
+        return triton.testing.do_bench(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                                       warmup=100, rep=500, return_mode="median")
 
     def copy_ms(numel: int) -> float:
         x = torch.randn(numel, dtype=torch.float32, device=device)
@@ -30,10 +41,33 @@ def measure_ceilings(device: str = "cuda") -> dict[str, float]:
 
     n = 8192
     tflops = 2 * n**3 / (matmul_ms(n) * 1e-3) / 1e12
+    out = {"bf16_matmul_tflops": tflops}
+    if torch.cuda.get_device_capability(device) >= (8, 9):
+        out["fp8_matmul_tflops"] = 2 * n**3 / (fp8_matmul_ms(n) * 1e-3) / 1e12
     numel = 1 << 30  # 4 GiB of fp32
-    gbps = 2 * numel * 4 / (copy_ms(numel) * 1e-3) / 1e9
+    out["copy_gbps"] = 2 * numel * 4 / (copy_ms(numel) * 1e-3) / 1e9
     torch.cuda.empty_cache()
-    return {"bf16_matmul_tflops": tflops, "copy_gbps": gbps}
+    return out
+
+
+def _cpu_ceilings() -> dict[str, float]:
+    import time
+
+    def best_s(fn, reps: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    x = torch.randn(1 << 22)
+    y = torch.empty_like(x)
+    return {"bf16_matmul_tflops": 2 * n**3 / best_s(lambda: a @ b) / 1e12,
+            "copy_gbps": 2 * x.numel() * 4 / best_s(lambda: y.copy_(x)) / 1e9}
 
 
 def linear_params(cfg: ModelConfig) -> int:
@@ -51,9 +85,18 @@ def prefill_flops(cfg: ModelConfig, new: int, cached: int = 0) -> float:
     return dense + attn + 2 * cfg.hidden_size * cfg.vocab_size
 
 
-def weight_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> float:
-    """Bytes of weights one forward reads (linear layers + lm_head)."""
-    return (linear_params(cfg) + cfg.hidden_size * cfg.vocab_size) * dtype_bytes
+def prefill_compute_s(cfg: ModelConfig, new: int, cached: int, rate: float, linear_rate: float | None = None) -> float:
+    """Seconds of prefill FLOPs: the decoder's projections at `linear_rate` (an FP8 model's FP8
+    rate; None: `rate`), attention and the logits row at `rate`."""
+    dense = 2 * linear_params(cfg) * new
+    return dense / (linear_rate or rate) + (prefill_flops(cfg, new, cached) - dense) / rate
+
+
+def weight_bytes(cfg: ModelConfig, dtype_bytes: int = 2, linear_dtype_bytes: int | None = None) -> float:
+    """Bytes of weights one forward reads: linear layers (at `linear_dtype_bytes`, 1 for FP8
+    projections; None: `dtype_bytes`) + lm_head (at `dtype_bytes`)."""
+    lin = linear_dtype_bytes or dtype_bytes
+    return linear_params(cfg) * lin + cfg.hidden_size * cfg.vocab_size * dtype_bytes
 
 
 def kv_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 2) -> float:
@@ -61,22 +104,23 @@ def kv_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 2) -> float:
 
 
 def throughput_floor_s(cfg: ModelConfig, lens_in: list[int], lens_out: list[int], rate: float, bw: float,
-                       kv_dtype_bytes: int = 2) -> float:
-    """Seconds an offline run cannot beat: every token's matmul and attention FLOPs at `rate`,
-    plus every decode step's KV read at `bw` (each output token after the first reads its
-    request's whole context once). Weight reads are left out (hidden under compute at large
-    batch), so this is a lower bound.
+                       kv_dtype_bytes: int = 2, linear_rate: float | None = None) -> float:
+    """Seconds an offline run cannot beat: every token's matmul and attention FLOPs at `rate`
+    (the projections' at `linear_rate` when given: FP8), plus every decode step's KV read at `bw`
+    (each output token after the first reads its request's whole context once). Weight reads
+    are left out (hidden under compute at large batch), so this is a lower bound.
     """
-    flops = 0.0
+    seconds = 0.0
     kv_tokens = 0
+    per_token_linear = 2 * linear_params(cfg)
     for n_in, n_out in zip(lens_in, lens_out):
-        flops += prefill_flops(cfg, n_in)  # the prompt and the first token's logits
+        seconds += prefill_compute_s(cfg, n_in, 0, rate, linear_rate)  # the prompt and the first token's logits
         for i in range(1, n_out):  # decodes: one token at context n_in + i
             kv_tokens += n_in + i
-        flops += (n_out - 1) * (2 * linear_params(cfg) + 2 * cfg.hidden_size * cfg.vocab_size)
         ctx = (n_out - 1) * n_in + (n_out - 1) * n_out / 2
-        flops += 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * ctx
-    return flops / rate + kv_bytes(cfg, kv_tokens, kv_dtype_bytes) / bw
+        rest = (n_out - 1) * 2 * cfg.hidden_size * cfg.vocab_size + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * ctx
+        seconds += (n_out - 1) * per_token_linear / (linear_rate or rate) + rest / rate
+    return seconds + kv_bytes(cfg, kv_tokens, kv_dtype_bytes) / bw
 
 
 def git_commit() -> str:

@@ -128,7 +128,8 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
     return EngineConfig(device=args.device, max_model_len=args.max_model_len, dtype=args.dtype,
                         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                        tpot_target_ms=args.tpot_target_ms, fp8_weight_group=args.fp8_weight_group)
+                        tpot_target_ms=args.tpot_target_ms, fp8_weight_group=args.fp8_weight_group,
+                        fp8_act_group=args.fp8_act_group)
 
 
 def _db_url(args: argparse.Namespace) -> str:
@@ -389,6 +390,9 @@ def _engine_args(a: argparse.ArgumentParser, model_default: str | None = "tiny")
                    help="while requests decode, size each step to keep time per output token under this")
     a.add_argument("--fp8-weight-group", type=int, default=None,
                    help="with --quantization fp8: a weight scale per this many input columns (e.g. 64)")
+    a.add_argument("--fp8-act-group", type=int, default=None,
+                   help="with --quantization fp8: activation scales per token and this many columns too (block-wise "
+                        "FP8, closer to bf16; sets the weight group to the same)")
     a.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: W8A8 e4m3 projections (per-channel weight scales, per-token activations)")
 

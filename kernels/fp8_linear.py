@@ -1,11 +1,11 @@
 """FP8 (e4m3) W8A8 linear layers: weights quantized once per output channel, activations per
 token at run time, the product accumulated in fp32.
 
-The GEMMs take quantized activations (e4m3 and one scale per token) and weights (e4m3 and one
-scale per output channel, [N, 1], or per output channel and group of columns, [N, K / group]):
-`fp8_gemm_ref` is the reference (and the CPU path): it dequantizes both operands and multiplies in
-fp32, which is what an FP8 tensor-core GEMM with fp32 accumulation computes, up to the order of
-the sums. `fp8_gemm_scaled_mm` runs it on the GPU with `torch._scaled_mm` (per-channel weight scales;
+The GEMMs take quantized activations (e4m3 and one scale per token, [T, 1], or per token and group
+of columns, [T, K / group]) and weights (e4m3 and one scale per output channel, [N, 1], or per
+output channel and group of columns, [N, K / group]): `fp8_gemm_ref` is the reference (and the CPU
+path): it dequantizes both operands and multiplies in fp32, which is what an FP8 tensor-core GEMM
+with fp32 accumulation computes, up to the order of the sums. `fp8_gemm_scaled_mm` runs it on the GPU with `torch._scaled_mm` (per-channel weight scales;
 sm89+); kernels/fp8_gemm.py has a Triton one for group scales. `fp8_linear` quantizes the
 activations first, as a layer whose input comes unquantized does.
 """
@@ -30,6 +30,30 @@ def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12) -> tuple[torch.Tensor,
     return q, scale
 
 
+def quantize_groupwise(x: torch.Tensor, group: int, eps: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [R, C] -> (q: [R, C] e4m3, scale: [R, C // group] fp32), x[:, g*group:(g+1)*group] ~=
+    q[...] * scale[:, g]: a weight per (output channel, group of input columns), or an activation
+    per (token, group). C must be a multiple of `group`."""
+    r, c = x.shape
+    if c % group:
+        raise ValueError(f"quantize_groupwise: K={c} is not a multiple of the group {group}")
+    xg = x.detach().float().reshape(r, c // group, group)  # [R, G, group]
+    scale = xg.abs().amax(dim=-1).clamp(min=eps) / FP8_MAX  # [R, G]
+    q = (xg / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(r, c)
+    return q, scale
+
+
+def quantize(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (`group` None: scale [R, 1]) or per row and group of columns (scale [R, C / group])."""
+    return quantize_rowwise(x) if group is None else quantize_groupwise(x, group)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(q [R, C] e4m3, scale [R, G]) -> [R, C] fp32, each group of C / G columns times its scale."""
+    r, c = q.shape
+    return (q.float().reshape(r, scale.shape[1], -1) * scale.float().unsqueeze(-1)).reshape(r, c)
+
+
 Gemm = Callable[..., torch.Tensor]  # (x_q, x_scale, w_q, w_scale, bias, out_dtype) -> [T, N]
 
 
@@ -37,11 +61,10 @@ def fp8_gemm_ref(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """x_q: [T, K] e4m3, x_scale: [T, 1], w_q: [N, K] e4m3, w_scale: [N, G] (G = 1: per channel;
-    else per group of K / G columns) -> [T, N] in out_dtype: both dequantized, multiplied in fp32."""
-    n, k = w_q.shape
-    w = (w_q.float().reshape(n, w_scale.shape[1], -1) * w_scale.unsqueeze(-1)).reshape(n, k)  # [N, K]
-    out = (x_q.float() * x_scale) @ w.t()  # [T, N] fp32
+    """x_q: [T, K] e4m3, x_scale: [T, Ga], w_q: [N, K] e4m3, w_scale: [N, Gw] (G = 1: per token /
+    channel; else per group of K / G columns) -> [T, N] in out_dtype: both dequantized, multiplied
+    in fp32."""
+    out = dequantize(x_q, x_scale) @ dequantize(w_q, w_scale).t()  # [T, N] fp32
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
@@ -60,18 +83,21 @@ def fp8_gemm_scaled_mm(
 
 
 def fp8_linear(
-    gemm: Gemm, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+    gemm: Gemm, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+    act_group: int | None = None,
 ) -> torch.Tensor:
-    """x: [T, K] (any float dtype) quantized per token, then `gemm` -> [T, N] in x's dtype."""
-    x_q, x_scale = quantize_rowwise(x)  # [T, K], [T, 1]
+    """x: [T, K] (any float dtype) quantized per token (or per token and `act_group` columns), then
+    `gemm` -> [T, N] in x's dtype."""
+    x_q, x_scale = quantize(x, act_group)  # [T, K], [T, 1] or [T, K / act_group]
     return gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
 
 
 def fp8_linear_ref(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+    act_group: int | None = None,
 ) -> torch.Tensor:
     """`fp8_linear` through the reference GEMM."""
-    return fp8_linear(fp8_gemm_ref, x, w_q, w_scale, bias)
+    return fp8_linear(fp8_gemm_ref, x, w_q, w_scale, bias, act_group)
 
 
 def fp8_linear_scaled_mm(

@@ -1,10 +1,11 @@
-"""RMSNorm and SiLU-and-mul fused with the per-token FP8 quantization of their output: the input of
-an FP8 projection is written once, as e4m3 with its row scale, instead of written in bf16, read
-back, and written again as e4m3 by a separate quantization.
+"""RMSNorm and SiLU-and-mul fused with the FP8 quantization of their output: the input of an FP8
+projection is written once, as e4m3 with its scales, instead of written in bf16, read back, and
+written again as e4m3 by a separate quantization.
 
-The references compose the unfused ops (`rms_norm_ref` / `silu_and_mul_ref`, then
-`quantize_rowwise`), so a fused kernel must give what the unfused path gives: the same rounding to
-the activation dtype before the scale is taken.
+Scales are per token ([T, 1]), or per token and group of `group` columns ([T, C / group]: the
+activation side of block-wise FP8, kernels/fp8_gemm.py). The references compose the unfused ops
+(`rms_norm_ref` / `silu_and_mul_ref`, then `quantize`), so a fused kernel must give what the
+unfused path gives: the same rounding to the activation dtype before the scales are taken.
 """
 
 from __future__ import annotations
@@ -14,24 +15,35 @@ from typing import Any
 import torch
 
 from kernels._triton import check, lazy_jit, next_pow2
-from kernels.fp8_linear import FP8, FP8_MAX, quantize_rowwise
+from kernels.fp8_linear import FP8, FP8_MAX, quantize
 from kernels.rmsnorm import rms_norm_ref
 from kernels.silu_mul import silu_and_mul_ref
 
-Quantized = tuple[torch.Tensor, torch.Tensor]  # (q: [T, C] e4m3, scale: [T, 1] fp32)
+Quantized = tuple[torch.Tensor, torch.Tensor]  # (q: [T, C] e4m3, scale: [T, 1] or [T, C / group] fp32)
 
 
 def rms_norm_quant_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    group: int | None = None,
 ) -> tuple[Quantized, torch.Tensor]:
-    """((q, scale), new_residual): rms_norm_ref's output quantized per token."""
+    """((q, scale), new_residual): rms_norm_ref's output quantized per token (or token and group)."""
     normed, new_res = rms_norm_ref(x, weight, eps, residual)
-    return quantize_rowwise(normed), new_res
+    return quantize(normed, group), new_res
 
 
-def silu_and_mul_quant_ref(x: torch.Tensor) -> Quantized:
-    """(q, scale): silu_and_mul_ref's output quantized per token."""
-    return quantize_rowwise(silu_and_mul_ref(x))
+def silu_and_mul_quant_ref(x: torch.Tensor, group: int | None = None) -> Quantized:
+    """(q, scale): silu_and_mul_ref's output quantized per token (or token and group)."""
+    return quantize(silu_and_mul_ref(x), group)
+
+
+def _groups(cols: int, group: int | None, block: int, op: str) -> tuple[int, int]:
+    """(GROUP, number of real groups) for a row of `cols` held in a `block` (power of two): per
+    token, one group of the whole block; else `group` columns, which must divide `cols`."""
+    if group is None:
+        return block, 1
+    check(group >= 16 and group & (group - 1) == 0, "{}: the group ({}) must be a power of two >= 16", op, group)
+    check(cols % group == 0, "{}: {} columns are not a multiple of the group {}", op, cols, group)
+    return group, cols // group
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,18 +59,22 @@ def _rms_norm_quant_kernel(
     res_ptr,  # residual: [T, H] (read only when HAS_RESIDUAL)
     w_ptr,  # weight: [H], contiguous
     q_ptr,  # out: [T, H] e4m3, contiguous
-    scale_ptr,  # out: [T] fp32, one scale per row
+    scale_ptr,  # out: [T, n_groups] fp32, contiguous: one scale per row and group
     new_res_ptr,  # new residual out: [T, H], contiguous (written only when HAS_RESIDUAL)
     stride_x,  # row stride of x (elements)
     stride_res,  # row stride of residual (elements)
     H,  # hidden size
+    n_groups,  # scales per row: 1 (per token) or H / GROUP
     eps,  # variance epsilon
     FP8_MAX_: tl.constexpr,  # 448: e4m3's largest value
     HAS_RESIDUAL: tl.constexpr,  # fuse new_residual = x + residual
+    GROUP: tl.constexpr,  # columns per scale (BLOCK_H for one scale per row)
     BLOCK_H: tl.constexpr,  # power of two >= H: one program handles one whole row
 ):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
+    # the row as [groups, GROUP]: one scale per line of it
+    gi = tl.arange(0, BLOCK_H // GROUP)
+    cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -66,25 +82,26 @@ def _rms_norm_quant_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(new_res_ptr + row * H + cols, x, mask=mask)
     xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / H
+    var = tl.sum(tl.sum(xf * xf, axis=1), axis=0) / H
     normed = (xf * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     # the unfused path rounds the weighted output to the activation dtype before quantizing it
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)
+    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12)  # [groups]
     scale = amax / FP8_MAX_
-    q = tl.minimum(tl.maximum(y / scale, -FP8_MAX_), FP8_MAX_)
+    q = tl.minimum(tl.maximum(y / scale[:, None], -FP8_MAX_), FP8_MAX_)
     # rounded to the e4m3 grid here (nearest, half away from zero), so the cast below is exact and
     # does not hang on a backend's fp8 rounding (Triton's interpreter rounds values just under a
     # power of two down a whole binade); below 2^-6 the grid is e4m3's subnormal step, 2^-9
     step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(q), 0.015625))) - 3.0)
     q = tl.where(q < 0, -1.0, 1.0) * tl.floor(tl.abs(q) / step + 0.5) * step
     tl.store(q_ptr + row * H + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    tl.store(scale_ptr + row * n_groups + gi, scale, mask=gi < n_groups)
 
 
 def rms_norm_quant_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    group: int | None = None,
 ) -> tuple[Quantized, torch.Tensor]:
     """Triton `rms_norm_quant_ref`: one pass per row; residual add, norm and quantization fused."""
     check(x.dim() == 2, "rms_norm_quant: x must be [T, H], got {}", tuple(x.shape))
@@ -96,16 +113,17 @@ def rms_norm_quant_triton(
     if residual is not None:
         check(residual.shape == x.shape and residual.dtype == x.dtype, "rms_norm_quant: residual must match x")
         check(residual.stride(1) == 1 or h == 1, "rms_norm_quant: residual's last dim must be contiguous")
+    block_h = next_pow2(h)
+    group_cols, n_groups = _groups(h, group, block_h, "rms_norm_quant")
     q = torch.empty((t, h), dtype=FP8, device=x.device)
-    scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    scale = torch.empty((t, n_groups), dtype=torch.float32, device=x.device)
     new_res = torch.empty((t, h), dtype=x.dtype, device=x.device) if residual is not None else x
     if t == 0:
         return (q, scale), new_res
-    block_h = next_pow2(h)
     _rms_norm_quant_kernel.launch((t,), (
         x, residual if residual is not None else x, weight, q, scale, new_res,
-        x.stride(0), residual.stride(0) if residual is not None else 0, h, eps,
-    ), {"FP8_MAX_": FP8_MAX, "HAS_RESIDUAL": residual is not None, "BLOCK_H": block_h},
+        x.stride(0), residual.stride(0) if residual is not None else 0, h, n_groups, eps,
+    ), {"FP8_MAX_": FP8_MAX, "HAS_RESIDUAL": residual is not None, "GROUP": group_cols, "BLOCK_H": block_h},
         min(16, max(1, block_h // 256)), 3, x.device.type == "cuda")
     return (q, scale), new_res
 
@@ -114,14 +132,17 @@ def rms_norm_quant_triton(
 def _silu_and_mul_quant_kernel(
     x_ptr,  # x: [T, 2 * I] (gate | up), last dim contiguous
     q_ptr,  # out: [T, I] e4m3, contiguous
-    scale_ptr,  # out: [T] fp32
+    scale_ptr,  # out: [T, n_groups] fp32, contiguous
     stride_x,  # row stride of x (elements)
     inter,  # I: the intermediate size
+    n_groups,  # scales per row: 1 (per token) or I / GROUP
     FP8_MAX_: tl.constexpr,  # 448
+    GROUP: tl.constexpr,  # columns per scale (BLOCK for one scale per row)
     BLOCK: tl.constexpr,  # power of two >= I: one program handles one whole row
 ):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
+    gi = tl.arange(0, BLOCK // GROUP)  # the row as [groups, GROUP]
+    cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
@@ -129,32 +150,33 @@ def _silu_and_mul_quant_kernel(
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     # rounded to the activation dtype, as the unfused silu_and_mul writes it
     y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)
+    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12)  # [groups]
     scale = amax / FP8_MAX_
-    q = tl.minimum(tl.maximum(y / scale, -FP8_MAX_), FP8_MAX_)
+    q = tl.minimum(tl.maximum(y / scale[:, None], -FP8_MAX_), FP8_MAX_)
     # rounded to the e4m3 grid here (nearest, half away from zero), so the cast below is exact and
     # does not hang on a backend's fp8 rounding (Triton's interpreter rounds values just under a
     # power of two down a whole binade); below 2^-6 the grid is e4m3's subnormal step, 2^-9
     step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(q), 0.015625))) - 3.0)
     q = tl.where(q < 0, -1.0, 1.0) * tl.floor(tl.abs(q) / step + 0.5) * step
     tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    tl.store(scale_ptr + row * n_groups + gi, scale, mask=gi < n_groups)
 
 
-def silu_and_mul_quant_triton(x: torch.Tensor) -> Quantized:
-    """Triton `silu_and_mul_quant_ref`: x [T, 2 * I] -> (q [T, I] e4m3, scale [T, 1])."""
+def silu_and_mul_quant_triton(x: torch.Tensor, group: int | None = None) -> Quantized:
+    """Triton `silu_and_mul_quant_ref`: x [T, 2 * I] -> (q [T, I] e4m3, scale [T, 1] or [T, I / group])."""
     check(x.dim() == 2 and x.shape[1] % 2 == 0, "silu_and_mul_quant: x must be [T, 2 * I], got {}", tuple(x.shape))
     check(x.stride(1) == 1, "silu_and_mul_quant: x's last dim must be contiguous")
     t, two_i = x.shape
     inter = two_i // 2
     check(inter <= 65536, "silu_and_mul_quant: I={} > 65536 is not supported (one row per program)", inter)
+    block = next_pow2(inter)
+    group_cols, n_groups = _groups(inter, group, block, "silu_and_mul_quant")
     q = torch.empty((t, inter), dtype=FP8, device=x.device)
-    scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    scale = torch.empty((t, n_groups), dtype=torch.float32, device=x.device)
     if t == 0 or inter == 0:
         return q, scale
-    block = next_pow2(inter)
-    _silu_and_mul_quant_kernel.launch((t,), (x, q, scale, x.stride(0), inter),
-                                      {"FP8_MAX_": FP8_MAX, "BLOCK": block},
+    _silu_and_mul_quant_kernel.launch((t,), (x, q, scale, x.stride(0), inter, n_groups),
+                                      {"FP8_MAX_": FP8_MAX, "GROUP": group_cols, "BLOCK": block},
                                       min(16, max(1, block // 256)), 3, x.device.type == "cuda")
     return q, scale
 

@@ -482,6 +482,7 @@ class WorkerSettings(BaseSettings):
     quantization: str | None = None  # or "fp8": W8A8 projections (see EngineConfig)
     tpot_target_ms: float | None = None  # SLO-aware step sizing (see EngineConfig)
     fp8_weight_group: int | None = None  # with quantization="fp8": weight scales per group (see EngineConfig)
+    fp8_act_group: int | None = None  # with quantization="fp8": activation scales per group too (see EngineConfig)
     max_waiting: int = 512
     drain_timeout_s: float = 30.0
     sink_max_buffer: int = 10_000
@@ -516,7 +517,7 @@ def build_worker(
         cfg = EngineConfig(
             device=ws.device, dtype=ws.dtype, max_model_len=ws.max_model_len, max_num_seqs=ws.max_num_seqs,
             kv_cache_dtype=ws.kv_cache_dtype, quantization=ws.quantization, tpot_target_ms=ws.tpot_target_ms,
-            fp8_weight_group=ws.fp8_weight_group,
+            fp8_weight_group=ws.fp8_weight_group, fp8_act_group=ws.fp8_act_group,
         )
         if ws.engine_process:
             core = ProcessCore(ws.model, cfg, torch_threads=ws.torch_threads)

@@ -178,8 +178,14 @@ def test_cuda_engine_in_its_own_process_matches_in_process():
 def test_cuda_fp8_gemms_match_their_reference():
     """The FP8 GEMMs the engine runs on the GPU (torch._scaled_mm per channel; the Triton kernel
     per group of columns) against the fp32 reference of the same quantized operands."""
-    from kernels.fp8_gemm import fp8_gemm_grouped_triton, quantize_groupwise
-    from kernels.fp8_linear import fp8_gemm_ref, fp8_linear_ref, fp8_linear_scaled_mm, quantize_rowwise
+    from kernels.fp8_gemm import fp8_gemm_grouped_triton
+    from kernels.fp8_linear import (
+        fp8_gemm_ref,
+        fp8_linear_ref,
+        fp8_linear_scaled_mm,
+        quantize_groupwise,
+        quantize_rowwise,
+    )
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for t, k, n in ((1, 4096, 6144), (77, 4096, 4096), (512, 14336, 4096)):
@@ -193,10 +199,14 @@ def test_cuda_fp8_gemms_match_their_reference():
         got = fp8_gemm_grouped_triton(xq, xs, wg, wgs, None, torch.float32)
         want = fp8_gemm_ref(xq, xs, wg, wgs, None, torch.float32)
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-3)
+        xbq, xbs = quantize_groupwise(x, 128)  # block-wise: activations per token and 128 columns too
+        got = fp8_gemm_grouped_triton(xbq, xbs, wg, wgs, None, torch.float32)
+        want = fp8_gemm_ref(xbq, xbs, wg, wgs, None, torch.float32)
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-3)
 
 
-@pytest.mark.parametrize("group", [None, 32])
-def test_cuda_engine_serves_fp8_projections_with_graphs(llama_dir, group):
+@pytest.mark.parametrize(("group", "act_group"), [(None, None), (32, None), (32, 32)])
+def test_cuda_engine_serves_fp8_projections_with_graphs(llama_dir, group, act_group):
     """quantization="fp8" on CUDA, CUDA graphs on: it serves, and stays close to the bf16 engine."""
     prompts = prompt_set(6)
     sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -204,7 +214,8 @@ def test_cuda_engine_serves_fp8_projections_with_graphs(llama_dir, group):
     for q in (None, "fp8"):
         eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton",
                                                      num_blocks=256, max_model_len=512, quantization=q,
-                                                     fp8_weight_group=group if q else None))
+                                                     fp8_weight_group=group if q else None,
+                                                     fp8_act_group=act_group if q else None))
         outs[q] = [f.output_token_ids for f in run_prompts(eng, prompts, sp)]
     same = sum(a == b for x, y in zip(outs[None], outs["fp8"]) for a, b in zip(x, y))
     assert all(len(o) == MAX_NEW for o in outs["fp8"]) and same >= len(prompts) * MAX_NEW // 2

@@ -200,6 +200,10 @@ class EngineConfig:
     # with quantization="fp8": one weight scale per output channel and group of this many input
     # columns (a power of two >= 16; finer, kernels/fp8_gemm.py) instead of one per channel
     fp8_weight_group: int | None = None
+    # with quantization="fp8": activation scales per token and group of this many columns too
+    # (block-wise FP8, as DeepSeek-V3 trains and serves it; closer to bf16 than one scale per
+    # token); it sets the weight group to the same size, which must agree if given
+    fp8_act_group: int | None = None
     # a time-per-output-token target (ms): while requests decode, each step computes only the
     # prefill tokens that keep it under this (a cost model fitted to measured steps); None: every
     # step takes max_num_batched_tokens. Lower: smoother decoding, later first tokens under load
@@ -225,5 +229,12 @@ class EngineConfig:
             self.fp8_weight_group < 16 or self.fp8_weight_group & (self.fp8_weight_group - 1)
         ):
             raise ValueError("fp8_weight_group must be a power of two >= 16")
+        if self.fp8_act_group is not None:
+            if self.fp8_weight_group is None:
+                self.fp8_weight_group = self.fp8_act_group
+            if self.fp8_act_group != self.fp8_weight_group:
+                raise ValueError("fp8_act_group must equal fp8_weight_group (the GEMM's K step serves both)")
+            if self.fp8_act_group < 16 or self.fp8_act_group & (self.fp8_act_group - 1):
+                raise ValueError("fp8_act_group must be a power of two >= 16")
         if self.quantization not in (None, "fp8"):
             raise ValueError("quantization must be None or 'fp8'")

@@ -86,7 +86,7 @@ class ModelRunner:
         self.model, self.model_config = self._load(model)
         self.dtype = next(self.model.parameters()).dtype
         if config.quantization == "fp8":
-            quantize_fp8(self.model, config.fp8_weight_group)
+            quantize_fp8(self.model, config.fp8_weight_group, act_group=config.fp8_act_group)
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings

@@ -1,25 +1,29 @@
 """Quantized linear layers: `quantize_fp8(model)` swaps every projection of the decoder layers
 (qkv, o, gate_up, down) for an `Fp8Linear`: e4m3 weights with one scale per output channel (or
 per group of input columns), made once from the loaded weights, and activations quantized per
-token at run time. Embeddings, norms and the LM head stay in the model's dtype.
+token (or per token and the same group of columns: block-wise FP8) at run time. Embeddings,
+norms and the LM head stay in the model's dtype.
 
 The activations of qkv and gate_up come from an RMSNorm, and down_proj's from SiLU-and-mul: those
-ops then write e4m3 and a row scale directly (the KernelOps `rms_norm_quant`, `silu_and_mul_quant`:
+ops then write e4m3 and its scales directly (the KernelOps `rms_norm_quant`, `silu_and_mul_quant`:
 fused Triton kernels on CUDA, the references' composition elsewhere), and the projection takes the
 pair as it is. o_proj quantizes the attention output itself.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import fp8_gemm_grouped_triton, quantize_groupwise
-from kernels.fp8_linear import Gemm, fp8_gemm_ref, fp8_gemm_scaled_mm, quantize_rowwise, scaled_mm_supported
+from kernels.fp8_gemm import fp8_gemm_grouped_triton
+from kernels.fp8_linear import Gemm, fp8_gemm_ref, fp8_gemm_scaled_mm, quantize, scaled_mm_supported
 
 QUANTIZATIONS = ("fp8",)
 
-Activation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a tensor, or (e4m3 [T, K], scale [T, 1])
+# a tensor, or (e4m3 [T, K], scale [T, 1] or [T, K / act_group])
+Activation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 class Fp8Linear(nn.Module):
@@ -28,20 +32,22 @@ class Fp8Linear(nn.Module):
     It takes activations as a tensor (quantized here) or already quantized ((e4m3, scale), from a
     fused norm or activation kernel). `group`: one weight scale per output channel and group of
     `group` input columns (finer; the GEMM is then kernels/fp8_gemm.py's Triton kernel on CUDA)
-    instead of one per output channel (torch._scaled_mm on sm89+). A layer whose input size the
-    group does not divide keeps one scale per channel.
+    instead of one per output channel (torch._scaled_mm on sm89+). `act_group` (equal to `group`):
+    activation scales per token and group of columns too, applied inside the same GEMM's K loop. A
+    layer whose input size the group does not divide keeps one scale per channel and per token;
+    `act_group` says what its input must come as.
     """
 
-    def __init__(self, linear: nn.Linear, group: int | None = None) -> None:
+    def __init__(self, linear: nn.Linear, group: int | None = None, act_group: int | None = None) -> None:
         super().__init__()
+        if act_group is not None and act_group != group:
+            raise ValueError(f"Fp8Linear: activation groups ({act_group}) must be the weight groups ({group})")
         w = linear.weight.detach()  # [N, K]
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         self.out_dtype = w.dtype  # the model's activations (of an input that comes quantized)
         self.group = group if group is not None and self.in_features % group == 0 else None
-        if self.group is not None:
-            q, scale = quantize_groupwise(w, self.group)  # scale: [N, K / group]
-        else:
-            q, scale = quantize_rowwise(w)  # scale: [N, 1]
+        self.act_group = act_group if self.group is not None else None
+        q, scale = quantize(w, self.group)  # scale: [N, 1] or [N, K / group]
         self.register_buffer("weight_fp8", q, persistent=False)  # [N, K] e4m3
         self.register_buffer("weight_scale", scale, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
@@ -59,20 +65,23 @@ class Fp8Linear(nn.Module):
         self._gemm = gemm
 
     def forward(self, x: Activation) -> torch.Tensor:
-        # x: [T, K], or (e4m3 [T, K], scale [T, 1]) -> [T, N]
+        # x: [..., K], or (e4m3 [T, K], scale [T, 1] or [T, K / act_group]) -> [..., N]
         if isinstance(x, torch.Tensor):
-            x_q, x_s = quantize_rowwise(x)
-            return self._gemm(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, x.dtype)
+            x_q, x_s = quantize(x.reshape(-1, self.in_features), self.act_group)
+            out = self._gemm(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, x.dtype)
+            return out.reshape(*x.shape[:-1], self.out_features)
         return self._gemm(x[0], x[1], self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
 
 
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def quantize_fp8(model: nn.Module, group: int | None = None, *, fuse: bool = True) -> int:
+def quantize_fp8(model: nn.Module, group: int | None = None, *, act_group: int | None = None,
+                 fuse: bool = True) -> int:
     """Replace the decoder layers' projections by Fp8Linear (weight scales per channel, or per
-    `group` input columns), in place; with `fuse`, the norms before qkv and gate_up and the
-    activation before down_proj hand them quantized activations. Returns the layers replaced."""
+    `group` input columns; activation scales per token, or per `act_group` columns), in place; with
+    `fuse`, the norms before qkv and gate_up and the activation before down_proj hand them
+    quantized activations, in the groups each projection takes. Returns the layers replaced."""
     n = 0
     for layer in model.layers:  # type: ignore[attr-defined]
         for path in _PROJECTIONS:
@@ -80,11 +89,16 @@ def quantize_fp8(model: nn.Module, group: int | None = None, *, fuse: bool = Tru
             parent = layer.get_submodule(parent_name)
             linear = getattr(parent, attr)
             if isinstance(linear, nn.Linear):
-                setattr(parent, attr, Fp8Linear(linear, group))
+                setattr(parent, attr, Fp8Linear(linear, group, act_group))
                 n += 1
         if fuse:
             ops = model.ops  # type: ignore[attr-defined]
-            layer.input_layernorm.norm_fn = ops.rms_norm_quant
-            layer.post_attention_layernorm.norm_fn = ops.rms_norm_quant
-            layer.mlp.act_fn = ops.silu_and_mul_quant
+            layer.input_layernorm.norm_fn = _grouped(ops.rms_norm_quant, layer.self_attn.qkv_proj.act_group)
+            layer.post_attention_layernorm.norm_fn = _grouped(ops.rms_norm_quant, layer.mlp.gate_up_proj.act_group)
+            layer.mlp.act_fn = _grouped(ops.silu_and_mul_quant, layer.mlp.down_proj.act_group)
     return n
+
+
+def _grouped(op, group: int | None):
+    """`op` writing activation scales per `group` columns (the op itself for per-token scales)."""
+    return op if group is None else partial(op, group=group)

@@ -22,6 +22,9 @@ class StepCostModel:
         self.theta = [prior_a, prior_b]
         self._p = [[1e3, 0.0], [0.0, 1e3]]  # large: the prior gives way to the first steps
         self.observed = 0
+        # how well it predicts: |predicted - measured| / measured, summed over steps after the 8th
+        self._rel_err_sum = 0.0
+        self._rel_err_n = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One measured step."""
@@ -33,10 +36,18 @@ class StepCostModel:
         denom = self.forget + x[0] * px[0] + x[1] * px[1]
         k = (px[0] / denom, px[1] / denom)
         err = seconds - (self.theta[0] * x[0] + self.theta[1] * x[1])
+        if self.observed >= 8:
+            self._rel_err_sum += abs(err) / seconds
+            self._rel_err_n += 1
         self.theta = [self.theta[0] + k[0] * err, self.theta[1] + k[1] * err]
         xp = (x[0] * p[0][0] + x[1] * p[1][0], x[0] * p[0][1] + x[1] * p[1][1])
         self._p = [[(p[i][j] - k[i] * xp[j]) / self.forget for j in range(2)] for i in range(2)]
         self.observed += 1
+
+    @property
+    def mean_rel_error(self) -> float | None:
+        """Mean |predicted - measured| / measured of the steps predicted so far (after 8 to learn on)."""
+        return self._rel_err_sum / self._rel_err_n if self._rel_err_n else None
 
     def predict(self, tokens: int) -> float:
         """Predicted seconds of a step of `tokens` tokens."""

@@ -1,0 +1,90 @@
+"""The GPU benchmarks, kept runnable: every import in bench/ resolves (imports inside functions
+too, which only a GPU run would reach), and the engine and load benchmarks run end to end on the
+CPU with the tiny preset (`--device cpu`), writing their JSON and markdown under $OUT. Numbers
+from these runs mean nothing; the plumbing (engines side by side, floors, rows, the SLO cost
+model's record) is what they check, before any device time is spent on it."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """(module, names, line) of every `from ours import ...` in a file, at any depth."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                and node.module.split(".")[0] in {"bench", "kernels", "workers", "pipeline", "schemas", "firsttoken"}):
+            out.append((node.module, [a.name for a in node.names], node.lineno))
+    return out
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "bench").glob("*.py")), ids=lambda p: p.name)
+def test_every_import_in_the_benchmarks_resolves(path):
+    missing = []
+    for module, names, line in _imports(path):
+        mod = importlib.import_module(module)
+        missing += [f"{path.name}:{line}: {module}.{n}" for n in names if n != "*" and not hasattr(mod, n)]
+    assert not missing, missing
+
+
+def _run(args: list[str], out: Path, timeout: int = 300) -> None:
+    env = {**os.environ, "OUT": str(out), "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_bench_engine_runs_engines_side_by_side_on_cpu(tmp_path):
+    _run(["bench/bench_engine.py", "--device", "cpu", "--preset", "tiny", "--no-hf",
+          "--sections", "ttft,decode,throughput", "--engines", "bf16,fp8-block+kv8",
+          "--ttft-lengths", "64,256", "--decode-batches", "1,4", "--num-prompts", "4", "--max-num-seqs", "8"], tmp_path)
+    data = json.loads((tmp_path / "bench_engine_decode_throughput_ttft_bf16_fp8-blockkv8_seqs8.json").read_text())
+    md = (tmp_path / "bench_engine_decode_throughput_ttft_bf16_fp8-blockkv8_seqs8.md").read_text()
+    assert data["engines"] == ["bf16", "fp8-block+kv8"]
+    eng = data["ours"]["fp8-block+kv8"]["engine"]
+    assert eng["quantization"] == "fp8" and eng["fp8_act_group"] == 128 and eng["kv_cache_dtype"] == "fp8"
+    metrics = [r["metric"] for r in data["rows"]]
+    assert metrics[:3] == ["TTFT 64", "TTFT 256", "TTFT 2048 cached + 128"] and "decode b4 per token" in metrics
+    for row in data["rows"]:
+        for s in data["engines"]:
+            assert row[s] > 0 and row[f"{s} floor"] > 0 and row[f"{s} x floor"] > 0, row
+    # an fp8 KV cache reads half the bytes: its decode floor is lower than bf16's
+    b4 = next(r for r in data["rows"] if r["metric"] == "decode b4 per token")
+    assert b4["fp8-block+kv8 floor"] < b4["bf16 floor"]
+    assert "| TTFT 64 |" in md and "fp8-block+kv8 x floor" in md
+
+
+def test_bench_load_runs_a_tpot_target_on_cpu(tmp_path):
+    _run(["bench/bench_load.py", "--device", "cpu", "--preset", "tiny", "--rates", "8", "--duration", "2",
+          "--max-prompt", "256", "--tpot-targets", "none,50"], tmp_path)
+    data = json.loads((tmp_path / "bench_load_tiny.json").read_text())
+    rows = data["rates"]
+    assert [r["tpot_target"] for r in rows] == ["none", "50"]
+    for r in rows:
+        assert r["requests"] > 0 and r["ttft_p50"] > 0 and r["tpot_p50"] > 0 and r["out_tok_s"] > 0, r
+    assert rows[0]["cost_model"] is None
+    cm = rows[1]["cost_model"]
+    assert cm["steps"] > 0 and cm["per_token_us"] > 0
+
+
+def test_the_one_command_gpu_run_script_on_cpu(tmp_path):
+    """bench/gpu_run.sh (what a device call runs) in its CPU smoke mode: a stage runs, logs, and
+    the summary records its exit status."""
+    env = {**os.environ, "OUT": str(tmp_path), "SMOKE": "1", "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run(["bash", "bench/gpu_run.sh", "load_fp8", "nonsense"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "load_fp8: rc=0" in summary and "nonsense: unknown" in summary, summary
+    data = json.loads((tmp_path / "bench_load_tiny_fp8.json").read_text())
+    assert data["quantization"] == "fp8" and data["kv_cache_dtype"] == "fp8" and data["rates"][0]["requests"] > 0
