@@ -70,36 +70,104 @@ def models(who: Who, state: State) -> ModelList:
 
 
 class ReplyWaiter:
-    """Subscriptions to jobs' reply channels on Redis (redis.asyncio), one connection each."""
+    """Jobs' reply channels on Redis over one shared subscriber connection (redis.asyncio): a reader
+    task routes each message to its job's `Subscription`, so a thousand live completions hold one
+    Redis connection, not a thousand, and a new one costs a SUBSCRIBE, not a connection.
 
-    def __init__(self, redis_url: str) -> None:
+    `subscribe` returns once Redis has confirmed the subscription, so a job queued after it cannot
+    publish before anyone listens. A connection lost meanwhile is re-made by redis-py, which
+    subscribes again to every channel; what was published in the gap is read from the store by
+    the waiters (POLL_STORE_S).
+    """
+
+    def __init__(self, redis_url: str, *, confirm_timeout_s: float = 5.0) -> None:
         import redis.asyncio
 
-        self._redis = redis.asyncio.Redis.from_url(redis_url)
+        self._redis = redis.asyncio.Redis.from_url(redis_url, socket_connect_timeout=2.0)
+        self._pubsub = self._redis.pubsub()
+        self._subs: dict[bytes, Subscription] = {}  # channel -> its waiter
+        self._reader: asyncio.Task[None] | None = None
+        # one command at a time on the shared connection (the first one also makes the connection)
+        self._send = asyncio.Lock()
+        self.confirm_timeout_s = confirm_timeout_s
+
+    @property
+    def live(self) -> int:
+        """Subscriptions open now."""
+        return len(self._subs)
 
     async def subscribe(self, job_id: str) -> Subscription:
-        pubsub = self._redis.pubsub()
-        await pubsub.subscribe(reply_channel(job_id))
-        return Subscription(pubsub)
+        channel = reply_channel(job_id).encode()
+        sub = Subscription(self, channel)
+        self._subs[channel] = sub
+        try:
+            async with self._send:
+                await self._pubsub.subscribe(channel)
+            if self._reader is None or self._reader.done():
+                self._reader = asyncio.get_running_loop().create_task(self._read(), name="firsttoken-replies")
+            await asyncio.wait_for(sub.confirmed.wait(), self.confirm_timeout_s)
+        except BaseException:
+            await self.unsubscribe(channel)
+            raise
+        return sub
+
+    async def unsubscribe(self, channel: bytes) -> None:
+        if self._subs.pop(channel, None) is not None:
+            with contextlib.suppress(Exception):
+                async with self._send:
+                    await self._pubsub.unsubscribe(channel)
+
+    async def _read(self) -> None:
+        """Route messages until no subscription is left (the next subscribe starts it again)."""
+        while self._subs:
+            try:
+                msg = await self._pubsub.get_message(timeout=1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis unreachable: the waiters read the store meanwhile
+                log.warning("reply channel: %s; retrying", type(exc).__name__)
+                await asyncio.sleep(0.5)
+                continue
+            if msg is None:
+                continue
+            sub = self._subs.get(msg["channel"])
+            if sub is None:
+                continue
+            if msg["type"] == "subscribe":
+                sub.confirmed.set()
+            elif msg["type"] == "message":
+                sub.queue.put_nowait(msg["data"])
 
     async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader
+        self._subs.clear()
+        with contextlib.suppress(Exception):
+            await self._pubsub.aclose()
         await self._redis.aclose()
 
 
 class Subscription:
-    """One job's replies."""
+    """One job's replies, as the shared reader hands them over."""
 
-    def __init__(self, pubsub: Any) -> None:
-        self._pubsub = pubsub
+    def __init__(self, waiter: ReplyWaiter, channel: bytes) -> None:
+        self._waiter = waiter
+        self.channel = channel
+        self.confirmed = asyncio.Event()
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def next(self, timeout_s: float) -> dict[str, Any] | None:
         """The next reply, or None after `timeout_s` without one."""
-        msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
-        return None if msg is None else parse_message(msg["data"])
+        try:
+            data = await asyncio.wait_for(self.queue.get(), timeout_s)
+        except TimeoutError:
+            return None
+        return parse_message(data)
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._pubsub.aclose()
+        await self._waiter.unsubscribe(self.channel)
 
 
 def _bad(exc: Exception) -> ApiError:
@@ -137,7 +205,11 @@ async def _start(state: ApiState, request: Request, fmt: LineFormat, who: Princi
     job, stream, include_usage = await run_in_threadpool(_job, state, raw, fmt, who)
     if state.replies is None:
         raise ApiError(503, "unavailable", "completions need the reply channel: set FIRSTTOKEN_REDIS_URL")
-    sub = await state.replies.subscribe(job.id)  # before the job is queued: no reply is missed
+    try:
+        sub = await state.replies.subscribe(job.id)  # before the job is queued: no reply is missed
+    except Exception as exc:
+        log.warning("completion %s: reply channel unavailable (%s)", job.id, type(exc).__name__)
+        raise ApiError(503, "unavailable", "the reply channel (Redis) is unreachable; try again") from None
     try:
         await run_in_threadpool(queue_one, state, job, None)
     except BaseException:

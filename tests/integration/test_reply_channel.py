@@ -1,0 +1,71 @@
+"""The API's reply channel on a real Redis: every live completion shares one subscriber connection,
+each message reaches its own job's waiter only, a subscription is confirmed by Redis before
+`subscribe` returns (so a job queued after it cannot publish unheard), and closing a waiter
+unsubscribes its channel."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import redis
+
+from firsttoken.api.completions import ReplyWaiter
+from pipeline.replies import delta_message, reply_channel
+
+
+def _pubsub_clients(client: redis.Redis) -> int:
+    """Connections of this Redis in subscriber mode (CLIENT LIST flags 'P')."""
+    return sum(1 for c in client.client_list() if "P" in c.get("flags", ""))
+
+
+def test_many_completions_share_one_subscriber_connection(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    before = _pubsub_clients(client)
+    run = uuid.uuid4().hex[:8]
+    jobs = [f"reply-{run}-{i}" for i in range(200)]
+
+    async def main() -> None:
+        waiter = ReplyWaiter(redis_url)
+        subs = await asyncio.gather(*(waiter.subscribe(j) for j in jobs))
+        assert waiter.live == len(jobs)
+        # confirmed by Redis: a publish right after subscribe() returns reaches its subscriber
+        counts = client.pubsub_numsub(*(reply_channel(j) for j in jobs))
+        assert all(n == 1 for _, n in counts), counts[:3]
+        assert _pubsub_clients(client) == before + 1  # one connection for the 200
+        for i, j in enumerate(jobs):
+            client.publish(reply_channel(j), delta_message(f"text {i}", 1, 0))
+        got = await asyncio.gather(*(s.next(5.0) for s in subs))
+        assert [g["text"] for g in got] == [f"text {i}" for i in range(len(jobs))]  # each to its own job
+        assert await subs[0].next(0.2) is None  # nothing more for it
+        # half of them finish: their channels are unsubscribed, the rest still hear theirs
+        await asyncio.gather(*(s.close() for s in subs[:100]))
+        assert waiter.live == 100
+        counts = dict(client.pubsub_numsub(*(reply_channel(j) for j in jobs)))
+        assert counts[reply_channel(jobs[0]).encode()] == 0 and counts[reply_channel(jobs[150]).encode()] == 1
+        client.publish(reply_channel(jobs[150]), delta_message("late", 1, 0))
+        assert (await subs[150].next(5.0))["text"] == "late"
+        await asyncio.gather(*(s.close() for s in subs[100:]))
+        assert waiter.live == 0
+        # the reader stops with nobody listening, and a new subscription starts it again
+        sub = await waiter.subscribe(f"reply-{run}-again")
+        client.publish(reply_channel(f"reply-{run}-again"), delta_message("again", 1, 0))
+        assert (await sub.next(5.0))["text"] == "again"
+        await waiter.close()
+
+    asyncio.run(main())
+    assert _pubsub_clients(client) == before  # closed: its connection is gone
+
+
+def test_an_unreachable_redis_fails_the_subscription_not_the_process():
+    async def main() -> None:
+        waiter = ReplyWaiter("redis://127.0.0.1:1/0", confirm_timeout_s=1.0)  # nothing listens on port 1
+        try:
+            await waiter.subscribe("nobody")
+        except (redis.RedisError, OSError, TimeoutError) as exc:
+            assert waiter.live == 0, exc
+        else:
+            raise AssertionError("subscribed to an unreachable Redis")
+        await waiter.close()
+
+    asyncio.run(main())
