@@ -157,6 +157,10 @@ class Settings(BaseSettings):
     api_completion_timeout_s: float = Field(
         default=600.0, gt=0, description="how long a completion waits for its result before it is cancelled (504)"
     )
+    api_expire_every_s: float = Field(
+        default=60.0, ge=0, description="how often the API expires OpenAI batches past their 24h window, whether "
+        "or not anyone reads them (their jobs left are cancelled); 0: only when read"
+    )
     check_model: str | None = Field(
         default=None,
         description="the workers' model (preset or checkpoint directory): when set, the API and "

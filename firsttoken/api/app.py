@@ -8,13 +8,16 @@ adds to only its own jobs, batches and files (another owner's are 404, as if the
 Without keys the app refuses to start unless authentication is switched off explicitly
 (FIRSTTOKEN_API_NO_AUTH, for local use).
 
-Bodies are read up to a limit (413 past it) and parsed on a worker thread, never on the event
+OpenAI batches past their 24h window are expired by a sweep every api_expire_every_s (and on
+each read). Bodies are read up to a limit (413 past it) and parsed on a worker thread, never on the event
 loop. Errors are `{"error": {"code", "type", "message"}}`; a 422 names the field and the rule,
 never echoes the input; no input gives a 500.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
@@ -23,6 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from firsttoken.api import batches, completions, files, jobs, metrics
@@ -45,6 +49,20 @@ def celery_canceller(job_ids: Sequence[str], batch_id: str | None) -> None:
     from workers.celery_app import broadcast_cancel
 
     broadcast_cancel(list(job_ids), batch_id)
+
+
+async def _expiry_sweep(state: ApiState) -> None:
+    """Expire OpenAI batches past their window every api_expire_every_s, read or not."""
+    every = state.settings.api_expire_every_s
+    while True:
+        await asyncio.sleep(every)
+        try:
+            n = await run_in_threadpool(batches.expire_due, state)
+        except Exception as exc:  # the database away for a while: the next sweep tries again
+            log.warning("batch expiry sweep failed: %s", type(exc).__name__)
+            continue
+        if n:
+            log.info("expired %d batches past their completion window", n)
 
 
 def create_app(
@@ -91,9 +109,14 @@ def create_app(
             from workers.engine.prompts import SubmitCheck
 
             state.check = SubmitCheck.for_model(s.check_model, s.check_max_model_len)
+        sweep = asyncio.get_running_loop().create_task(_expiry_sweep(state)) if s.api_expire_every_s else None
         try:
             yield
         finally:
+            if sweep is not None:
+                sweep.cancel()
+                with contextlib.suppress(BaseException):
+                    await sweep
             for x in state.owned:
                 x.close()
             if replies is _DEFAULT and state.replies is not None:

@@ -313,6 +313,19 @@ def expire_if_due(state: ApiState, b: BatchRecord, now: float | None = None) -> 
     return state.st.get_batch(b.id) or b
 
 
+def expire_due(state: ApiState, now: float | None = None, page: int = 100) -> int:
+    """Expire every OpenAI batch whose window has passed, read or not (the API's periodic sweep;
+    `expire_if_due` also runs on each read). Returns the batches expired."""
+    now = time.time() if now is None else now
+    n, after = 0, None
+    while True:
+        due = state.st.open_batches(created_before=now - WINDOW_S, limit=page, after=after)
+        n += sum(1 for b in due if expire_if_due(state, b, now).status != "open")
+        if len(due) < page:
+            return n
+        after = (due[-1].created_at, due[-1].id)
+
+
 @router.get("/v1/batches/{batch_id}", response_model=BatchView)
 def get_batch(batch_id: str, who: Who, state: State) -> BatchView:
     """A batch's status and progress."""

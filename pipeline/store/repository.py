@@ -665,6 +665,19 @@ class ResultStore:
                 )
             return [self._batch_record(conn, row) for row in conn.execute(q).all()]
 
+    def open_batches(
+        self, *, created_before: float, limit: int = 100, after: tuple[float, str] | None = None
+    ) -> list[BatchRecord]:
+        """Open batches created before `created_before` (epoch s), oldest first: the candidates of
+        an expiry sweep. `after`: the (created_at, id) of the previous page's last batch."""
+        q = (select(batches).where(batches.c.status == BATCH_OPEN, batches.c.created_at < created_before)
+             .order_by(batches.c.created_at, batches.c.id).limit(limit))
+        if after is not None:
+            q = q.where(or_(batches.c.created_at > after[0],
+                            and_(batches.c.created_at == after[0], batches.c.id > after[1])))
+        with self.engine.connect() as conn:
+            return [self._batch_record(conn, row) for row in conn.execute(q).all()]
+
     def end_batch(
         self, batch_id: str, status: str, *, reason: str, from_statuses: Sequence[str] = (BATCH_OPEN,)
     ) -> int:

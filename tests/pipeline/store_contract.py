@@ -275,6 +275,20 @@ class StoreContract:
         assert store.end_batch("E", "failed", reason="x", from_statuses=("expired",)) == 0
         assert store.get_batch("E").status == "failed"  # type: ignore[union-attr]
 
+    def test_open_batches_are_listed_oldest_first_for_an_expiry_sweep(self, store: ResultStore):
+        for name in ("OB1", "OB2", "OB3"):
+            store.create_batch(name)
+        store.end_batch("OB2", "cancelled", reason="x")
+        later = max(b.created_at for b in (store.get_batch("OB1"), store.get_batch("OB3"))) + 1  # type: ignore[union-attr]
+        ids = [b.id for b in store.open_batches(created_before=later)]
+        assert "OB2" not in ids and ids.index("OB1") < ids.index("OB3")
+        first = store.get_batch("OB1").created_at  # type: ignore[union-attr]
+        assert "OB1" not in [b.id for b in store.open_batches(created_before=first)]  # strictly before
+        page = store.open_batches(created_before=later, limit=1)
+        assert len(page) == 1
+        rest = [b.id for b in store.open_batches(created_before=later, after=(page[0].created_at, page[0].id))]
+        assert page[0].id not in rest and set(rest) | {page[0].id} == set(ids)
+
     def test_latency_stats_of_one_owner_or_batch(self, store: ResultStore):
         store.upsert_results(
             [ok("o1", ttft=10.0, batch_id="B1"), ok("o2", ttft=20.0, batch_id="B2"), ok("o3", ttft=30.0)],

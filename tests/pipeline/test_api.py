@@ -4,6 +4,7 @@ that name the field without echoing the input, and no 500 from any malformed inp
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -292,6 +293,42 @@ def test_openai_batches_fail_when_no_line_is_valid_and_expire_after_their_window
         assert expired.status == "expired" and expired.progress.counts == {JobStatus.CANCELLED: 1}
         view = c.get(f"/v1/batches/{b['id']}", headers=ALICE).json()
         assert view["status"] == "expired" and view["expired_at"] is not None and view["error_file_id"]
+
+
+def test_the_sweep_expires_openai_batches_nobody_reads(store, queue, monkeypatch):
+    from firsttoken.api import batches
+
+    app = create_app(Settings(api_keys=f"alice:{KEY_A}"), store=store, queue=queue, canceller=None, replies=None)
+    with TestClient(app) as c:
+        def openai_batch(custom_id: str) -> str:
+            line = {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
+            body = (json.dumps(line) + "\n").encode()
+            fid = c.post("/v1/files", files={"file": ("in.jsonl", body)}, data={"purpose": "batch"}, headers=ALICE).json()["id"]
+            return c.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions"},
+                          headers=ALICE).json()["id"]
+
+        ids = [openai_batch(f"a{i}") for i in range(5)]
+        plain = c.post("/v1/batches", content=b'{"id": "p", "prompt": "x"}\n', headers=ALICE)
+        assert plain.status_code == 202, plain.text
+        state = app.state.api
+        created = max(store.get_batch(i).created_at for i in ids)
+        assert batches.expire_due(state, now=created + 3600) == 0  # inside the window
+        # past it: every OpenAI batch expires (pages of 2: the cursor walks past the plain batch too)
+        assert batches.expire_due(state, now=created + 24 * 3600 + 1, page=2) == 5
+        assert {store.get_batch(i).status for i in ids} == {"expired"}
+        assert store.get_batch(plain.json()["batch_id"]).status == "open"  # not an OpenAI batch: no window
+        assert batches.expire_due(state, now=created + 24 * 3600 + 2) == 0  # done once
+
+    # the app runs the sweep on its own, every api_expire_every_s
+    calls: list[float] = []
+    monkeypatch.setattr(batches, "expire_due", lambda state: calls.append(1) or 0)
+    app = create_app(Settings(api_keys=f"alice:{KEY_A}", api_expire_every_s=0.05), store=store, queue=queue,
+                     canceller=None, replies=None)
+    with TestClient(app):
+        deadline = time.monotonic() + 5
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert len(calls) >= 2
 
 
 def test_a_restarted_stream_sends_each_character_once():
