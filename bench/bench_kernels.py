@@ -168,7 +168,7 @@ FP8_SHAPES = (("qkv", HIDDEN, (HQ + 2 * HK) * D), ("o", HQ * D, HIDDEN), ("gate_
               ("down", INTER, HIDDEN))
 
 
-def run_fp8(out: list) -> None:
+def run_fp8(out: list, sweep: list | None = None) -> None:
     """Each Llama-3.1-8B projection at several token counts: bf16 matmul, FP8 with per-channel
     weight scales (torch._scaled_mm), FP8 with weight scales per 128 columns (kernels/fp8_gemm.py),
     and block-wise FP8 (activation scales per token and 128 columns too, the same kernel); the FP8
@@ -201,6 +201,14 @@ def run_fp8(out: list) -> None:
                 row[f"{key}_TFLOPs"] = flop / row[f"{key}_ms"] / 1e9
             out.append(row)
             print(row, flush=True)
+            if sweep is not None:  # the block-wise GEMM's tiles (the default: M64 N64 w4 s3)
+                ref_b = fp8_gemm_grouped_triton(xbq, xbs, wg, wgs, None, DT)
+                for bm, bn, w, st in ((16, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 4),
+                                      (128, 128, 8, 3), (128, 64, 4, 4)):
+                    f = partial(fp8_gemm_grouped_triton, xbq, xbs, wg, wgs, None, DT, block_m=bm, block_n=bn,
+                                num_warps=w, num_stages=st)
+                    sweep.append(time_variant(f, ref_b, "TFLOPs", flop / 1e9, op=f"fp8_blockwise_{name}",
+                                              shape=f"T={t}", cfg=f"M{bm} N{bn} w{w} s{st}"))
 
 
 # --------------------------------------------------------------------------------------------- attention
@@ -698,7 +706,7 @@ def main() -> None:
                 ("decode_kv_dtype", lambda: sweep is not None and run_decode_kv_dtype(sweep)),
                 ("prefill_graph_shape", lambda: sweep is not None and run_prefill_graph_shape(sweep)),
                 ("graph", lambda: result.__setitem__("graph_check", check_decode_graph())),
-                ("fp8", lambda: run_fp8(result.setdefault("fp8", []))))
+                ("fp8", lambda: run_fp8(result.setdefault("fp8", []), sweep)))
     only = set(args.sections.split(",")) if args.sections else None
     for name, fn in sections:
         if only is not None and name not in only:

@@ -57,7 +57,7 @@ for stage in "${STAGES[@]}"; do
       FIRSTTOKEN_GPU_TESTS=1 run tests 600 $PY -m pytest -q -m gpu tests/engine/test_gpu.py -p no:cacheprovider ;;
     kernels)  # _scaled_mm per channel vs the Triton per-128 and block-wise GEMMs vs bf16
       [ "${SMOKE:-0}" = 1 ] && continue
-      run kernels 600 $PY bench/bench_kernels.py --sections fp8 ;;
+      run kernels 600 $PY bench/bench_kernels.py --sections fp8 --sweep --out "$OUT" --commit "$FIRSTTOKEN_COMMIT" ;;
     engine)  # TTFT and decode: bf16 and FP8 engines beside transformers and each engine's floor
       run engine 900 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines bf16,fp8+kv8,fp8-g128+kv8,fp8-block+kv8 "${ENGINE_ARGS[@]}" ;;

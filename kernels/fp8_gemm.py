@@ -74,7 +74,7 @@ def _fp8_gemm_grouped_kernel(
 def fp8_gemm_grouped_triton(
     a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-    block_m: int = 64, block_n: int = 64,
+    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:
     """Triton `kernels.fp8_linear.fp8_gemm_ref` for group-scaled weights ([N, K / group]) and
     activations per token ([M, 1]) or per token and the same groups ([M, K / group])."""
@@ -102,7 +102,7 @@ def fp8_gemm_grouped_triton(
             a_q.stride(0), a_scale.stride(0) if a_grouped else 1, b_q.stride(0), b_scale.stride(0), c.stride(0))
     consts = {"HAS_BIAS": has_bias, "A_GROUPED": a_grouped, "GROUP_K": group, "BLOCK_M": block_m,
               "BLOCK_N": block_n}
-    _fp8_gemm_grouped_kernel.launch((cdiv(m, block_m), cdiv(n, block_n)), args, consts, 4, 3,
+    _fp8_gemm_grouped_kernel.launch((cdiv(m, block_m), cdiv(n, block_n)), args, consts, num_warps, num_stages,
                                     a_q.device.type == "cuda")
     return c
 

@@ -157,6 +157,15 @@ class Settings(BaseSettings):
     api_completion_timeout_s: float = Field(
         default=600.0, gt=0, description="how long a completion waits for its result before it is cancelled (504)"
     )
+    api_max_unfinished_jobs: int = Field(
+        default=0, ge=0, description="per owner (API key): queued and running jobs at most; a submission that "
+        "would pass it is refused whole with 429 rate_limit_exceeded and Retry-After; 0: no limit"
+    )
+    api_max_live_completions: int = Field(
+        default=0, ge=0, description="per owner and API process: completions (plain or streamed) in flight at "
+        "most; past it 429 rate_limit_exceeded; 0: no limit"
+    )
+    api_retry_after_s: float = Field(default=5.0, gt=0, description="the Retry-After of a 429 for unfinished jobs")
     api_expire_every_s: float = Field(
         default=60.0, ge=0, description="how often the API expires OpenAI batches past their 24h window, whether "
         "or not anyone reads them (their jobs left are cancelled); 0: only when read"

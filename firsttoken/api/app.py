@@ -129,7 +129,7 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else exc.headers
         return JSONResponse(error_body(exc.code, exc.message, **exc.extra), exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)

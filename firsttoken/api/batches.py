@@ -232,6 +232,7 @@ def _submit_lines(
     lines = _batch_lines(raw)
     if not any(line.strip() for line in lines):
         raise ApiError(400, ErrorCode.INVALID_REQUEST, "body: no jobs (send JSONL lines or a JSON list)")
+    state.admit(who, sum(1 for line in lines if line.strip()))  # every line counted: a batch is taken whole or not at all
     bid = batch_id or f"batch_{new_job_id()}"
     summary = _submit(state, lines, bid=bid, digest=bytes_digest(raw), max_tokens=max_tokens, who=who, check=state.check)
     return BatchSubmitted(
@@ -260,6 +261,7 @@ def _create_openai_batch(state: ApiState, req: OpenAIBatchRequest, who: Principa
     lines = content.splitlines()
     if not any(line.strip() for line in lines):
         raise ApiError(400, ErrorCode.INVALID_REQUEST, f"file {f.id!r} holds no requests")
+    state.admit(who, sum(1 for line in lines if line.strip()))
     fmt = OPENAI_URLS[req.endpoint].value
     inner = state.check
 

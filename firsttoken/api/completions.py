@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -157,6 +157,7 @@ class Subscription:
         self.channel = channel
         self.confirmed = asyncio.Event()
         self.queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self.on_close: Callable[[], None] | None = None  # e.g. the release of the caller's completion slot
 
     async def next(self, timeout_s: float) -> dict[str, Any] | None:
         """The next reply, or None after `timeout_s` without one."""
@@ -167,6 +168,9 @@ class Subscription:
         return parse_message(data)
 
     async def close(self) -> None:
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None
         await self._waiter.unsubscribe(self.channel)
 
 
@@ -201,15 +205,24 @@ def _job(state: ApiState, raw: bytes, fmt: LineFormat, who: Principal) -> tuple[
 
 
 async def _start(state: ApiState, request: Request, fmt: LineFormat, who: Principal) -> tuple[JobRequest, bool, bool, Subscription]:
+    """Parse, admit and queue a completion; the subscription returned holds one of the caller's
+    completion slots until it is closed."""
     raw = await read_body(request, state.settings.api_max_body_bytes)
     job, stream, include_usage = await run_in_threadpool(_job, state, raw, fmt, who)
     if state.replies is None:
         raise ApiError(503, "unavailable", "completions need the reply channel: set FIRSTTOKEN_REDIS_URL")
+    release = state.take_completion_slot(who)
     try:
-        sub = await state.replies.subscribe(job.id)  # before the job is queued: no reply is missed
-    except Exception as exc:
-        log.warning("completion %s: reply channel unavailable (%s)", job.id, type(exc).__name__)
-        raise ApiError(503, "unavailable", "the reply channel (Redis) is unreachable; try again") from None
+        await run_in_threadpool(state.admit, who, 1)
+        try:
+            sub = await state.replies.subscribe(job.id)  # before the job is queued: no reply is missed
+        except Exception as exc:
+            log.warning("completion %s: reply channel unavailable (%s)", job.id, type(exc).__name__)
+            raise ApiError(503, "unavailable", "the reply channel (Redis) is unreachable; try again") from None
+    except BaseException:
+        release()
+        raise
+    sub.on_close = release
     try:
         await run_in_threadpool(queue_one, state, job, None)
     except BaseException:

@@ -25,12 +25,17 @@ Canceller = Callable[[Sequence[str], "str | None"], None]
 class ApiError(Exception):
     """An error answered as `{"error": {"code", "message", "type", ...}}` with `status`."""
 
-    def __init__(self, status: int, code: str, message: str, **extra: Any) -> None:
+    def __init__(self, status: int, code: str, message: str, *, headers: dict[str, str] | None = None,
+                 **extra: Any) -> None:
         super().__init__(message)
         self.status = status
         self.code = str(code)
         self.message = message
+        self.headers = headers
         self.extra = extra
+
+
+RATE_LIMITED = "rate_limit_exceeded"  # OpenAI's code: its clients retry a 429 after Retry-After
 
 
 class ConfigError(RuntimeError):
@@ -66,6 +71,44 @@ class ApiState:
     replies: Any = None  # firsttoken.api.replies.ReplyWaiter, when Redis is configured
     model_name: str = "firsttoken"
     owned: list[Any] = field(default_factory=list)  # closed at shutdown
+    live_completions: dict[str | None, int] = field(default_factory=dict)  # owner -> completions in flight here
+
+    def admit(self, who: Principal, jobs: int) -> None:
+        """429 when `jobs` more would take the caller past api_max_unfinished_jobs (its queued and
+        running jobs); nothing is queued then. Callers without an owner (no auth) are not limited."""
+        limit = self.settings.api_max_unfinished_jobs
+        if not limit or who.owner is None or jobs <= 0:
+            return
+        have = self.st.count_unfinished(who.owner)
+        if have + jobs > limit:
+            raise ApiError(429, RATE_LIMITED, f"you have {have} unfinished jobs and the limit is {limit}: "
+                           f"these {jobs} would pass it; send them once some finish",
+                           headers={"Retry-After": str(max(1, int(self.settings.api_retry_after_s)))})
+
+    def take_completion_slot(self, who: Principal) -> Callable[[], None]:
+        """One of the caller's api_max_live_completions (in this process); returns its release
+        (idempotent). 429 when they are all taken."""
+        limit = self.settings.api_max_live_completions
+        if not limit or who.owner is None:
+            return lambda: None
+        have = self.live_completions.get(who.owner, 0)
+        if have >= limit:
+            raise ApiError(429, RATE_LIMITED, f"you have {have} completions in flight and the limit is {limit}",
+                           headers={"Retry-After": "1"})
+        self.live_completions[who.owner] = have + 1
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                left = self.live_completions[who.owner] - 1
+                if left:
+                    self.live_completions[who.owner] = left
+                else:
+                    del self.live_completions[who.owner]
+
+        return release
 
     @property
     def st(self) -> ResultStore:

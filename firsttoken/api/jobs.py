@@ -146,6 +146,7 @@ def _submit_job(state: ApiState, raw: bytes, who: Principal) -> JobAccepted:
     problem = None if state.check is None else state.check(job)
     if problem is not None:
         raise ApiError(422, problem[0], problem[1])
+    state.admit(who, 1)
     queue_one(state, job, custom)
     assert job.submitted_at is not None
     return JobAccepted(id=job.id, custom_id=custom, status="queued", submitted_at=job.submitted_at)

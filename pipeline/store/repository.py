@@ -625,6 +625,13 @@ class ResultStore:
             ).scalar()
         return counts, oldest
 
+    def count_unfinished(self, owner: str | None) -> int:
+        """Jobs of `owner` queued or running (an index range: ix_jobs_owner_status)."""
+        with self.engine.connect() as conn:
+            return conn.execute(
+                select(func.count()).where(jobs.c.owner == owner, jobs.c.status.in_(_NOT_TERMINAL))
+            ).scalar() or 0
+
     def batch_progress(self, batch_id: str) -> BatchProgress:
         """Job counts by status for one batch (from the jobs table)."""
         with self.engine.connect() as conn:

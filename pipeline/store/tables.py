@@ -81,6 +81,7 @@ jobs = Table(
     Index("ix_jobs_finished_at", "finished_at"),
     Index("ix_jobs_batch_line", "batch_id", "line_no"),
     Index("ix_jobs_owner", "owner"),
+    Index("ix_jobs_owner_status", "owner", "status"),  # revision 0005: an owner's unfinished jobs
 )
 
 batches = Table(

@@ -57,7 +57,7 @@ def _stack(model, kafka_bootstrap, postgres_url, redis_url, tmp_path_factory):
     port = _free_port()
     env = worker_env(s, "api")
     env.update({"FIRSTTOKEN_REDIS_URL": redis_url, "FIRSTTOKEN_API_KEYS": f"tester:{KEY}", "FIRSTTOKEN_MODEL": model,
-                "FIRSTTOKEN_CHECK_MODEL": model})
+                "FIRSTTOKEN_CHECK_MODEL": model, "FIRSTTOKEN_API_MAX_LIVE_COMPLETIONS": "1"})
     log = (tmp_path_factory.mktemp("api") / "api.log").open("wb")
     api = subprocess.Popen([sys.executable, "-m", "firsttoken.cli", "api", "--port", str(port)], cwd=ROOT, env=env,
                            stdout=log, stderr=subprocess.STDOUT)
@@ -116,6 +116,30 @@ def test_chat_plain_and_streamed_give_the_same_text(client):
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].model_extra["firsttoken"]["timings"]["ttft_ms"] is not None
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_a_second_completion_in_flight_is_rate_limited(client):
+    """FIRSTTOKEN_API_MAX_LIVE_COMPLETIONS=1 for this server: while one completion streams, the
+    next gets 429 rate_limit_exceeded (the client's RateLimitError); once it ended, there is room."""
+    import openai
+
+    first = client.completions.create(model="tiny", prompt="A long story:", max_tokens=300, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+    chunks = iter(first)
+    next(chunks)  # the stream has begun: the completion holds its slot
+    with pytest.raises(openai.RateLimitError) as err:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0)
+    assert err.value.code == "rate_limit_exceeded" and err.value.response.headers["retry-after"] == "1"
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert len(text) > 0
+
+    def room() -> bool:
+        try:
+            return client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0).usage.completion_tokens > 0
+        except openai.RateLimitError:
+            return False
+
+    wait_until(room, 10, "the finished stream to give its slot back")
 
 
 def test_text_completions_and_errors(client):

@@ -275,6 +275,14 @@ class StoreContract:
         assert store.end_batch("E", "failed", reason="x", from_statuses=("expired",)) == 0
         assert store.get_batch("E").status == "failed"  # type: ignore[union-attr]
 
+    def test_count_unfinished_counts_one_owners_queued_and_running_jobs(self, store: ResultStore):
+        store.insert_queued([JobRequest(id=f"cu-{i}", prompt="x", owner="carol") for i in range(4)]
+                            + [JobRequest(id="cu-dave", prompt="x", owner="dave")])
+        store.mark_running(["cu-0"], worker="w")
+        store.upsert_results([ok("cu-1")])
+        assert store.count_unfinished("carol") == 3  # cu-0 running, cu-2 and cu-3 queued
+        assert store.count_unfinished("dave") == 1 and store.count_unfinished("nobody") == 0
+
     def test_open_batches_are_listed_oldest_first_for_an_expiry_sweep(self, store: ResultStore):
         for name in ("OB1", "OB2", "OB3"):
             store.create_batch(name)

@@ -378,3 +378,55 @@ def test_a_restarted_stream_sends_each_character_once():
                                                     finish_reason=FinishReason.LENGTH)}
     text, out = run([*first_run, changed])
     assert text == "Hello" and out[-1]["error"]["code"] == "restarted"
+
+
+def test_an_owner_past_its_unfinished_jobs_limit_gets_429_and_nothing_is_queued(store, queue):
+    from schemas.job import JobResult, Usage
+
+    settings = Settings(api_keys=f"alice:{KEY_A},bob:{KEY_B}", api_max_unfinished_jobs=3, api_retry_after_s=7)
+    with TestClient(create_app(settings, store=store, queue=queue, canceller=None, replies=None)) as c:
+        ids = [c.post("/v1/jobs", json={"id": f"j{i}", "prompt": "x"}, headers=ALICE).json()["id"] for i in range(3)]
+        published = _published(queue)
+        r = c.post("/v1/jobs", json={"id": "j3", "prompt": "x"}, headers=ALICE)
+        assert r.status_code == 429 and r.headers["retry-after"] == "7"
+        err = r.json()["error"]
+        assert err["code"] == err["type"] == "rate_limit_exceeded" and "limit is 3" in err["message"]
+        # a batch is taken whole or not at all: two more lines would pass the limit
+        r = c.post("/v1/batches", content=b'{"id": "b1", "prompt": "x"}\n{"id": "b2", "prompt": "x"}\n', headers=ALICE)
+        assert r.status_code == 429
+        fid = c.post("/v1/files", files={"file": ("in.jsonl", b'{"custom_id": "o", "method": "POST", "url": '
+                                                  b'"/v1/completions", "body": {"prompt": "x"}}\n')},
+                     data={"purpose": "batch"}, headers=ALICE).json()["id"]
+        r = c.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions"}, headers=ALICE)
+        assert r.status_code == 429
+        assert _published(queue) == published and store.count_unfinished("alice") == 3  # nothing queued
+        assert c.post("/v1/jobs", json={"id": "j0", "prompt": "x"}, headers=BOB).status_code == 202  # per owner
+        # one finishes: room for one more
+        store.upsert_results([JobResult(id=ids[0], status=JobStatus.SUCCEEDED, text="y", usage=Usage())])
+        assert c.post("/v1/jobs", json={"id": "j3", "prompt": "x"}, headers=ALICE).status_code == 202
+        assert c.post("/v1/jobs", json={"id": "j4", "prompt": "x"}, headers=ALICE).status_code == 429
+
+
+def test_completion_slots_are_counted_per_owner_and_released_once():
+    from firsttoken.api.deps import ApiError, ApiState, Principal
+
+    state = ApiState(settings=Settings(api_no_auth=True, api_max_live_completions=2), authenticate=lambda r: None)
+    alice, bob = Principal("alice"), Principal("bob")
+    r1, r2 = state.take_completion_slot(alice), state.take_completion_slot(alice)
+    with pytest.raises(ApiError) as e:
+        state.take_completion_slot(alice)
+    assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"}
+    state.take_completion_slot(bob)()  # another owner has its own
+    r1()
+    r1()  # a second release gives nothing back
+    assert state.live_completions == {"alice": 1}
+    r3 = state.take_completion_slot(alice)
+    with pytest.raises(ApiError):
+        state.take_completion_slot(alice)
+    r2()
+    r3()
+    assert state.live_completions == {}
+    state.take_completion_slot(Principal(None))  # no auth: not limited
+    unlimited = ApiState(settings=Settings(api_no_auth=True), authenticate=lambda r: None)
+    for _ in range(100):
+        unlimited.take_completion_slot(alice)
