@@ -85,6 +85,7 @@ def run_rate(engine: LLMEngine, reqs: list[tuple[float, list[int], int]], durati
     return {"requests": len(reqs), "wall_s": wall,
             "cost_model": None if slo is None else {
                 "fixed_ms": slo.model.fixed_s * 1e3, "per_token_us": slo.model.per_token_s * 1e6,
+                "per_decode_us": slo.model.per_decode_s * 1e6,
                 "mean_rel_error": slo.model.mean_rel_error, "steps": slo.model.observed}, "ttft_ms": ttft, "tpot_ms": tpot, "per_request": {
         r: ((first[r] - arrival[r]) * 1e3, (done[r][0] - first[r]) * 1e3 / max(1, done[r][1] - 1)) for r in done if r in first},
         "output_tokens": sum(n for _, n in done.values())}

@@ -14,32 +14,48 @@ from workers.engine import EngineConfig, LLMEngine
 from workers.engine.slo import SloBudget, StepCostModel
 
 
-def test_cost_model_recovers_the_line_and_follows_a_change():
+def test_cost_model_recovers_the_plane_and_follows_a_change():
     m = StepCostModel()
     assert m.mean_rel_error is None
     rng = random.Random(0)
-    for _ in range(200):
-        t = rng.randint(1, 4096)
-        m.observe(t, 0.008 + 2e-6 * t + rng.gauss(0, 1e-4))
-    assert m.fixed_s == pytest.approx(0.008, abs=3e-4) and m.per_token_s == pytest.approx(2e-6, rel=0.05)
-    # its own record of how well it predicts: noise of 0.1 ms on 8-16 ms steps, plus learning at the start
-    assert 0.003 < m.mean_rel_error < 0.05, m.mean_rel_error
-    for _ in range(400):  # the device got twice as slow per token: old steps are forgotten
-        t = rng.randint(1, 4096)
-        m.observe(t, 0.008 + 4e-6 * t)
-    assert m.per_token_s == pytest.approx(4e-6, rel=0.05)
-    assert m.predict(1000) == pytest.approx(0.012, rel=0.05)
+    for _ in range(300):
+        t, d = rng.randint(0, 4096), rng.randint(0, 256)
+        m.observe(t, 0.008 + 2e-6 * t + 30e-6 * d + rng.gauss(0, 1e-4), d)
+    assert m.fixed_s == pytest.approx(0.008, abs=3e-4)
+    assert m.per_token_s == pytest.approx(2e-6, rel=0.05) and m.per_decode_s == pytest.approx(30e-6, rel=0.05)
+    # its own record of how well it predicts: noise of 0.1 ms on 8-24 ms steps, plus learning at the start
+    assert 0.002 < m.mean_rel_error < 0.05, m.mean_rel_error
+    for _ in range(400):  # the device got twice as slow per prompt token: old steps are forgotten
+        t, d = rng.randint(0, 4096), rng.randint(0, 256)
+        m.observe(t, 0.008 + 4e-6 * t + 30e-6 * d, d)
+    assert m.per_token_s == pytest.approx(4e-6, rel=0.05) and m.per_decode_s == pytest.approx(30e-6, rel=0.05)
+    assert m.predict(1000, 100) == pytest.approx(0.015, rel=0.05)
+
+
+def test_one_slope_for_all_tokens_mispredicts_mixed_steps():
+    """Why decodes have their own term: when a decode costs 15x a prompt token, a line through
+    the total token count is off by far more than the model with both terms."""
+    rng = random.Random(1)
+    both, one = StepCostModel(), StepCostModel()
+    for _ in range(400):
+        t, d = rng.randint(0, 2048), rng.randint(1, 256)
+        s = 0.005 + 1e-6 * t + 15e-6 * d
+        both.observe(t, s, d)
+        one.observe(t + d, s)  # the old model: every token alike
+    assert both.mean_rel_error < 0.01 and one.mean_rel_error > 5 * both.mean_rel_error, (both.mean_rel_error,
+                                                                                         one.mean_rel_error)
 
 
 def test_budget_keeps_decoding_steps_under_the_target():
     model = StepCostModel()
-    for t in (64, 512, 2048, 8192, 100, 4000, 300, 6000, 1000, 50):
-        model.observe(t, 0.010 + 5e-6 * t)  # 10 ms + 5 us per token
+    for t, d in ((64, 0), (512, 4), (2048, 0), (8192, 32), (100, 64), (4000, 8), (300, 128), (6000, 0), (1000, 16),
+                 (50, 200)):
+        model.observe(t, 0.010 + 5e-6 * t + 20e-6 * d, d)  # 10 ms + 5 us per prompt token + 20 us per decode
     b = SloBudget(tpot_target_s=0.020, max_tokens=8192, min_prefill=64, model=model)
     assert b(0) == 8192  # nobody decoding: first tokens get the whole budget
-    assert b(32) == pytest.approx(2000, abs=20)  # (20 - 10) ms / 5 us
-    assert model.predict(b(32)) <= 0.020 + 1e-6
-    assert b(5000) == 5000 + 64  # a flood of decodes still leaves room for some prefill
+    assert b(32) == pytest.approx(32 + (0.010 - 32 * 20e-6) / 5e-6, abs=20)  # the decodes and what fits beside
+    assert model.predict(b(32) - 32, 32) <= 0.020 + 1e-6
+    assert b(2000) == 2000 + 64  # decodes alone past the target: they run, with the minimum prefill
     tight = SloBudget(tpot_target_s=0.005, max_tokens=8192, model=model)
     assert tight(10) == 10 + 64  # a target below the fixed cost: decodes and the minimum prefill
     cold = SloBudget(tpot_target_s=0.020, max_tokens=8192, warmup_steps=8)

@@ -46,6 +46,7 @@ class InFlightStep:
     has_first_tokens: bool  # some row is a request's first token
     launched_at: float = 0.0  # monotonic
     num_tokens: int = 0  # tokens the step computed
+    num_decodes: int = 0  # of them, decoding sequences' one token each
 
 
 class LLMEngine:
@@ -242,14 +243,15 @@ class LLMEngine:
         self._history.append((now, prompt_tokens, len(rows)))
         while self._history and now - self._history[0][0] > STATS_WINDOW_S:
             self._history.popleft()
-        return InFlightStep(sampled, rows, first, t_launch, out.num_batched_tokens)
+        return InFlightStep(sampled, rows, first, t_launch, out.num_batched_tokens, out.num_decodes)
 
     def _read_back(self, step: InFlightStep, result: StepOutput) -> None:
         """Wait for a launched step's tokens; put them in place, report first tokens, check stops."""
         tokens = step.sampled.tolist()
         now = time.monotonic()
         if self.slo is not None:  # the step ran from its launch, or from when the one before it ended
-            self.slo.model.observe(step.num_tokens, now - max(step.launched_at, self._last_done))  # type: ignore[union-attr]
+            self.slo.model.observe(step.num_tokens - step.num_decodes, now - max(step.launched_at, self._last_done),  # type: ignore[union-attr]
+                                   step.num_decodes)
             self._last_done = now
         for (req, pos), tok in zip(step.rows, tokens):
             if req.status is RequestStatus.FINISHED:

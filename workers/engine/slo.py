@@ -1,11 +1,14 @@
 """SLO-aware step sizing: how many tokens the next step may compute so that the requests already
 decoding keep their time per output token (TPOT) under a target.
 
-A step's time grows about linearly with the tokens it computes (`seconds ~= a + b * tokens`:
-weights read once, then compute per token). `StepCostModel` fits a and b online from the steps
-the engine measures (recursive least squares, older steps forgotten geometrically), and
-`SloBudget` turns a TPOT target into the step's token budget: with decodes running, the prefill
-chunks get what fits in `target - a`; with none running, the whole budget goes to first tokens.
+A step's time is about `a + b * prefill_tokens + c * decodes`: a fixed part (launch, weights read
+once), a compute cost per prompt token, and a cost per decoding sequence (its one token plus
+reading its KV context). The two per-item costs differ (on an H200, ~24 us per prefill token
+against ~12 us per decode at batch 256; on a CPU the ratio is another), so one slope over all
+tokens mispredicts steps that mix them. `StepCostModel` fits a, b and c online from the steps the
+engine measures (recursive least squares, older steps forgotten geometrically), and `SloBudget`
+turns a TPOT target into the step's token budget: with decodes running, the prefill chunks get
+what fits in `target - a - c * decodes`; with none running, the whole budget goes to first tokens.
 Picked once when the engine is built: without a target the scheduler uses its fixed budget.
 """
 
@@ -13,35 +16,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+_N = 3  # features: 1, prefill tokens, decodes
+
 
 class StepCostModel:
-    """seconds ~= a + b * tokens, fitted online (recursive least squares with forgetting)."""
+    """seconds ~= a + b * prefill_tokens + c * decodes, fitted online (recursive least squares
+    with forgetting)."""
 
-    def __init__(self, forget: float = 0.98, prior_a: float = 0.0, prior_b: float = 0.0) -> None:
+    def __init__(self, forget: float = 0.98, prior: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
         self.forget = forget
-        self.theta = [prior_a, prior_b]
-        self._p = [[1e3, 0.0], [0.0, 1e3]]  # large: the prior gives way to the first steps
+        self.theta = list(prior)
+        self._p = [[1e3 if i == j else 0.0 for j in range(_N)] for i in range(_N)]  # the prior gives way at once
         self.observed = 0
         # how well it predicts: |predicted - measured| / measured, summed over steps after the 8th
         self._rel_err_sum = 0.0
         self._rel_err_n = 0
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One measured step."""
-        if tokens <= 0 or seconds <= 0:
+    def observe(self, prefill_tokens: int, seconds: float, decodes: int = 0) -> None:
+        """One measured step: `prefill_tokens` prompt tokens and `decodes` decoding sequences."""
+        if prefill_tokens + decodes <= 0 or seconds <= 0:
             return
-        x = (1.0, float(tokens))
-        p = self._p
-        px = (p[0][0] * x[0] + p[0][1] * x[1], p[1][0] * x[0] + p[1][1] * x[1])
-        denom = self.forget + x[0] * px[0] + x[1] * px[1]
-        k = (px[0] / denom, px[1] / denom)
-        err = seconds - (self.theta[0] * x[0] + self.theta[1] * x[1])
+        x = (1.0, float(prefill_tokens), float(decodes))
+        p, th = self._p, self.theta
+        px = [sum(p[i][j] * x[j] for j in range(_N)) for i in range(_N)]
+        denom = self.forget + sum(x[i] * px[i] for i in range(_N))
+        k = [v / denom for v in px]
+        err = seconds - sum(th[i] * x[i] for i in range(_N))
         if self.observed >= 8:
             self._rel_err_sum += abs(err) / seconds
             self._rel_err_n += 1
-        self.theta = [self.theta[0] + k[0] * err, self.theta[1] + k[1] * err]
-        xp = (x[0] * p[0][0] + x[1] * p[1][0], x[0] * p[0][1] + x[1] * p[1][1])
-        self._p = [[(p[i][j] - k[i] * xp[j]) / self.forget for j in range(2)] for i in range(2)]
+        self.theta = [th[i] + k[i] * err for i in range(_N)]
+        xp = [sum(x[i] * p[i][j] for i in range(_N)) for j in range(_N)]  # x^T P (P is symmetric)
+        self._p = [[(p[i][j] - k[i] * xp[j]) / self.forget for j in range(_N)] for i in range(_N)]
         self.observed += 1
 
     @property
@@ -49,19 +55,24 @@ class StepCostModel:
         """Mean |predicted - measured| / measured of the steps predicted so far (after 8 to learn on)."""
         return self._rel_err_sum / self._rel_err_n if self._rel_err_n else None
 
-    def predict(self, tokens: int) -> float:
-        """Predicted seconds of a step of `tokens` tokens."""
-        return self.theta[0] + self.theta[1] * tokens
+    def predict(self, prefill_tokens: int, decodes: int = 0) -> float:
+        """Predicted seconds of a step."""
+        return self.theta[0] + self.theta[1] * prefill_tokens + self.theta[2] * decodes
 
     @property
     def fixed_s(self) -> float:
-        """The per-step cost that does not depend on tokens (a), never below 0."""
+        """The per-step cost that does not depend on the work (a), never below 0."""
         return max(0.0, self.theta[0])
 
     @property
     def per_token_s(self) -> float:
-        """The cost of one more token (b), never below a nanosecond."""
+        """The cost of one more prompt token (b), never below a nanosecond."""
         return max(1e-9, self.theta[1])
+
+    @property
+    def per_decode_s(self) -> float:
+        """The cost of one more decoding sequence (c), never below 0."""
+        return max(0.0, self.theta[2])
 
 
 @dataclass
@@ -89,5 +100,5 @@ class SloBudget:
         assert m is not None
         if num_decodes == 0 or m.observed < self.warmup_steps:
             return self.max_tokens  # nobody is decoding: first tokens get everything
-        fits = int((self.tpot_target_s - m.fixed_s) / m.per_token_s)
-        return max(num_decodes + self.min_prefill, min(self.max_tokens, fits))
+        prefill = int((self.tpot_target_s - m.fixed_s - m.per_decode_s * num_decodes) / m.per_token_s)
+        return max(num_decodes + self.min_prefill, min(self.max_tokens, num_decodes + prefill))
