@@ -201,14 +201,15 @@ def run_fp8(out: list, sweep: list | None = None) -> None:
                 row[f"{key}_TFLOPs"] = flop / row[f"{key}_ms"] / 1e9
             out.append(row)
             print(row, flush=True)
-            if sweep is not None:  # the block-wise GEMM's tiles (the default: M64 N64 w4 s3)
+            if sweep is not None:  # the block-wise GEMM's tiles (the default: M64 N64 w4 s3 g8; g1: no grouping)
                 ref_b = fp8_gemm_grouped_triton(xbq, xbs, wg, wgs, None, DT)
-                for bm, bn, w, st in ((16, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 4),
-                                      (128, 128, 8, 3), (128, 64, 4, 4)):
+                for bm, bn, w, st, gm in ((16, 64, 4, 3, 8), (32, 128, 4, 3, 8), (64, 128, 4, 3, 8),
+                                          (64, 128, 8, 4, 8), (128, 128, 8, 3, 8), (128, 64, 4, 4, 8),
+                                          (64, 64, 4, 3, 1)):
                     f = partial(fp8_gemm_grouped_triton, xbq, xbs, wg, wgs, None, DT, block_m=bm, block_n=bn,
-                                num_warps=w, num_stages=st)
+                                num_warps=w, num_stages=st, group_m=gm)
                     sweep.append(time_variant(f, ref_b, "TFLOPs", flop / 1e9, op=f"fp8_blockwise_{name}",
-                                              shape=f"T={t}", cfg=f"M{bm} N{bn} w{w} s{st}"))
+                                              shape=f"T={t}", cfg=f"M{bm} N{bn} w{w} s{st} g{gm}"))
 
 
 # --------------------------------------------------------------------------------------------- attention

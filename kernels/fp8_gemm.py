@@ -41,9 +41,17 @@ def _fp8_gemm_grouped_kernel(
     GROUP_K: tl.constexpr,  # columns per weight scale; also the K step of the loop
     BLOCK_M: tl.constexpr,  # rows of C per program
     BLOCK_N: tl.constexpr,  # columns of C per program
+    GROUP_M: tl.constexpr,  # tiles walked GROUP_M rows of tiles at a time (1: row by row)
 ):
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1).to(tl.int64)
+    # one program per C tile on a 1-D grid, in groups of GROUP_M tile rows, so the programs
+    # running at once share columns of B (the weight) in L2 instead of each reading its own
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = (first_m + (pid % (GROUP_M * tiles_n)) % rows).to(tl.int64)
+    pid_n = ((pid % (GROUP_M * tiles_n)) // rows).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, GROUP_K)
@@ -74,7 +82,7 @@ def _fp8_gemm_grouped_kernel(
 def fp8_gemm_grouped_triton(
     a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 3, group_m: int = 8,
 ) -> torch.Tensor:
     """Triton `kernels.fp8_linear.fp8_gemm_ref` for group-scaled weights ([N, K / group]) and
     activations per token ([M, 1]) or per token and the same groups ([M, K / group])."""
@@ -101,8 +109,8 @@ def fp8_gemm_grouped_triton(
     args = (a_q, a_scale, b_q, b_scale, bias if has_bias else b_scale, c, m, n, k,
             a_q.stride(0), a_scale.stride(0) if a_grouped else 1, b_q.stride(0), b_scale.stride(0), c.stride(0))
     consts = {"HAS_BIAS": has_bias, "A_GROUPED": a_grouped, "GROUP_K": group, "BLOCK_M": block_m,
-              "BLOCK_N": block_n}
-    _fp8_gemm_grouped_kernel.launch((cdiv(m, block_m), cdiv(n, block_n)), args, consts, num_warps, num_stages,
+              "BLOCK_N": block_n, "GROUP_M": group_m}
+    _fp8_gemm_grouped_kernel.launch((cdiv(m, block_m) * cdiv(n, block_n),), args, consts, num_warps, num_stages,
                                     a_q.device.type == "cuda")
     return c
 

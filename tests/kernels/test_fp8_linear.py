@@ -354,3 +354,20 @@ def test_fp8_linear_with_activation_groups_and_the_engine_option():
         EngineConfig(quantization="fp8", fp8_weight_group=32, fp8_act_group=64)
     with pytest.raises(ValueError, match="power of two"):
         EngineConfig(quantization="fp8", fp8_act_group=48)
+
+
+@pytest.mark.parametrize(("m", "n", "group_m", "block_m", "block_n"), [(37, 50, 2, 16, 16), (70, 33, 3, 16, 32),
+                                                                        (100, 17, 1, 32, 16), (5, 200, 8, 16, 32)])
+def test_grouped_gemm_tile_order_covers_every_tile(poison_empty, m, n, group_m, block_m, block_n):
+    """The 1-D grid walked GROUP_M tile rows at a time (L2 reuse of the weight) still computes each
+    C tile once, whatever the ragged last group (poison_empty fills torch.empty with NaN)."""
+    from kernels.fp8_gemm import fp8_gemm_grouped_triton
+    from kernels.fp8_linear import fp8_gemm_ref, quantize_groupwise
+
+    g = torch.Generator().manual_seed(m + n + group_m)
+    a_q, a_s = quantize_groupwise(torch.randn(m, 64, generator=g), 32)
+    w_q, w_s = quantize_groupwise(torch.randn(n, 64, generator=g), 32)
+    got = fp8_gemm_grouped_triton(a_q, a_s, w_q, w_s, None, torch.float32, block_m=block_m, block_n=block_n,
+                                  group_m=group_m)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, fp8_gemm_ref(a_q, a_s, w_q, w_s, None, torch.float32), atol=1e-4, rtol=1e-5)
