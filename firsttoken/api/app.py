@@ -124,7 +124,7 @@ def create_app(
 
     app = FastAPI(title="firsttoken", version="0.2", lifespan=lifespan)
     app.state.api = state
-    app.state.metrics = metrics.ApiMetrics(lambda: state.store)
+    app.state.metrics = metrics.ApiMetrics(lambda: state.store, lambda: state.replies)
     app.middleware("http")(app.state.metrics.middleware)
 
     @app.exception_handler(ApiError)

@@ -41,10 +41,25 @@ class BacklogCollector(Collector):
         yield lag
 
 
-class ApiMetrics:
-    """The API's registry: request counts and durations, and the backlog collector."""
+class CompletionsCollector(Collector):
+    """Completions this process is waiting on (one reply subscription each)."""
 
-    def __init__(self, store_of: Callable[[], object]) -> None:
+    def __init__(self, replies_of: Callable[[], object]) -> None:
+        self.replies_of = replies_of
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        replies = self.replies_of()
+        live = GaugeMetricFamily(PREFIX + "api_completions_in_flight",
+                                 "Completions (plain or streamed) this API process is waiting on")
+        live.add_metric([], float(getattr(replies, "live", 0)))
+        yield live
+
+
+class ApiMetrics:
+    """The API's registry: request counts and durations (a 429 is a refusal past an owner's
+    limit), completions in flight, and the backlog collector."""
+
+    def __init__(self, store_of: Callable[[], object], replies_of: Callable[[], object] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(PREFIX + "api_requests", "HTTP requests by route, method and status",
                                 ["route", "method", "status"], registry=self.registry)
@@ -52,6 +67,7 @@ class ApiMetrics:
                                   ["route", "method"], registry=self.registry,
                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.registry.register(BacklogCollector(store_of))
+        self.registry.register(CompletionsCollector(replies_of))
 
     async def middleware(self, request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         t0 = time.perf_counter()

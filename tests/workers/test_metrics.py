@@ -75,6 +75,18 @@ def test_api_metrics_show_requests_and_the_backlog(store, queue):
     # routes by template: no job ids in the labels
     assert _value(m, "firsttoken:api_requests_total", route="/v1/jobs/{job_id}", status="404") == 1
     assert not [k for k in m if "m1" in str(k) or "nope" in str(k)]
+    assert _value(m, "firsttoken:api_completions_in_flight") == 0  # no reply channel here: none
+
+
+def test_api_metrics_count_completions_in_flight(store, queue):
+    from types import SimpleNamespace
+
+    replies = SimpleNamespace(live=3)  # the waiter's count of open reply subscriptions
+    app = create_app(Settings(api_no_auth=True), store=store, queue=queue, canceller=None, replies=replies)
+    with TestClient(app) as c:
+        assert _value(_samples(c.get("/metrics").text), "firsttoken:api_completions_in_flight") == 3
+        replies.live = 0
+        assert _value(_samples(c.get("/metrics").text), "firsttoken:api_completions_in_flight") == 0
 
 
 @pytest.fixture
