@@ -18,3 +18,4 @@ MAX_STOP_TOKEN_IDS = 1_024
 MAX_TOKENS = 1 << 20  # max_tokens before the model's context is known
 MAX_METADATA_BYTES = 16 * 1024  # the client's metadata, as JSON
 MAX_METADATA_DEPTH = 8
+MAX_LOGPROBS = 20  # alternatives reported per output token (OpenAI: top_logprobs <= 20)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from schemas.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS
+from schemas.limits import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS
 
 
 class SamplingParams(BaseModel):
@@ -31,6 +31,11 @@ class SamplingParams(BaseModel):
         default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="token ids that end generation"
     )
     ignore_eos: bool = Field(default=False, description="keep going past the model's end-of-sequence ids")
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS,
+        description="report each output token's log-probability under the model (its raw distribution, before "
+        "temperature or top-k/p) and this many most likely tokens beside it; None: no log-probabilities",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod

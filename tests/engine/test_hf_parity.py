@@ -24,3 +24,37 @@ def test_greedy_matches_transformers(ckpt, request):
     want = hf_greedy(path, prompts, MAX_NEW)
     _, got = run_engine(path, prompts)
     assert got == want
+
+
+def test_logprobs_match_transformers(llama_dir):
+    """Each output token's log-probability and the top alternatives equal transformers'
+    log-softmax of the same positions (teacher-forced over the engine's tokens), for greedy and
+    sampled requests in one batch beside one that asked for none."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.conftest import run_prompts
+    from workers.engine import LLMEngine
+
+    prompts = prompt_set(4)
+    eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="float32"))
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=4)
+    sampled = SamplingParams(max_tokens=MAX_NEW, temperature=1.3, top_k=20, seed=7, ignore_eos=True, logprobs=0)
+    outs = run_prompts(eng, prompts[:2], greedy, "g") + run_prompts(eng, prompts[2:3], sampled, "s") + run_prompts(
+        eng, prompts[3:], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), "n")
+    assert outs[3].logprobs is None
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    for p, out, k in zip(prompts, outs[:3], (4, 4, 0)):
+        assert out.logprobs is not None and len(out.logprobs) == len(out.output_token_ids) == MAX_NEW
+        ids = torch.tensor([p + out.output_token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0, len(p) - 1 : -1].float(), dim=-1)  # [MAX_NEW, V]
+        for i, (tok, got) in enumerate(zip(out.output_token_ids, out.logprobs)):
+            assert got.token_id == tok
+            assert got.logprob == pytest.approx(lp[i, tok].item(), abs=1e-4)  # the raw distribution's
+            assert len(got.top) == k
+            if k:
+                want_lp, want_ids = lp[i].topk(k)
+                assert [t for t, _ in got.top] == want_ids.tolist()
+                assert [v for _, v in got.top] == pytest.approx(want_lp.tolist(), abs=1e-4)
+                assert got.top[0][0] == tok  # greedy: the token is the most likely one

@@ -24,6 +24,7 @@ from workers.engine.outputs import (
     FinishedRequest,
     FirstTokenEvent,
     StepOutput,
+    TokenLogprob,
     Usage,
 )
 from workers.engine.prompts import load_tokenizer
@@ -147,6 +148,7 @@ class LLMEngine:
             eos_token_ids=frozenset() if sp.ignore_eos else self.eos_token_ids,
         )
         req.stream = stream
+        req.logprobs = None if sp.logprobs is None else []
         req.stop_holdback = max((len(s) for s in sp.stop), default=1) - 1
         self.requests[request_id] = req
         if sp.stop or stream:
@@ -253,10 +255,14 @@ class LLMEngine:
             self.slo.model.observe(step.num_tokens - step.num_decodes, now - max(step.launched_at, self._last_done),  # type: ignore[union-attr]
                                    step.num_decodes)
             self._last_done = now
-        for (req, pos), tok in zip(step.rows, tokens):
+        logprobs = step.sampled.logprobs()  # None unless a request of the step asked
+        for i, ((req, pos), tok) in enumerate(zip(step.rows, tokens)):
             if req.status is RequestStatus.FINISHED:
                 continue  # aborted, or stopped by an earlier token: this one is dropped
             req.token_ids[pos] = tok
+            if req.logprobs is not None and logprobs is not None:  # read back in order: one per output token
+                lp = logprobs[i]
+                req.logprobs.append(TokenLogprob(tok, lp.logprob, lp.top[: req.sampling.logprobs]))
             req.num_pending -= 1
             if req.num_pending == 0:
                 req.pending_row = None
@@ -326,6 +332,7 @@ class LLMEngine:
             usage=Usage(req.num_prompt_tokens, req.num_cached_tokens or 0, len(out_ids)),
             timings=EngineTimings(t.arrival, t.first_scheduled, t.first_token, now),
             num_preemptions=req.num_preemptions,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
         )
 
     # ---- introspection ----------------------------------------------------------------

@@ -19,9 +19,10 @@ from workers.engine.errors import CheckpointError
 from workers.engine.loader import load_checkpoint, random_model, resolve_dtype
 from workers.engine.models.llama import LlamaForCausalLM
 from workers.engine.models.rope import rope_cos_sin
+from workers.engine.outputs import TokenLogprob
 from workers.engine.presets import PRESETS
 from workers.engine.quantization import quantize_fp8
-from workers.engine.sampler import Sampler, SamplingBatch
+from workers.engine.sampler import Sampler, SamplingBatch, token_logprobs
 from workers.engine.scheduler import SchedulerOutput
 from workers.engine.sequence import Request
 
@@ -29,20 +30,23 @@ log = logging.getLogger(__name__)
 
 
 class SampledTokens:
-    """One launched step's sampled token ids: on the device, with their copy to the host in flight."""
+    """One launched step's sampled token ids (and, when a request asked, their log-probabilities):
+    on the device, with their copy to the host in flight."""
 
-    def __init__(self, tokens: torch.Tensor | None) -> None:
-        # tokens: [N] int64 on the device, one per entry that samples
+    def __init__(self, tokens: torch.Tensor | None, logprobs: tuple[torch.Tensor, ...] | None = None) -> None:
+        # tokens: [N] int64 on the device, one per entry that samples; logprobs: sampler.token_logprobs'
         self.device_tokens = tokens
         self._host: torch.Tensor | None = None
+        self._host_lp: tuple[torch.Tensor, ...] | None = None
         self._event: torch.cuda.Event | None = None
         if tokens is not None and tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+            self._host = _to_host(tokens)
+            self._host_lp = None if logprobs is None else tuple(_to_host(t) for t in logprobs)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
             self._host = tokens
+            self._host_lp = logprobs
 
     @classmethod
     def empty(cls) -> SampledTokens:
@@ -58,6 +62,22 @@ class SampledTokens:
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
+
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """Per row, its token's log-probability and the top alternatives (after `tolist`); None
+        when no request of the step asked for them."""
+        if self._host_lp is None or self._host is None:
+            return None
+        chosen, top_lp, top_ids = (t.tolist() for t in self._host_lp)
+        return [TokenLogprob(tok, lp, tuple(zip(ids, lps)))
+                for tok, lp, lps, ids in zip(self._host.tolist(), chosen, top_lp, top_ids)]
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a device tensor, in flight on the current stream."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 @dataclass
@@ -340,7 +360,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows], residual[rows])
         if not sampling_reqs:
             return SampledTokens.empty()
-        return SampledTokens(self.sampler(logits, self.sampling_batch(sampling_reqs)))
+        tokens = self.sampler(logits, self.sampling_batch(sampling_reqs))
+        k = max((r.sampling.logprobs for r in sampling_reqs if r.sampling.logprobs is not None), default=None)
+        return SampledTokens(tokens, None if k is None else token_logprobs(logits, tokens, k))
 
     def decode_num_splits(self, batch: int) -> int:
         """Flash-decoding splits for a graph-captured batch: enough programs to fill the GPU."""

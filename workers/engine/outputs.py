@@ -54,6 +54,16 @@ class FirstTokenEvent:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability under the model, and the most likely tokens beside it
+    (as many as the request's `logprobs`, most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class FinishedRequest:
     """A request that left the engine: its output, why it ended, usage and timings."""
 
@@ -65,6 +75,7 @@ class FinishedRequest:
     usage: Usage
     timings: EngineTimings
     num_preemptions: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asked
 
     @property
     def tpot_ms(self) -> float | None:

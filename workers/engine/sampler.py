@@ -52,6 +52,16 @@ class Sampler:
         return noise
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """The sampled tokens' log-probabilities under the raw logits (before temperature, top-k or
+    top-p, as OpenAI reports them) and each row's k most likely tokens: (logprob [N] fp32,
+    top logprobs [N, k] fp32, top ids [N, k] int64). No host sync."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    chosen = lp.gather(1, tokens[:, None]).squeeze(1)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], tokens[:, None][:, :0])
+    return chosen, top_lp, top_ids
+
+
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask logits outside each row's top-k and top-p nucleus to -inf. x: [N, V]."""
     sorted_x, idx = x.sort(dim=-1, descending=True)

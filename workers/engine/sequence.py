@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from schemas.sampling import SamplingParams
 
@@ -65,6 +66,8 @@ class Request:
     # one's value is at row `pending_row` of its step's sampled tokens on the device
     num_pending: int = 0
     pending_row: int | None = None
+    # per output token read back: its log-probability and the top alternatives (sampling.logprobs set)
+    logprobs: list[Any] | None = None
 
     @property
     def num_tokens(self) -> int:
