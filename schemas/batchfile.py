@@ -34,6 +34,8 @@ from schemas.job import (
     JobRequest,
     JobResult,
     JobStatus,
+    TokenLogprobs,
+    TopLogprob,
     describe_validation_error,
     error_code_for,
     job_id_hint,
@@ -41,7 +43,7 @@ from schemas.job import (
     job_id_of_line,
     nests_deeper_than,
 )
-from schemas.limits import MAX_JSON_DEPTH, MAX_LINE_BYTES
+from schemas.limits import MAX_JSON_DEPTH, MAX_LINE_BYTES, MAX_LOGPROBS
 from schemas.sampling import SamplingParams
 
 
@@ -79,8 +81,6 @@ _OPENAI_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "best_of": (1, None),
     "stream": (False, None),
     "echo": (False, None),
-    "logprobs": (False, None),
-    "top_logprobs": (0, None),
     "presence_penalty": (0, 0.0, None),
     "frequency_penalty": (0, 0.0, None),
     "logit_bias": ({}, None),
@@ -227,6 +227,8 @@ def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | 
                         f"body.{key}: given twice (max_tokens/max_completion_tokens)",
                     )
                 sampling[name] = value
+        elif key in ("logprobs", "top_logprobs"):
+            pass  # below: their meaning depends on the endpoint
         elif key in _OPENAI_IGNORED:
             if key == "model" and isinstance(value, str):
                 metadata["model"] = value[:200]
@@ -243,10 +245,34 @@ def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | 
         raise LineError(ErrorCode.INVALID_REQUEST, "body.messages: required for /v1/chat/completions")
     if fmt is LineFormat.OPENAI_COMPLETIONS and "prompt" not in request:
         raise LineError(ErrorCode.INVALID_REQUEST, "body.prompt: required for /v1/completions")
+    n = _openai_logprobs(body, fmt)
+    if n is not None:
+        sampling["logprobs"] = n
     request["sampling"] = sampling
     if metadata:
         request["metadata"] = metadata
     return request
+
+
+def _openai_logprobs(body: dict[str, Any], fmt: LineFormat) -> int | None:
+    """The alternatives per token a body asks for (None: no logprobs). Completions: `logprobs`, an
+    int; chat: `logprobs: true` and `top_logprobs`, an int (0 without it). Raises LineError."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+
+    def count(key: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+            raise LineError(ErrorCode.INVALID_REQUEST, f"body.{key}: an integer from 0 to {MAX_LOGPROBS}")
+        return value
+
+    if fmt is LineFormat.OPENAI_CHAT:
+        if lp is not None and not isinstance(lp, bool):
+            raise LineError(ErrorCode.INVALID_REQUEST, "body.logprobs: true or false (the count is top_logprobs)")
+        if top is not None and not lp:
+            raise LineError(ErrorCode.INVALID_REQUEST, "body.top_logprobs: needs logprobs: true")
+        return (0 if top is None else count("top_logprobs", top)) if lp else None
+    if top is not None:
+        raise LineError(ErrorCode.INVALID_REQUEST, "body.top_logprobs: chat completions only (here: logprobs=N)")
+    return None if lp is None or lp is False else count("logprobs", lp)
 
 
 def _short(value: object, limit: int = 60) -> str:
@@ -359,7 +385,8 @@ def plain_output(result: JobResult) -> dict[str, Any]:
     """The plain output object of one result: `id` is the client's id (null for a line that had
     none), `job_id` firsttoken's, then the JobResult's fields, JSON-ready."""
     out: dict[str, Any] = {"id": result.custom_id, "job_id": result.id}
-    out.update(result.model_dump(mode="json", exclude={"id", "custom_id"}))
+    out.update(result.model_dump(mode="json", exclude={"id", "custom_id"} | ({"logprobs"} if result.logprobs is None
+                                                                             else set())))
     return out
 
 
@@ -378,6 +405,30 @@ def firsttoken_extension(result: JobResult) -> dict[str, Any]:
     return {"job_id": result.id, "timings": result.timings.model_dump(mode="json")}
 
 
+def openai_logprobs(logprobs: list[TokenLogprobs] | None, fmt: LineFormat) -> dict[str, Any] | None:
+    """A choice's `logprobs` object: chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`,
+    or completions' `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`."""
+    if logprobs is None:
+        return None
+    if fmt is LineFormat.OPENAI_CHAT:
+        def entry(t: TopLogprob) -> dict[str, Any]:
+            return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8", "replace"))}
+
+        return {"content": [{**entry(lp), "top_logprobs": [entry(t) for t in lp.top]} for lp in logprobs],
+                "refusal": None}
+    offsets, at = [], 0
+    for lp in logprobs:
+        offsets.append(at)
+        at += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        # a dict per token, as OpenAI's: alternatives whose texts coincide keep the likelier
+        "top_logprobs": [{t.token: t.logprob for t in reversed(lp.top)} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
 def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None) -> tuple[int, dict[str, Any]]:
     """(HTTP status, body) of one result as an OpenAI (chat) completions response; a failed or
     cancelled job gives its error status and an OpenAI error body. The body carries the job's
@@ -390,11 +441,12 @@ def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None
                 "index": 0,
                 "message": {"role": "assistant", "content": result.text},
                 "finish_reason": finish,
-                "logprobs": None,
+                "logprobs": openai_logprobs(result.logprobs, fmt),
             }
             obj, prefix = "chat.completion", "chatcmpl-"
         else:
-            choice = {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": result.text, "finish_reason": finish,
+                      "logprobs": openai_logprobs(result.logprobs, fmt)}
             obj, prefix = "text_completion", "cmpl-"
         return 200, {
             "id": prefix + result.id,

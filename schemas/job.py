@@ -417,6 +417,22 @@ class JobTimings(BaseModel):
         )
 
 
+class TopLogprob(BaseModel):
+    """A token and its log-probability under the model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token: str = Field(description="the token decoded alone")
+    id: int
+    logprob: float
+
+
+class TokenLogprobs(TopLogprob):
+    """An output token's log-probability, and the most likely tokens at its position."""
+
+    top: list[TopLogprob] = Field(default_factory=list, description="most likely first")
+
+
 class JobResult(BaseModel):
     """The outcome of one job, as the sink writes it: a terminal status, the text, usage and timings.
 
@@ -437,6 +453,9 @@ class JobResult(BaseModel):
     model: str | None = Field(default=None, max_length=200)
     error_code: ErrorCode | None = None
     error_message: str | None = None
+    logprobs: list[TokenLogprobs] | None = Field(
+        default=None, description="per output token, when the job's sampling asked for logprobs"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobResult:

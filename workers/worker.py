@@ -39,6 +39,8 @@ from schemas.job import (
     JobResult,
     JobStatus,
     JobTimings,
+    TokenLogprobs,
+    TopLogprob,
     Usage,
 )
 from workers.engine import FinishedRequest, LLMEngine
@@ -453,6 +455,10 @@ class Worker:
             model=self.model_name,
             error_code=ErrorCode.CANCELLED if cancelled else None,
             error_message="cancelled while running" if cancelled else None,
+            logprobs=None if f.logprobs is None else [
+                TokenLogprobs(token=lp.text or "", id=lp.token_id, logprob=lp.logprob, top=[
+                    TopLogprob(token=text, id=t, logprob=v) for (t, v), text in zip(lp.top, lp.top_text)])
+                for lp in f.logprobs],
         )
         return Outcome(result, job, entry.messages)
 

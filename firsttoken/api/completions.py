@@ -31,6 +31,7 @@ from schemas.batchfile import (
     LineFormat,
     firsttoken_extension,
     openai_body_request,
+    openai_logprobs,
     openai_response,
     openai_usage,
     parse_json_object,
@@ -323,6 +324,8 @@ async def _events(state: ApiState, job: JobRequest, fmt: LineFormat, include_usa
         else:
             finish = None if result.finish_reason is None else result.finish_reason.value
             last = _chunk(job, fmt, model, created, result.text[len(sent):], finish)
+            # all of them with the last chunk: a client that joins the chunks' log-probabilities gets the list
+            last["choices"][0]["logprobs"] = openai_logprobs(result.logprobs, fmt)
             last["firsttoken"] = firsttoken_extension(result)
             yield _sse(last)
             if include_usage:

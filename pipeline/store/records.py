@@ -13,6 +13,7 @@ from schemas.job import (
     JobResult,
     JobStatus,
     JobTimings,
+    TokenLogprobs,
     Usage,
 )
 from schemas.sampling import SamplingParams
@@ -45,6 +46,7 @@ class JobRecord:
     error_message: str | None
     created_at: float
     updated_at: float
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when the job asked
 
     def request(self) -> JobRequest | None:
         """The JobRequest this row was made from, or None for a row written from a result alone."""
@@ -83,6 +85,7 @@ class JobRecord:
             model=self.model,
             error_code=self.error_code,
             error_message=self.error_message,
+            logprobs=self.logprobs,
         )
 
 

@@ -40,6 +40,7 @@ from schemas.job import (
     JobResult,
     JobStatus,
     JobTimings,
+    TokenLogprobs,
     Usage,
 )
 from schemas.sampling import SamplingParams
@@ -133,6 +134,7 @@ def _result_row(
         "model": result.model,
         "error_code": None if result.error_code is None else result.error_code.value,
         "error_message": result.error_message,
+        "logprobs": None if result.logprobs is None else [lp.model_dump() for lp in result.logprobs],
         "created_at": now,
         "updated_at": now,
     }
@@ -238,6 +240,7 @@ def _job_record(row: Row[Any]) -> JobRecord:
         error_message=m["error_message"],
         created_at=m["created_at"],
         updated_at=m["updated_at"],
+        logprobs=None if m["logprobs"] is None else [TokenLogprobs.model_validate(x) for x in m["logprobs"]],
     )
 
 

@@ -72,6 +72,8 @@ jobs = Table(
     # added by revision 0004: when the engine first ran it, and the pipeline's own part of TTFT
     Column("scheduled_at", Float, nullable=True),
     Column("overhead_ms", Float, nullable=True),
+    # added by revision 0006: per output token, when the job asked for logprobs (JSON list)
+    Column("logprobs", JsonDoc, nullable=True),
     # row bookkeeping, epoch seconds
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
@@ -145,6 +147,7 @@ RESULT_COLUMNS = (
     "model",
     "error_code",
     "error_message",
+    "logprobs",
 )
 
 LATENCY_METRICS = ("queue_ms", "overhead_ms", "ttft_ms", "engine_ttft_ms", "prefill_ms", "tpot_ms", "e2e_ms")

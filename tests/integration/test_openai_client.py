@@ -142,6 +142,34 @@ def test_a_second_completion_in_flight_is_rate_limited(client):
     wait_until(room, 10, "the finished stream to give its slot back")
 
 
+def test_logprobs_plain_and_streamed(client):
+    """Log-probabilities through the whole pipeline, as the openai client reads them: text
+    completions (logprobs=N), chat (logprobs + top_logprobs), and streamed (all of them with the
+    last chunk, so the chunks joined hold the list)."""
+    comp = client.completions.create(model="tiny", prompt="Kafka", max_tokens=6, temperature=0, logprobs=3,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == comp.usage.completion_tokens == 6
+    # each token's text at its offset (the tiny model's byte tokens may be partial UTF-8: no join test)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for val, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0 and len(top) <= 3 and max(top.values()) == pytest.approx(val)  # greedy: the likeliest
+    messages = [{"role": "user", "content": "Say something about Kafka."}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    assert bytes(content[0].bytes).decode("utf-8", "replace") == content[0].token
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None  # not asked: none
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+
 def test_text_completions_and_errors(client):
     import openai
 

@@ -275,6 +275,18 @@ class StoreContract:
         assert store.end_batch("E", "failed", reason="x", from_statuses=("expired",)) == 0
         assert store.get_batch("E").status == "failed"  # type: ignore[union-attr]
 
+    def test_logprobs_round_trip(self, store: ResultStore):
+        from schemas.job import TokenLogprobs, TopLogprob
+
+        lps = [TokenLogprobs(token=" Paris", id=12, logprob=-0.02, top=[TopLogprob(token=" Paris", id=12, logprob=-0.02),
+                                                                        TopLogprob(token=" Lyon", id=40, logprob=-4.5)])]
+        store.insert_queued([JobRequest(id="lp-1", prompt="x", sampling={"logprobs": 1}),
+                             JobRequest(id="lp-2", prompt="x")])
+        store.upsert_results([ok("lp-1").model_copy(update={"logprobs": lps}), ok("lp-2")])
+        assert store.get_job("lp-1").result().logprobs == lps  # type: ignore[union-attr]
+        assert store.get_job("lp-1").request().sampling.logprobs == 1  # type: ignore[union-attr]
+        assert store.get_job("lp-2").result().logprobs is None  # type: ignore[union-attr]
+
     def test_count_unfinished_counts_one_owners_queued_and_running_jobs(self, store: ResultStore):
         store.insert_queued([JobRequest(id=f"cu-{i}", prompt="x", owner="carol") for i in range(4)]
                             + [JobRequest(id="cu-dave", prompt="x", owner="dave")])

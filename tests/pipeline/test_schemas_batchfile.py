@@ -272,3 +272,49 @@ def test_output_openai_failure():
         "code": "prompt_too_long",
         "param": None,
     }
+
+
+def test_openai_logprobs_requests():
+    def n(body: dict, url: str = "/v1/chat/completions"):
+        line = json.dumps({"custom_id": "c", "method": "POST", "url": url, "body": body})
+        return _ok(line).job.sampling.logprobs
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert n(chat) is None and n({**chat, "logprobs": False}) is None
+    assert n({**chat, "logprobs": True}) == 0 and n({**chat, "logprobs": True, "top_logprobs": 5}) == 5
+    comp = {"prompt": "hi"}
+    assert n({**comp, "logprobs": 3}, "/v1/completions") == 3 and n({**comp, "logprobs": 0}, "/v1/completions") == 0
+    assert n({**comp, "logprobs": None}, "/v1/completions") is None
+    plain = _ok('{"id": "p", "prompt": "hi", "logprobs": 2}').job.sampling.logprobs
+    assert plain == 2  # plain lines: the sampling field itself
+    for body, url, msg in (
+        ({**chat, "top_logprobs": 2}, "/v1/chat/completions", "needs logprobs: true"),
+        ({**chat, "logprobs": 3}, "/v1/chat/completions", "true or false"),
+        ({**chat, "logprobs": True, "top_logprobs": 21}, "/v1/chat/completions", "from 0 to 20"),
+        ({**comp, "logprobs": True}, "/v1/completions", "from 0 to 20"),
+        ({**comp, "logprobs": -1}, "/v1/completions", "from 0 to 20"),
+        ({**comp, "top_logprobs": 1}, "/v1/completions", "chat completions only"),
+    ):
+        err = _err(json.dumps({"custom_id": "c", "method": "POST", "url": url, "body": body}))
+        assert err.code is ErrorCode.INVALID_REQUEST and msg in err.message, (body, err.message)
+
+
+def test_output_logprobs_in_each_format():
+    from schemas.job import TokenLogprobs, TopLogprob
+
+    lps = [TokenLogprobs(token="hel", id=5, logprob=-0.1, top=[TopLogprob(token="hel", id=5, logprob=-0.1),
+                                                                TopLogprob(token="he", id=9, logprob=-2.5)]),
+           TokenLogprobs(token="lo", id=7, logprob=-0.7, top=[TopLogprob(token="lo", id=7, logprob=-0.7),
+                                                               TopLogprob(token="é", id=3, logprob=-1.0)])]
+    r = _result(custom_id="x", logprobs=lps)
+    chat = json.loads(format_output_line(r, LineFormat.OPENAI_CHAT))["response"]["body"]["choices"][0]["logprobs"]
+    assert chat["refusal"] is None and [c["token"] for c in chat["content"]] == ["hel", "lo"]
+    assert chat["content"][1]["top_logprobs"][1] == {"token": "é", "logprob": -1.0, "bytes": [195, 169]}
+    comp = json.loads(format_output_line(r, LineFormat.OPENAI_COMPLETIONS))["response"]["body"]["choices"][0]["logprobs"]
+    assert comp == {"tokens": ["hel", "lo"], "token_logprobs": [-0.1, -0.7],
+                    "top_logprobs": [{"hel": -0.1, "he": -2.5}, {"lo": -0.7, "é": -1.0}], "text_offset": [0, 3]}
+    plain = json.loads(format_output_line(r, LineFormat.PLAIN))
+    assert plain["logprobs"][1]["top"][1] == {"token": "é", "id": 3, "logprob": -1.0}
+    assert "logprobs" not in json.loads(format_output_line(_result(), LineFormat.PLAIN))  # not asked: not there
+    none = json.loads(format_output_line(_result(), LineFormat.OPENAI_CHAT))["response"]["body"]["choices"][0]
+    assert none["logprobs"] is None

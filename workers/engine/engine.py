@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -332,8 +333,15 @@ class LLMEngine:
             usage=Usage(req.num_prompt_tokens, req.num_cached_tokens or 0, len(out_ids)),
             timings=EngineTimings(t.arrival, t.first_scheduled, t.first_token, now),
             num_preemptions=req.num_preemptions,
-            logprobs=None if req.logprobs is None else list(req.logprobs),
+            logprobs=None if req.logprobs is None else self._named(req.logprobs),
         )
+
+    def _named(self, logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
+        """The log-probabilities with their tokens' texts (each distinct id decoded once)."""
+        ids = sorted({lp.token_id for lp in logprobs} | {t for lp in logprobs for t, _ in lp.top})
+        texts = dict(zip(ids, self.tokenizer.decode_each(ids)))
+        return [dataclasses.replace(lp, text=texts[lp.token_id], top_text=tuple(texts[t] for t, _ in lp.top))
+                for lp in logprobs]
 
     # ---- introspection ----------------------------------------------------------------
     def stats(self) -> EngineStats:

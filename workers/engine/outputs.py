@@ -60,7 +60,9 @@ class TokenLogprob:
 
     token_id: int
     logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
+    text: str | None = None  # the token decoded alone (filled in when the request finishes)
+    top_text: tuple[str, ...] = ()  # the same for `top`
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_each(self, ids: list[int]) -> list[str]:
+        """Each id decoded alone, special tokens included (log-probabilities name their tokens)."""
+        return self._tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render chat messages with the checkpoint's own Jinja chat template, in a sandbox.
 
