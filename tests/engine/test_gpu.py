@@ -219,3 +219,30 @@ def test_cuda_engine_serves_fp8_projections_with_graphs(llama_dir, group, act_gr
         outs[q] = [f.output_token_ids for f in run_prompts(eng, prompts, sp)]
     same = sum(a == b for x, y in zip(outs[None], outs["fp8"]) for a, b in zip(x, y))
     assert all(len(o) == MAX_NEW for o in outs["fp8"]) and same >= len(prompts) * MAX_NEW // 2
+
+
+def test_cuda_logprobs_under_graphs_and_async_scheduling(llama_dir):
+    """Log-probabilities read back with the tokens when decode steps replay CUDA graphs and the
+    host runs a step ahead: one per output token, the greedy token the likeliest, beside
+    requests that asked for none (only the rows that asked are computed)."""
+    prompts = prompt_set(6)
+    eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton",
+                                                 num_blocks=256, max_model_len=512))
+    assert eng.runner.graphs is not None
+    asked = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=3)
+    plain = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", prompt_token_ids=p, sampling=asked if i % 2 == 0 else plain)
+    done = {}
+    while eng.has_unfinished():
+        for f in eng.step().finished:
+            done[f.request_id] = f
+    for i in range(len(prompts)):
+        f = done[f"r{i}"]
+        if i % 2:
+            assert f.logprobs is None
+            continue
+        assert f.logprobs is not None and [lp.token_id for lp in f.logprobs] == f.output_token_ids
+        for lp in f.logprobs:
+            assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id and lp.logprob <= 0.0
+            assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]

@@ -33,15 +33,20 @@ def test_logprobs_match_transformers(llama_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.engine.conftest import run_prompts
     from workers.engine import LLMEngine
 
     prompts = prompt_set(4)
     eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="float32"))
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=4)
     sampled = SamplingParams(max_tokens=MAX_NEW, temperature=1.3, top_k=20, seed=7, ignore_eos=True, logprobs=0)
-    outs = run_prompts(eng, prompts[:2], greedy, "g") + run_prompts(eng, prompts[2:3], sampled, "s") + run_prompts(
-        eng, prompts[3:], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), "n")
+    none = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i, (p, sp) in enumerate(zip(prompts, (greedy, greedy, sampled, none))):  # all in the same steps
+        eng.add_request(f"r{i}", prompt_token_ids=p, sampling=sp)
+    done = {}
+    while eng.has_unfinished():
+        for f in eng.step().finished:
+            done[f.request_id] = f
+    outs = [done[f"r{i}"] for i in range(4)]
     assert outs[3].logprobs is None
     model = AutoModelForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
     for p, out, k in zip(prompts, outs[:3], (4, 4, 0)):

@@ -263,6 +263,7 @@ class LLMEngine:
             req.token_ids[pos] = tok
             if req.logprobs is not None and logprobs is not None:  # read back in order: one per output token
                 lp = logprobs[i]
+                assert lp is not None
                 req.logprobs.append(TokenLogprob(tok, lp.logprob, lp.top[: req.sampling.logprobs]))
             req.num_pending -= 1
             if req.num_pending == 0:

@@ -33,9 +33,12 @@ class SampledTokens:
     """One launched step's sampled token ids (and, when a request asked, their log-probabilities):
     on the device, with their copy to the host in flight."""
 
-    def __init__(self, tokens: torch.Tensor | None, logprobs: tuple[torch.Tensor, ...] | None = None) -> None:
+    def __init__(self, tokens: torch.Tensor | None, logprobs: tuple[torch.Tensor, ...] | None = None,
+                 rows: list[int] | None = None) -> None:
         # tokens: [N] int64 on the device, one per entry that samples; logprobs: sampler.token_logprobs'
+        # of the rows `rows` (None: all of them)
         self.device_tokens = tokens
+        self._lp_rows = rows
         self._host: torch.Tensor | None = None
         self._host_lp: tuple[torch.Tensor, ...] | None = None
         self._event: torch.cuda.Event | None = None
@@ -63,14 +66,17 @@ class SampledTokens:
             self._event.synchronize()
         return self._host.tolist()
 
-    def logprobs(self) -> list[TokenLogprob] | None:
-        """Per row, its token's log-probability and the top alternatives (after `tolist`); None
-        when no request of the step asked for them."""
+    def logprobs(self) -> list[TokenLogprob | None] | None:
+        """Per row, its token's log-probability and the top alternatives (None for a row whose
+        request did not ask), after `tolist`; None when no request of the step asked."""
         if self._host_lp is None or self._host is None:
             return None
-        chosen, top_lp, top_ids = (t.tolist() for t in self._host_lp)
-        return [TokenLogprob(tok, lp, tuple(zip(ids, lps)))
-                for tok, lp, lps, ids in zip(self._host.tolist(), chosen, top_lp, top_ids)]
+        tokens = self._host.tolist()
+        rows = range(len(tokens)) if self._lp_rows is None else self._lp_rows
+        out: list[TokenLogprob | None] = [None] * len(tokens)
+        for r, lp, lps, ids in zip(rows, *(t.tolist() for t in self._host_lp)):
+            out[r] = TokenLogprob(tokens[r], lp, tuple(zip(ids, lps)))
+        return out
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -361,8 +367,17 @@ class ModelRunner:
         if not sampling_reqs:
             return SampledTokens.empty()
         tokens = self.sampler(logits, self.sampling_batch(sampling_reqs))
-        k = max((r.sampling.logprobs for r in sampling_reqs if r.sampling.logprobs is not None), default=None)
-        return SampledTokens(tokens, None if k is None else token_logprobs(logits, tokens, k))
+        asked = [i for i, r in enumerate(sampling_reqs) if r.sampling.logprobs is not None]
+        if not asked:
+            return SampledTokens(tokens)
+        # only the rows that asked: a log-softmax over the vocabulary is [rows, V] fp32
+        k = max(sampling_reqs[i].sampling.logprobs for i in asked)  # type: ignore[type-var]
+        if len(asked) < len(sampling_reqs):
+            idx = torch.tensor(asked, dtype=torch.int64).to(self.device, non_blocking=True)
+            lps = token_logprobs(logits.index_select(0, idx), tokens.index_select(0, idx), k)
+        else:
+            lps = token_logprobs(logits, tokens, k)
+        return SampledTokens(tokens, lps, asked)
 
     def decode_num_splits(self, batch: int) -> int:
         """Flash-decoding splits for a graph-captured batch: enough programs to fill the GPU."""
