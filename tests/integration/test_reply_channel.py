@@ -69,3 +69,62 @@ def test_an_unreachable_redis_fails_the_subscription_not_the_process():
         await waiter.close()
 
     asyncio.run(main())
+
+
+def test_a_restarted_redis_is_subscribed_again(tmp_path):
+    """A Redis of the test's own, stopped and started again on its port while a completion waits:
+    redis-py reconnects and subscribes again to every channel, so the replies published after the
+    restart reach their waiters (what was published while it was down is read from the store)."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    server = shutil.which("redis-server")
+    assert server is not None, "redis-server is needed (scripts/services.sh installs it)"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def start() -> subprocess.Popen:
+        p = subprocess.Popen([server, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                              "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis(port=port, socket_connect_timeout=0.2).ping():
+                    return p
+            except redis.RedisError:
+                time.sleep(0.05)
+        p.kill()
+        raise AssertionError("the test's redis-server did not start")
+
+    proc = start()
+    url = f"redis://127.0.0.1:{port}/0"
+
+    async def main() -> None:
+        nonlocal proc
+        waiter = ReplyWaiter(url)
+        sub = await waiter.subscribe("restart-job")
+        redis.Redis.from_url(url).publish(reply_channel("restart-job"), delta_message("before", 1, 0))
+        assert (await sub.next(5.0))["text"] == "before"
+        proc.terminate()
+        proc.wait(10)
+        assert await sub.next(1.0) is None  # Redis is gone: nothing arrives, and nothing raises
+        proc = start()
+        client = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 20
+        while client.pubsub_numsub(reply_channel("restart-job"))[0][1] == 0:  # subscribed again
+            assert time.monotonic() < deadline, "the waiter did not subscribe again"
+            await asyncio.sleep(0.1)
+        client.publish(reply_channel("restart-job"), delta_message("after", 2, 6))
+        got = await sub.next(5.0)
+        assert got is not None and got["text"] == "after"
+        await sub.close()
+        await waiter.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait(10)
