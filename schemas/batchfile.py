@@ -74,6 +74,7 @@ _OPENAI_SAMPLING = {
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
+    "prompt_logprobs": "prompt_logprobs",  # vLLM's extension: score the prompt's tokens
 }
 _OPENAI_IGNORED = frozenset({"model", "user", "store", "metadata", "service_tier", "stream_options"})
 _OPENAI_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
@@ -261,7 +262,7 @@ def _openai_logprobs(body: dict[str, Any], fmt: LineFormat) -> int | None:
 
     def count(key: str, value: object) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
-            raise LineError(ErrorCode.INVALID_REQUEST, f"body.{key}: an integer from 0 to {MAX_LOGPROBS}")
+            raise LineError(ErrorCode.INVALID_SAMPLING, f"body.{key}: an integer from 0 to {MAX_LOGPROBS}")
         return value
 
     if fmt is LineFormat.OPENAI_CHAT:
@@ -385,8 +386,8 @@ def plain_output(result: JobResult) -> dict[str, Any]:
     """The plain output object of one result: `id` is the client's id (null for a line that had
     none), `job_id` firsttoken's, then the JobResult's fields, JSON-ready."""
     out: dict[str, Any] = {"id": result.custom_id, "job_id": result.id}
-    out.update(result.model_dump(mode="json", exclude={"id", "custom_id"} | ({"logprobs"} if result.logprobs is None
-                                                                             else set())))
+    absent = {k for k in ("logprobs", "prompt_logprobs") if getattr(result, k) is None}  # not asked: not shown
+    out.update(result.model_dump(mode="json", exclude={"id", "custom_id"} | absent))
     return out
 
 
@@ -448,6 +449,11 @@ def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None
             choice = {"index": 0, "text": result.text, "finish_reason": finish,
                       "logprobs": openai_logprobs(result.logprobs, fmt)}
             obj, prefix = "text_completion", "cmpl-"
+        if result.prompt_logprobs is not None:  # asked with prompt_logprobs (vLLM's extension)
+            choice["prompt_logprobs"] = [None if lp is None else {
+                "token": lp.token, "logprob": lp.logprob,
+                "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in lp.top]}
+                for lp in result.prompt_logprobs]
         return 200, {
             "id": prefix + result.id,
             "object": obj,

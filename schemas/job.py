@@ -456,6 +456,9 @@ class JobResult(BaseModel):
     logprobs: list[TokenLogprobs] | None = Field(
         default=None, description="per output token, when the job's sampling asked for logprobs"
     )
+    prompt_logprobs: list[TokenLogprobs | None] | None = Field(
+        default=None, description="per prompt token (null for the first), when the job asked for prompt_logprobs"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobResult:

@@ -36,6 +36,11 @@ class SamplingParams(BaseModel):
         description="report each output token's log-probability under the model (its raw distribution, before "
         "temperature or top-k/p) and this many most likely tokens beside it; None: no log-probabilities",
     )
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS,
+        description="the same for each prompt token after the first (given the tokens before it): scoring a "
+        "text; the prompt is then computed whole (no prefix-cache reuse)",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod

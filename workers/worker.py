@@ -44,7 +44,7 @@ from schemas.job import (
     Usage,
 )
 from workers.engine import FinishedRequest, LLMEngine
-from workers.engine.outputs import EngineStats
+from workers.engine.outputs import EngineStats, TokenLogprob
 from workers.engine_core import (
     AddRequest,
     CoreOutputs,
@@ -455,10 +455,9 @@ class Worker:
             model=self.model_name,
             error_code=ErrorCode.CANCELLED if cancelled else None,
             error_message="cancelled while running" if cancelled else None,
-            logprobs=None if f.logprobs is None else [
-                TokenLogprobs(token=lp.text or "", id=lp.token_id, logprob=lp.logprob, top=[
-                    TopLogprob(token=text, id=t, logprob=v) for (t, v), text in zip(lp.top, lp.top_text)])
-                for lp in f.logprobs],
+            logprobs=None if f.logprobs is None else [_token_logprobs(lp) for lp in f.logprobs],
+            prompt_logprobs=None if f.prompt_logprobs is None else [
+                None if lp is None else _token_logprobs(lp) for lp in f.prompt_logprobs],
         )
         return Outcome(result, job, entry.messages)
 
@@ -471,6 +470,12 @@ class Worker:
                 self.core.abort(ids)
         if ids:
             log.info("drain: handing back %d jobs uncommitted", len(ids))
+
+
+def _token_logprobs(lp: TokenLogprob) -> TokenLogprobs:
+    """The engine's log-probability of a token (texts filled in when its request finished) as the result's."""
+    return TokenLogprobs(token=lp.text or "", id=lp.token_id, logprob=lp.logprob,
+                         top=[TopLogprob(token=text, id=t, logprob=v) for (t, v), text in zip(lp.top, lp.top_text)])
 
 
 class WorkerSettings(BaseSettings):

@@ -1,5 +1,5 @@
-"""jobs.logprobs: each output token's log-probability and the top alternatives, for jobs that
-asked for them (JSON; JSONB on Postgres)
+"""jobs.logprobs and jobs.prompt_logprobs: each output (prompt) token's log-probability and the
+top alternatives, for jobs that asked for them (JSON; JSONB on Postgres)
 
 Revision ID: 0006
 Revises: 0005
@@ -24,8 +24,10 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    op.add_column("jobs", sa.Column("logprobs", sa.JSON().with_variant(JSONB(), "postgresql"), nullable=True))
+    for name in ("logprobs", "prompt_logprobs"):
+        op.add_column("jobs", sa.Column(name, sa.JSON().with_variant(JSONB(), "postgresql"), nullable=True))
 
 
 def downgrade() -> None:
-    op.drop_column("jobs", "logprobs")
+    for name in ("prompt_logprobs", "logprobs"):
+        op.drop_column("jobs", name)

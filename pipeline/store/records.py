@@ -47,6 +47,7 @@ class JobRecord:
     created_at: float
     updated_at: float
     logprobs: list[TokenLogprobs] | None = None  # per output token, when the job asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first)
 
     def request(self) -> JobRequest | None:
         """The JobRequest this row was made from, or None for a row written from a result alone."""
@@ -86,6 +87,7 @@ class JobRecord:
             error_code=self.error_code,
             error_message=self.error_message,
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

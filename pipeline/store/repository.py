@@ -135,6 +135,8 @@ def _result_row(
         "error_code": None if result.error_code is None else result.error_code.value,
         "error_message": result.error_message,
         "logprobs": None if result.logprobs is None else [lp.model_dump() for lp in result.logprobs],
+        "prompt_logprobs": None if result.prompt_logprobs is None else [
+            None if lp is None else lp.model_dump() for lp in result.prompt_logprobs],
         "created_at": now,
         "updated_at": now,
     }
@@ -241,6 +243,8 @@ def _job_record(row: Row[Any]) -> JobRecord:
         created_at=m["created_at"],
         updated_at=m["updated_at"],
         logprobs=None if m["logprobs"] is None else [TokenLogprobs.model_validate(x) for x in m["logprobs"]],
+        prompt_logprobs=None if m["prompt_logprobs"] is None else [
+            None if x is None else TokenLogprobs.model_validate(x) for x in m["prompt_logprobs"]],
     )
 
 

@@ -72,8 +72,9 @@ jobs = Table(
     # added by revision 0004: when the engine first ran it, and the pipeline's own part of TTFT
     Column("scheduled_at", Float, nullable=True),
     Column("overhead_ms", Float, nullable=True),
-    # added by revision 0006: per output token, when the job asked for logprobs (JSON list)
+    # added by revision 0006: per output / prompt token, when the job asked for them (JSON lists)
     Column("logprobs", JsonDoc, nullable=True),
+    Column("prompt_logprobs", JsonDoc, nullable=True),
     # row bookkeeping, epoch seconds
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
@@ -148,6 +149,7 @@ RESULT_COLUMNS = (
     "error_code",
     "error_message",
     "logprobs",
+    "prompt_logprobs",
 )
 
 LATENCY_METRICS = ("queue_ms", "overhead_ms", "ttft_ms", "engine_ttft_ms", "prefill_ms", "tpot_ms", "e2e_ms")

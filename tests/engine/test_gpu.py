@@ -246,3 +246,25 @@ def test_cuda_logprobs_under_graphs_and_async_scheduling(llama_dir):
         for lp in f.logprobs:
             assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id and lp.logprob <= 0.0
             assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+def test_cuda_prompt_logprobs_beside_graph_steps(llama_dir):
+    """A request scoring its prompt runs its prefill steps eagerly while others decode through
+    graphs; its prompt log-probabilities are close to the fp32 CPU engine's."""
+    prompts = prompt_set(4, min_len=40, max_len=120)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    plain = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    got = {}
+    for device, dtype in (("cuda", "bfloat16"), ("cpu", "float32")):
+        eng = LLMEngine(str(llama_dir), EngineConfig(device=device, dtype=dtype, num_blocks=256, max_model_len=512,
+                                                     max_num_batched_tokens=64))
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", prompt_token_ids=p, sampling=sp if i == 3 else plain)
+        done = {}
+        while eng.has_unfinished():
+            for f in eng.step().finished:
+                done[f.request_id] = f
+        got[device] = done["r3"].prompt_logprobs
+    assert got["cuda"] is not None and len(got["cuda"]) == len(prompts[3]) and got["cuda"][0] is None
+    diffs = [abs(a.logprob - b.logprob) for a, b in zip(got["cuda"][1:], got["cpu"][1:])]
+    assert max(diffs) < 0.1, max(diffs)  # bf16 against fp32

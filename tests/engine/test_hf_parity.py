@@ -63,3 +63,44 @@ def test_logprobs_match_transformers(llama_dir):
                 assert [t for t, _ in got.top] == want_ids.tolist()
                 assert [v for _, v in got.top] == pytest.approx(want_lp.tolist(), abs=1e-4)
                 assert got.top[0][0] == tok  # greedy: the token is the most likely one
+
+
+def test_prompt_logprobs_match_transformers(llama_dir):
+    """Each prompt token's log-probability given the tokens before it (and the top alternatives)
+    equal transformers' log-softmax over the prompt, with the prompt cut into several prefill
+    chunks, beside other requests, and even when its prefix sits in the cache (it is computed
+    again: cached positions have no logits)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from workers.engine import LLMEngine
+
+    prompts = prompt_set(3, min_len=40, max_len=70)
+    eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=24,
+                                                 block_size=8))
+    plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    eng.add_request("warm", prompt_token_ids=prompts[0], sampling=plain)  # puts prompt 0's blocks in the cache
+    while eng.has_unfinished():
+        eng.step()
+    scored = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3, logprobs=1)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"p{i}", prompt_token_ids=p, sampling=scored if i != 1 else plain)
+    done = {}
+    while eng.has_unfinished():
+        for f in eng.step().finished:
+            done[f.request_id] = f
+    assert done["p1"].prompt_logprobs is None
+    assert done["p0"].usage.cached_prompt_tokens == 0  # scored: computed whole, though cached
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    for i in (0, 2):
+        p, got = prompts[i], done[f"p{i}"].prompt_logprobs
+        assert len(p) > 24 and got is not None and len(got) == len(p) and got[0] is None  # several chunks
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([p])).logits[0].float(), dim=-1)  # [P, V]
+        for pos in range(1, len(p)):
+            g = got[pos]
+            assert g.token_id == p[pos] and g.logprob == pytest.approx(lp[pos - 1, p[pos]].item(), abs=1e-4)
+            want_lp, want_ids = lp[pos - 1].topk(3)
+            assert [t for t, _ in g.top] == want_ids.tolist() and g.text is not None
+            assert [v for _, v in g.top] == pytest.approx(want_lp.tolist(), abs=1e-4)
+        assert len(done[f"p{i}"].logprobs) == 2  # the output's own, beside

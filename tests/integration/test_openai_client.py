@@ -168,6 +168,12 @@ def test_logprobs_plain_and_streamed(client):
                                                  extra_body={"ignore_eos": True}))
     streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    # scoring a text: vLLM's prompt_logprobs extension, a log-probability per prompt token after the first
+    scored = client.completions.create(model="tiny", prompt="Kafka partitions", max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})
+    plp = scored.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == scored.usage.prompt_tokens and plp[0] is None
+    assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 for e in plp[1:])
 
 
 def test_text_completions_and_errors(client):

@@ -282,8 +282,10 @@ class StoreContract:
                                                                         TopLogprob(token=" Lyon", id=40, logprob=-4.5)])]
         store.insert_queued([JobRequest(id="lp-1", prompt="x", sampling={"logprobs": 1}),
                              JobRequest(id="lp-2", prompt="x")])
-        store.upsert_results([ok("lp-1").model_copy(update={"logprobs": lps}), ok("lp-2")])
+        store.upsert_results([ok("lp-1").model_copy(update={"logprobs": lps, "prompt_logprobs": [None, *lps]}),
+                              ok("lp-2")])
         assert store.get_job("lp-1").result().logprobs == lps  # type: ignore[union-attr]
+        assert store.get_job("lp-1").result().prompt_logprobs == [None, *lps]  # type: ignore[union-attr]
         assert store.get_job("lp-1").request().sampling.logprobs == 1  # type: ignore[union-attr]
         assert store.get_job("lp-2").result().logprobs is None  # type: ignore[union-attr]
 

@@ -296,7 +296,8 @@ def test_openai_logprobs_requests():
         ({**comp, "top_logprobs": 1}, "/v1/completions", "chat completions only"),
     ):
         err = _err(json.dumps({"custom_id": "c", "method": "POST", "url": url, "body": body}))
-        assert err.code is ErrorCode.INVALID_REQUEST and msg in err.message, (body, err.message)
+        want = ErrorCode.INVALID_SAMPLING if "from 0 to" in msg else ErrorCode.INVALID_REQUEST
+        assert err.code is want and msg in err.message, (body, err.message)
 
 
 def test_output_logprobs_in_each_format():
@@ -318,3 +319,21 @@ def test_output_logprobs_in_each_format():
     assert "logprobs" not in json.loads(format_output_line(_result(), LineFormat.PLAIN))  # not asked: not there
     none = json.loads(format_output_line(_result(), LineFormat.OPENAI_CHAT))["response"]["body"]["choices"][0]
     assert none["logprobs"] is None
+
+
+def test_prompt_logprobs_request_and_output():
+    from schemas.job import TokenLogprobs, TopLogprob
+
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "prompt_logprobs": 2}}
+    assert _ok(json.dumps(line)).job.sampling.prompt_logprobs == 2
+    assert _ok('{"id": "p", "prompt": "hi", "prompt_logprobs": 0}').job.sampling.prompt_logprobs == 0
+    bad = {**line, "body": {"prompt": "hi", "prompt_logprobs": 99}}
+    assert _err(json.dumps(bad)).code is ErrorCode.INVALID_SAMPLING
+    plp = [None, TokenLogprobs(token="i", id=4, logprob=-3.0, top=[TopLogprob(token="!", id=2, logprob=-1.0)])]
+    r = _result(custom_id="x", prompt_logprobs=plp)
+    choice = json.loads(format_output_line(r, LineFormat.OPENAI_COMPLETIONS))["response"]["body"]["choices"][0]
+    assert choice["prompt_logprobs"] == [None, {"token": "i", "logprob": -3.0,
+                                                "top_logprobs": [{"token": "!", "logprob": -1.0}]}]
+    assert json.loads(format_output_line(r, LineFormat.PLAIN))["prompt_logprobs"][0] is None
+    assert "prompt_logprobs" not in json.loads(format_output_line(_result(), LineFormat.OPENAI_CHAT))["response"][
+        "body"]["choices"][0]

@@ -150,6 +150,7 @@ class LLMEngine:
         )
         req.stream = stream
         req.logprobs = None if sp.logprobs is None else []
+        req.prompt_logprobs = None if sp.prompt_logprobs is None else [None] * n
         req.stop_holdback = max((len(s) for s in sp.stop), default=1) - 1
         self.requests[request_id] = req
         if sp.stop or stream:
@@ -257,6 +258,11 @@ class LLMEngine:
                                    step.num_decodes)
             self._last_done = now
         logprobs = step.sampled.logprobs()  # None unless a request of the step asked
+        for req, start, lps in step.sampled.prompt_logprobs():  # by position: a recomputed chunk rewrites its own
+            if req.prompt_logprobs is not None:
+                k = req.sampling.prompt_logprobs
+                for j, lp in enumerate(lps):
+                    req.prompt_logprobs[start + 1 + j] = TokenLogprob(lp.token_id, lp.logprob, lp.top[:k])
         for i, ((req, pos), tok) in enumerate(zip(step.rows, tokens)):
             if req.status is RequestStatus.FINISHED:
                 continue  # aborted, or stopped by an earlier token: this one is dropped
@@ -335,13 +341,17 @@ class LLMEngine:
             timings=EngineTimings(t.arrival, t.first_scheduled, t.first_token, now),
             num_preemptions=req.num_preemptions,
             logprobs=None if req.logprobs is None else self._named(req.logprobs),
+            prompt_logprobs=None if req.prompt_logprobs is None else self._named(req.prompt_logprobs),
         )
 
-    def _named(self, logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
-        """The log-probabilities with their tokens' texts (each distinct id decoded once)."""
-        ids = sorted({lp.token_id for lp in logprobs} | {t for lp in logprobs for t, _ in lp.top})
-        texts = dict(zip(ids, self.tokenizer.decode_each(ids)))
-        return [dataclasses.replace(lp, text=texts[lp.token_id], top_text=tuple(texts[t] for t, _ in lp.top))
+    def _named(self, logprobs: list[Any]) -> list[Any]:
+        """The log-probabilities with their tokens' texts (each distinct id decoded once); None
+        entries (the first prompt token) stay None."""
+        have = [lp for lp in logprobs if lp is not None]
+        ids = sorted({lp.token_id for lp in have} | {t for lp in have for t, _ in lp.top})
+        texts = dict(zip(ids, self.tokenizer.decode_each(ids))) if ids else {}
+        return [None if lp is None else
+                dataclasses.replace(lp, text=texts[lp.token_id], top_text=tuple(texts[t] for t, _ in lp.top))
                 for lp in logprobs]
 
     # ---- introspection ----------------------------------------------------------------

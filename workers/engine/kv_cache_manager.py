@@ -33,8 +33,8 @@ class KVCacheManager:
         At least one token is always left to compute, since its logits give the next token.
         Returns (blocks, number of tokens they hold). Takes no references.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or req.sampling.prompt_logprobs is not None:
+            return [], 0  # (prompt log-probabilities need every prompt position computed)
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._update_hashes(req, max_blocks * self.block_size)
         blocks: list[KVBlock] = []

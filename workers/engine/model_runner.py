@@ -34,22 +34,21 @@ class SampledTokens:
     on the device, with their copy to the host in flight."""
 
     def __init__(self, tokens: torch.Tensor | None, logprobs: tuple[torch.Tensor, ...] | None = None,
-                 rows: list[int] | None = None) -> None:
+                 rows: list[int] | None = None, prompt: PromptLogprobs | None = None) -> None:
         # tokens: [N] int64 on the device, one per entry that samples; logprobs: sampler.token_logprobs'
-        # of the rows `rows` (None: all of them)
+        # of the rows `rows` (None: all of them); prompt: the step's prompt log-probabilities
         self.device_tokens = tokens
         self._lp_rows = rows
-        self._host: torch.Tensor | None = None
-        self._host_lp: tuple[torch.Tensor, ...] | None = None
+        self._plan = None if prompt is None else prompt[1]
         self._event: torch.cuda.Event | None = None
-        if tokens is not None and tokens.is_cuda:
-            self._host = _to_host(tokens)
-            self._host_lp = None if logprobs is None else tuple(_to_host(t) for t in logprobs)
+        cuda = any(t is not None and t.is_cuda for t in (tokens, *(prompt[0] if prompt else ())))
+        move = _to_host if cuda else (lambda t: t)
+        self._host = None if tokens is None else move(tokens)
+        self._host_lp = None if logprobs is None else tuple(move(t) for t in logprobs)
+        self._host_prompt = None if prompt is None else tuple(move(t) for t in prompt[0])
+        if cuda:
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host = tokens
-            self._host_lp = logprobs
 
     @classmethod
     def empty(cls) -> SampledTokens:
@@ -60,11 +59,23 @@ class SampledTokens:
 
     def tolist(self) -> list[int]:
         """Wait for the step (only it, not the steps launched after it) and return its tokens."""
-        if self._host is None:
-            return []
         if self._event is not None:
             self._event.synchronize()
-        return self._host.tolist()
+        return [] if self._host is None else self._host.tolist()
+
+    def prompt_logprobs(self) -> list[tuple[Request, int, list[TokenLogprob]]]:
+        """(request, first position, log-probabilities of the prompt tokens after it, in order) of
+        each prompt chunk this step computed for a request that asked; after `tolist`."""
+        if self._host_prompt is None or self._plan is None:
+            return []
+        chosen, top_lp, top_ids = (t.tolist() for t in self._host_prompt)
+        out, at = [], 0
+        for req, start, n in self._plan:
+            lps = [TokenLogprob(req.token_ids[start + 1 + j], chosen[at + j], tuple(zip(top_ids[at + j], top_lp[at + j])))
+                   for j in range(n)]
+            out.append((req, start, lps))
+            at += n
+        return out
 
     def logprobs(self) -> list[TokenLogprob | None] | None:
         """Per row, its token's log-probability and the top alternatives (None for a row whose
@@ -77,6 +88,12 @@ class SampledTokens:
         for r, lp, lps, ids in zip(rows, *(t.tolist() for t in self._host_lp)):
             out[r] = TokenLogprob(tokens[r], lp, tuple(zip(ids, lps)))
         return out
+
+
+PromptLogprobs = tuple[tuple[torch.Tensor, ...], list[tuple[Request, int, int]]]  # (tensors, [(req, start, rows)])
+
+# rows of prompt log-probabilities computed at once: a [rows, vocab] fp32 log-softmax each
+PROMPT_LOGPROB_ROWS = 256
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -349,27 +366,31 @@ class ModelRunner:
         sampling_reqs = [e.request for e in out.scheduled if e.samples]
         n_seq = len(out.scheduled)
         pending = self.pending_inputs(out, prev)
+        plan = self._prompt_logprob_plan(out)
+        prompt: PromptLogprobs | None = None
         if self.graphs is not None and out.num_decodes == n_seq and self.graphs.fits(n_seq):
             self.last_path = "decode_graph"
             logits = self.graphs.run(out, pending)
-        elif self.prefill_graphs is not None and self.prefill_graphs.fits(out.num_batched_tokens, n_seq):
+        elif not plan and self.prefill_graphs is not None and self.prefill_graphs.fits(out.num_batched_tokens, n_seq):
             self.last_path = "prefill_graph"
             logits = self.prefill_graphs.run(out, pending)
-        else:
+        else:  # (a step that scores prompt tokens runs eagerly: the graphs keep logits of sampled rows only)
             self.last_path = "eager"
             input_ids, positions, meta, logit_rows = self.prepare(out)
             self.fill_pending(input_ids, pending)
             hidden, residual = self.model(input_ids, positions, self.cos_sin, self.kv_caches, meta)
+            if plan:
+                prompt = self._prompt_logprobs(hidden, residual, plan)
             if len(logit_rows) == 0:
-                return SampledTokens.empty()
+                return SampledTokens(None, prompt=prompt) if prompt else SampledTokens.empty()
             rows = torch.from_numpy(logit_rows).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows], residual[rows])
         if not sampling_reqs:
-            return SampledTokens.empty()
+            return SampledTokens(None, prompt=prompt) if prompt else SampledTokens.empty()
         tokens = self.sampler(logits, self.sampling_batch(sampling_reqs))
         asked = [i for i, r in enumerate(sampling_reqs) if r.sampling.logprobs is not None]
         if not asked:
-            return SampledTokens(tokens)
+            return SampledTokens(tokens, prompt=prompt)
         # only the rows that asked: a log-softmax over the vocabulary is [rows, V] fp32
         k = max(sampling_reqs[i].sampling.logprobs for i in asked)  # type: ignore[type-var]
         if len(asked) < len(sampling_reqs):
@@ -377,7 +398,36 @@ class ModelRunner:
             lps = token_logprobs(logits.index_select(0, idx), tokens.index_select(0, idx), k)
         else:
             lps = token_logprobs(logits, tokens, k)
-        return SampledTokens(tokens, lps, asked)
+        return SampledTokens(tokens, lps, asked, prompt)
+
+    @staticmethod
+    def _prompt_logprob_plan(out: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
+        """(request, first position, its flattened row, rows) of each prompt chunk of this step
+        whose request asked for prompt log-probabilities: position p's logits score token p + 1,
+        up to the last prompt token (whose logits sample the first output token instead)."""
+        plan, row = [], 0
+        for e in out.scheduled:
+            req = e.request
+            if req.sampling.prompt_logprobs is not None:
+                start = e.num_computed_tokens
+                end = min(start + e.num_new_tokens, req.num_prompt_tokens - 1)
+                if end > start:
+                    plan.append((req, start, row, end - start))
+            row += e.num_new_tokens
+        return plan
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, residual: torch.Tensor,
+                         plan: list[tuple[Request, int, int, int]]) -> PromptLogprobs:
+        rows = torch.from_numpy(np.concatenate([np.arange(r, r + n) for _, _, r, n in plan])).to(self.device)
+        targets = torch.tensor([t for req, s, _, n in plan for t in req.token_ids[s + 1 : s + 1 + n]],
+                               dtype=torch.int64).to(self.device)
+        k = max(req.sampling.prompt_logprobs for req, _, _, _ in plan)  # type: ignore[type-var]
+        parts = []
+        for i in range(0, rows.shape[0], PROMPT_LOGPROB_ROWS):
+            r = rows[i : i + PROMPT_LOGPROB_ROWS]
+            parts.append(token_logprobs(self.model.compute_logits(hidden[r], residual[r]),
+                                        targets[i : i + PROMPT_LOGPROB_ROWS], k))
+        return tuple(torch.cat(p) for p in zip(*parts)), [(req, s, n) for req, s, _, n in plan]
 
     def decode_num_splits(self, batch: int) -> int:
         """Flash-decoding splits for a graph-captured batch: enough programs to fill the GPU."""

@@ -78,6 +78,8 @@ class FinishedRequest:
     timings: EngineTimings
     num_preemptions: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asked
+    # one per prompt token (None for the first: nothing predicts it), when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def tpot_ms(self) -> float | None:

@@ -68,6 +68,8 @@ class Request:
     pending_row: int | None = None
     # per output token read back: its log-probability and the top alternatives (sampling.logprobs set)
     logprobs: list[Any] | None = None
+    # per prompt position (None at 0, and until computed), when sampling.prompt_logprobs is set
+    prompt_logprobs: list[Any] | None = None
 
     @property
     def num_tokens(self) -> int:
