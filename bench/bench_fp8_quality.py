@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -89,6 +90,76 @@ def compare(ref: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
     return {"top1_agreement": top1, "mean_kl": kl.mean().item(), "p99_kl": kl.quantile(0.99).item()}
 
 
+ENGINE_VARIANTS = {  # name -> EngineConfig fields (beside device and dtype)
+    "bf16": {},
+    "fp8": {"quantization": "fp8"},
+    "fp8-g64": {"quantization": "fp8", "fp8_weight_group": 64},
+    "fp8-block64": {"quantization": "fp8", "fp8_act_group": 64},
+}
+
+
+def engine_scores(path: str, prompts: list[list[int]], **cfg) -> list[list]:
+    """Each prompt's prompt log-probabilities (top 20) from an LLMEngine built with `cfg`."""
+    from schemas.sampling import SamplingParams
+    from workers.engine import EngineConfig, LLMEngine
+
+    eng = LLMEngine(path, EngineConfig(max_model_len=2048, **cfg))
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=20)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"q{i}", prompt_token_ids=p, sampling=sp)
+    done = {}
+    while eng.has_unfinished():
+        for f in eng.step().finished:
+            done[f.request_id] = f.prompt_logprobs[1:]
+    return [done[f"q{i}"] for i in range(len(prompts))]
+
+
+def compare_scores(ref: list[list], other: list[list]) -> dict[str, float]:
+    """Top-1 agreement of the next-token distributions, the mean |difference| of the real next
+    token's log-probability, and the mean KL over the reference's top 20 (the tokens missing from
+    the other's top 20 get its 20th log-probability: an upper bound on their share)."""
+    agree = n = 0
+    dlp = kl = 0.0
+    for r_seq, o_seq in zip(ref, other):
+        for r, o in zip(r_seq, o_seq):
+            n += 1
+            agree += r.top[0][0] == o.top[0][0]
+            dlp += abs(r.logprob - o.logprob)
+            theirs = dict(o.top)
+            floor = o.top[-1][1]
+            kl += sum(math.exp(lp) * (lp - theirs.get(t, floor)) for t, lp in r.top)
+    return {"top1_agreement": agree / n, "mean_abs_dlogprob": dlp / n, "mean_kl_top20": kl / n, "positions": n}
+
+
+def engine_quality(path: str, tok, args) -> None:
+    """--engine: the quality numbers through firsttoken's own engine (see --help)."""
+    prompts = []
+    texts, n = list(TEXTS), 0
+    while n < args.positions:
+        for t in texts:
+            ids = tok(t).input_ids
+            prompts.append(ids)
+            n += len(ids) - 1
+        texts = [t + " " + t for t in texts]
+    t0 = time.perf_counter()
+    ref = engine_scores(path, prompts, device="cpu", dtype="float32")
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    result = {"bench": "fp8_quality_engine", "device": args.device, "dtype": dtype, "reference": "the fp32 engine, CPU",
+              "variants": {}, **header()}
+    for name, cfg in ENGINE_VARIANTS.items():
+        result["variants"][name] = compare_scores(ref, engine_scores(path, prompts, device=args.device, dtype=dtype,
+                                                                      **cfg))
+        print(name, result["variants"][name], flush=True)
+    result["seconds"] = time.perf_counter() - t0
+    print(json.dumps(result, indent=2))
+    print(f"\n| engine on {args.device} ({dtype}) vs fp32 engine | top-1 agreement | mean abs dlogprob | mean KL (top 20) |")
+    print("|---|---|---|---|")
+    for name, r in result["variants"].items():
+        print(f"| {name} | {r['top1_agreement']:.4f} | {r['mean_abs_dlogprob']:.4f} | {r['mean_kl_top20']:.5f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -100,6 +171,9 @@ def main() -> None:
     ap.add_argument("--keep", default="", help="projections left unquantized, e.g. down_proj (an experiment)")
     ap.add_argument("--weight-only", action="store_true",
                     help="quantize the weights only (activations stay as they are): which side the error comes from")
+    ap.add_argument("--engine", action="store_true",
+                    help="through firsttoken's engine instead (its kernels, fused quantization, paged attention): "
+                         "prompt log-probabilities (top 20) of each FP8 variant against the fp32 engine on the CPU")
     args = ap.parse_args()
     if args.act_group is not None:
         args.group = args.group or args.act_group
@@ -107,6 +181,9 @@ def main() -> None:
 
     path = ensure_model("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(str(path))
+    if args.engine:
+        engine_quality(str(path), tok, args)
+        return
     batches, n = [], 0
     while n < args.positions + len(TEXTS):
         for t in TEXTS:

@@ -70,7 +70,11 @@ for stage in "${STAGES[@]}"; do
       run quality 300 $PY bench/bench_fp8_quality.py --device $qdev --out "$OUT/fp8_quality_channel.json"
       run quality_g64 300 $PY bench/bench_fp8_quality.py --device $qdev --group 64 --out "$OUT/fp8_quality_g64.json"
       run quality_block64 300 $PY bench/bench_fp8_quality.py --device $qdev --act-group 64 \
-        --out "$OUT/fp8_quality_block64.json" ;;
+        --out "$OUT/fp8_quality_block64.json"
+      # through firsttoken's engine on the GPU (Triton kernels, fused quantization) against the fp32 CPU engine:
+      # compare with bench/results/2026-12-01-fp8-quality-engine-cpu.json
+      run quality_engine 600 $PY bench/bench_fp8_quality.py --engine --device $qdev \
+        --out "$OUT/fp8_quality_engine.json" ;;
     load)  # TTFT under load, bf16: Poisson arrivals at each rate, the TPOT-target trade-off curve
       run load 900 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET "${LOAD_ARGS[@]}" \
         --tpot-targets $LOAD_TARGETS ;;
