@@ -232,7 +232,10 @@ def _submit_lines(
     lines = _batch_lines(raw)
     if not any(line.strip() for line in lines):
         raise ApiError(400, ErrorCode.INVALID_REQUEST, "body: no jobs (send JSONL lines or a JSON list)")
-    state.admit(who, sum(1 for line in lines if line.strip()))  # every line counted: a batch is taken whole or not at all
+    new = sum(1 for line in lines if line.strip())
+    if batch_id is not None:  # resuming a batch: its lines already recorded are not new jobs
+        new -= state.st.batch_progress(batch_id).recorded
+    state.admit(who, new)  # a batch is taken whole or not at all
     bid = batch_id or f"batch_{new_job_id()}"
     summary = _submit(state, lines, bid=bid, digest=bytes_digest(raw), max_tokens=max_tokens, who=who, check=state.check)
     return BatchSubmitted(

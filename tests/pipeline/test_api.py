@@ -401,6 +401,11 @@ def test_an_owner_past_its_unfinished_jobs_limit_gets_429_and_nothing_is_queued(
         assert r.status_code == 429
         assert _published(queue) == published and store.count_unfinished("alice") == 3  # nothing queued
         assert c.post("/v1/jobs", json={"id": "j0", "prompt": "x"}, headers=BOB).status_code == 202  # per owner
+        # resuming a batch counts only its lines not recorded yet
+        two = b'{"id": "r1", "prompt": "x"}\n{"id": "r2", "prompt": "x"}\n'
+        assert c.post("/v1/batches?batch_id=rb", content=two, headers=BOB).status_code == 202
+        r = c.post("/v1/batches?batch_id=rb", content=two, headers=BOB)  # 3 unfinished + 0 new
+        assert r.status_code == 202 and r.json()["resumed"], r.text
         # one finishes: room for one more
         store.upsert_results([JobResult(id=ids[0], status=JobStatus.SUCCEEDED, text="y", usage=Usage())])
         assert c.post("/v1/jobs", json={"id": "j3", "prompt": "x"}, headers=ALICE).status_code == 202
