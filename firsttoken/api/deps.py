@@ -79,6 +79,9 @@ class ApiState:
         limit = self.settings.api_max_unfinished_jobs
         if not limit or who.owner is None or jobs <= 0:
             return
+        if jobs > limit:  # no wait makes room for it: not a 429 to retry
+            raise ApiError(413, ErrorCode.TOO_LARGE, f"these {jobs} jobs are more than your limit of {limit} "
+                           "unfinished jobs: split them")
         have = self.st.count_unfinished(who.owner)
         if have + jobs > limit:
             raise ApiError(429, RATE_LIMITED, f"you have {have} unfinished jobs and the limit is {limit}: "

@@ -410,6 +410,10 @@ def test_an_owner_past_its_unfinished_jobs_limit_gets_429_and_nothing_is_queued(
         store.upsert_results([JobResult(id=ids[0], status=JobStatus.SUCCEEDED, text="y", usage=Usage())])
         assert c.post("/v1/jobs", json={"id": "j3", "prompt": "x"}, headers=ALICE).status_code == 202
         assert c.post("/v1/jobs", json={"id": "j4", "prompt": "x"}, headers=ALICE).status_code == 429
+        # a batch bigger than the limit itself can never fit: 413, not a 429 to retry
+        four = b"".join(b'{"id": "f%d", "prompt": "x"}\n' % i for i in range(4))
+        r = c.post("/v1/batches", content=four, headers=BOB)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "too_large" and "split" in r.json()["error"]["message"]
 
 
 def test_completion_slots_are_counted_per_owner_and_released_once():
