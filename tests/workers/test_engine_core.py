@@ -60,6 +60,9 @@ def mixed_jobs() -> list[JobRequest]:
         JobRequest(id="chat", messages=[ChatMessage(role="user", content="hello")], sampling=sp),
         JobRequest(id="long", prompt="x" * 5000, sampling=sp),
         JobRequest(id="ctx", prompt="short", sampling=SamplingParams(max_tokens=100_000)),
+        JobRequest(id="scored", prompt="log-probabilities cross the pipe",
+                   sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2,
+                                           prompt_logprobs=1)),
     ]
 
 
@@ -83,10 +86,15 @@ def test_process_core_gives_the_in_thread_results(core, store, tmp_path):
     ref_store = ResultStore.from_url(url)
     ref = run(make_engine_tiny(), ref_store, mixed_jobs())
     ref_store.close()
-    assert sorted(got) == sorted(ref) and len(got) == 10
+    assert sorted(got) == sorted(ref) and len(got) == 11
     for jid, r in got.items():
         assert r.status is ref[jid].status and r.error_code is ref[jid].error_code, jid
         assert r.text == ref[jid].text and r.usage == ref[jid].usage, jid
+        assert r.result().logprobs == ref[jid].result().logprobs, jid  # type: ignore[union-attr]
+    scored = got["scored"].result()
+    assert scored is not None and len(scored.logprobs) == 4 and all(len(lp.top) == 2 for lp in scored.logprobs)
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == scored.usage.prompt_tokens
+    assert scored.prompt_logprobs == ref["scored"].result().prompt_logprobs
     assert got["long"].error_code is ErrorCode.PROMPT_TOO_LONG and "tokens" in got["long"].error_message
     assert got["ctx"].error_code is ErrorCode.PROMPT_TOO_LONG and "max_tokens" in got["ctx"].error_message
     for jid in ("m0", "seeded", "chat"):
