@@ -455,9 +455,9 @@ class Worker:
             model=self.model_name,
             error_code=ErrorCode.CANCELLED if cancelled else None,
             error_message="cancelled while running" if cancelled else None,
-            logprobs=None if f.logprobs is None else [_token_logprobs(lp) for lp in f.logprobs],
+            logprobs=None if f.logprobs is None else [_token_logprobs(lp, f.token_texts) for lp in f.logprobs],
             prompt_logprobs=None if f.prompt_logprobs is None else [
-                None if lp is None else _token_logprobs(lp) for lp in f.prompt_logprobs],
+                None if lp is None else _token_logprobs(lp, f.token_texts) for lp in f.prompt_logprobs],
         )
         return Outcome(result, job, entry.messages)
 
@@ -472,10 +472,11 @@ class Worker:
             log.info("drain: handing back %d jobs uncommitted", len(ids))
 
 
-def _token_logprobs(lp: TokenLogprob) -> TokenLogprobs:
-    """The engine's log-probability of a token (texts filled in when its request finished) as the result's."""
-    return TokenLogprobs(token=lp.text or "", id=lp.token_id, logprob=lp.logprob,
-                         top=[TopLogprob(token=text, id=t, logprob=v) for (t, v), text in zip(lp.top, lp.top_text)])
+def _token_logprobs(lp: TokenLogprob, texts: dict[int, str] | None) -> TokenLogprobs:
+    """The engine's log-probability of a token as the result's, with the tokens' texts."""
+    texts = texts or {}
+    return TokenLogprobs(token=texts.get(lp.token_id, ""), id=lp.token_id, logprob=lp.logprob,
+                         top=[TopLogprob(token=texts.get(t, ""), id=t, logprob=v) for t, v in lp.top])
 
 
 class WorkerSettings(BaseSettings):

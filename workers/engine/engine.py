@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -49,6 +48,12 @@ class InFlightStep:
     launched_at: float = 0.0  # monotonic
     num_tokens: int = 0  # tokens the step computed
     num_decodes: int = 0  # of them, decoding sequences' one token each
+
+
+def _token_logprob(token_id: int, row: tuple[float, list[int], list[float]], k: int) -> TokenLogprob:
+    """A token's log-probability from a step's read-back row, with the request's own k alternatives."""
+    logprob, ids, lps = row
+    return TokenLogprob(token_id, logprob, tuple(zip(ids[:k], lps[:k])))
 
 
 class LLMEngine:
@@ -258,19 +263,15 @@ class LLMEngine:
                                    step.num_decodes)
             self._last_done = now
         logprobs = step.sampled.logprobs()  # None unless a request of the step asked
-        for req, start, lps in step.sampled.prompt_logprobs():  # by position: a recomputed chunk rewrites its own
-            if req.prompt_logprobs is not None:
-                k = req.sampling.prompt_logprobs
-                for j, lp in enumerate(lps):
-                    req.prompt_logprobs[start + 1 + j] = TokenLogprob(lp.token_id, lp.logprob, lp.top[:k])
+        for req, start, rows in step.sampled.prompt_logprobs():  # by position: a recomputed chunk rewrites its own
+            for pos, row in enumerate(rows, start + 1):
+                req.prompt_logprobs[pos] = _token_logprob(req.token_ids[pos], row, req.sampling.prompt_logprobs)  # type: ignore[index]
         for i, ((req, pos), tok) in enumerate(zip(step.rows, tokens)):
             if req.status is RequestStatus.FINISHED:
                 continue  # aborted, or stopped by an earlier token: this one is dropped
             req.token_ids[pos] = tok
             if req.logprobs is not None and logprobs is not None:  # read back in order: one per output token
-                lp = logprobs[i]
-                assert lp is not None
-                req.logprobs.append(TokenLogprob(tok, lp.logprob, lp.top[: req.sampling.logprobs]))
+                req.logprobs.append(_token_logprob(tok, logprobs[i], req.sampling.logprobs))  # type: ignore[arg-type]
             req.num_pending -= 1
             if req.num_pending == 0:
                 req.pending_row = None
@@ -340,19 +341,18 @@ class LLMEngine:
             usage=Usage(req.num_prompt_tokens, req.num_cached_tokens or 0, len(out_ids)),
             timings=EngineTimings(t.arrival, t.first_scheduled, t.first_token, now),
             num_preemptions=req.num_preemptions,
-            logprobs=None if req.logprobs is None else self._named(req.logprobs),
-            prompt_logprobs=None if req.prompt_logprobs is None else self._named(req.prompt_logprobs),
+            logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            token_texts=self._token_texts(req),
         )
 
-    def _named(self, logprobs: list[Any]) -> list[Any]:
-        """The log-probabilities with their tokens' texts (each distinct id decoded once); None
-        entries (the first prompt token) stay None."""
-        have = [lp for lp in logprobs if lp is not None]
-        ids = sorted({lp.token_id for lp in have} | {t for lp in have for t, _ in lp.top})
-        texts = dict(zip(ids, self.tokenizer.decode_each(ids))) if ids else {}
-        return [None if lp is None else
-                dataclasses.replace(lp, text=texts[lp.token_id], top_text=tuple(texts[t] for t, _ in lp.top))
-                for lp in logprobs]
+    def _token_texts(self, req: Request) -> dict[int, str] | None:
+        """Each token id of the request's log-probabilities decoded alone, once (None: none asked)."""
+        if req.logprobs is None and req.prompt_logprobs is None:
+            return None
+        lps = [lp for lp in (*(req.logprobs or ()), *(req.prompt_logprobs or ())) if lp is not None]
+        ids = sorted({lp.token_id for lp in lps} | {t for lp in lps for t, _ in lp.top})
+        return dict(zip(ids, self.tokenizer.decode_each(ids))) if ids else {}
 
     # ---- introspection ----------------------------------------------------------------
     def stats(self) -> EngineStats:

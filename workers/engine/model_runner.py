@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,6 @@ from workers.engine.errors import CheckpointError
 from workers.engine.loader import load_checkpoint, random_model, resolve_dtype
 from workers.engine.models.llama import LlamaForCausalLM
 from workers.engine.models.rope import rope_cos_sin
-from workers.engine.outputs import TokenLogprob
 from workers.engine.presets import PRESETS
 from workers.engine.quantization import quantize_fp8
 from workers.engine.sampler import Sampler, SamplingBatch, token_logprobs
@@ -41,12 +41,12 @@ class SampledTokens:
         self._lp_rows = rows
         self._plan = None if prompt is None else prompt[1]
         self._event: torch.cuda.Event | None = None
-        cuda = any(t is not None and t.is_cuda for t in (tokens, *(prompt[0] if prompt else ())))
-        move = _to_host if cuda else (lambda t: t)
-        self._host = None if tokens is None else move(tokens)
-        self._host_lp = None if logprobs is None else tuple(move(t) for t in logprobs)
-        self._host_prompt = None if prompt is None else tuple(move(t) for t in prompt[0])
-        if cuda:
+        self._host, self._host_lp, self._host_prompt = tokens, logprobs, None if prompt is None else prompt[0]
+        first = tokens if tokens is not None else None if prompt is None else prompt[0][0]
+        if first is not None and first.is_cuda:  # copies to the host in flight, then one event for them all
+            self._host = None if tokens is None else _to_host(tokens)
+            self._host_lp = None if logprobs is None else tuple(map(_to_host, logprobs))
+            self._host_prompt = None if prompt is None else tuple(map(_to_host, prompt[0]))
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -63,33 +63,31 @@ class SampledTokens:
             self._event.synchronize()
         return [] if self._host is None else self._host.tolist()
 
-    def prompt_logprobs(self) -> list[tuple[Request, int, list[TokenLogprob]]]:
-        """(request, first position, log-probabilities of the prompt tokens after it, in order) of
-        each prompt chunk this step computed for a request that asked; after `tolist`."""
+    def prompt_logprobs(self) -> Iterator[tuple[Request, int, list[RowLogprobs]]]:
+        """(request, first position, a RowLogprobs per prompt token after it) of each prompt chunk
+        this step computed for a request that asked; after `tolist`."""
         if self._host_prompt is None or self._plan is None:
-            return []
+            return
         chosen, top_lp, top_ids = (t.tolist() for t in self._host_prompt)
-        out, at = [], 0
+        at = 0
         for req, start, n in self._plan:
-            lps = [TokenLogprob(req.token_ids[start + 1 + j], chosen[at + j], tuple(zip(top_ids[at + j], top_lp[at + j])))
-                   for j in range(n)]
-            out.append((req, start, lps))
+            yield req, start, list(zip(chosen[at : at + n], top_ids[at : at + n], top_lp[at : at + n]))
             at += n
-        return out
 
-    def logprobs(self) -> list[TokenLogprob | None] | None:
-        """Per row, its token's log-probability and the top alternatives (None for a row whose
-        request did not ask), after `tolist`; None when no request of the step asked."""
+    def logprobs(self) -> list[RowLogprobs | None] | None:
+        """Per sampled row, its RowLogprobs (None for a row whose request did not ask); None when
+        no request of the step asked. After `tolist`."""
         if self._host_lp is None or self._host is None:
             return None
-        tokens = self._host.tolist()
-        rows = range(len(tokens)) if self._lp_rows is None else self._lp_rows
-        out: list[TokenLogprob | None] = [None] * len(tokens)
+        out: list[RowLogprobs | None] = [None] * self._host.shape[0]
+        rows = range(len(out)) if self._lp_rows is None else self._lp_rows
         for r, lp, lps, ids in zip(rows, *(t.tolist() for t in self._host_lp)):
-            out[r] = TokenLogprob(tokens[r], lp, tuple(zip(ids, lps)))
+            out[r] = (lp, ids, lps)
         return out
 
 
+# a token's log-probability, then the k likeliest ids and their log-probabilities (k: the step's largest ask)
+RowLogprobs = tuple[float, list[int], list[float]]
 PromptLogprobs = tuple[tuple[torch.Tensor, ...], list[tuple[Request, int, int]]]  # (tensors, [(req, start, rows)])
 
 # rows of prompt log-probabilities computed at once: a [rows, vocab] fp32 log-softmax each

@@ -55,14 +55,13 @@ class FirstTokenEvent:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One output token's log-probability under the model, and the most likely tokens beside it
-    (as many as the request's `logprobs`, most likely first)."""
+    """One token's log-probability under the model, and the most likely tokens at its position
+    (as many as the request asked for, most likely first); their texts are in
+    FinishedRequest.token_texts."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
-    text: str | None = None  # the token decoded alone (filled in when the request finishes)
-    top_text: tuple[str, ...] = ()  # the same for `top`
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,7 @@ class FinishedRequest:
     logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asked
     # one per prompt token (None for the first: nothing predicts it), when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    token_texts: dict[int, str] | None = None  # each token id of the two above, decoded alone
 
     @property
     def tpot_ms(self) -> float | None:
