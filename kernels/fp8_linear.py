@@ -20,20 +20,11 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
 
-def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [R, C] -> (q: [R, C] e4m3, scale: [R, 1] fp32) with x ~= q * scale, each row scaled so
-    that its largest magnitude maps to e4m3's largest value."""
-    # x: [R, C]
-    amax = x.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=eps)  # [R, 1]
-    scale = amax / FP8_MAX
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
-
-
 def quantize_groupwise(x: torch.Tensor, group: int, eps: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [R, C] -> (q: [R, C] e4m3, scale: [R, C // group] fp32), x[:, g*group:(g+1)*group] ~=
-    q[...] * scale[:, g]: a weight per (output channel, group of input columns), or an activation
-    per (token, group). C must be a multiple of `group`."""
+    q[...] * scale[:, g], each group scaled so that its largest magnitude maps to e4m3's largest
+    value: a weight per (output channel, group of input columns), or an activation per (token,
+    group). C must be a multiple of `group`."""
     r, c = x.shape
     if c % group:
         raise ValueError(f"quantize_groupwise: K={c} is not a multiple of the group {group}")
@@ -43,9 +34,14 @@ def quantize_groupwise(x: torch.Tensor, group: int, eps: float = 1e-12) -> tuple
     return q, scale
 
 
+def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [R, C] -> (q, scale: [R, 1]): one group of the whole row."""
+    return quantize_groupwise(x, x.shape[1], eps)
+
+
 def quantize(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row (`group` None: scale [R, 1]) or per row and group of columns (scale [R, C / group])."""
-    return quantize_rowwise(x) if group is None else quantize_groupwise(x, group)
+    return quantize_groupwise(x, x.shape[1] if group is None else group)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
