@@ -42,6 +42,14 @@ def _spec(a: Any) -> Any:
 
 
 _KERNELS: list[LazyKernel] = []  # every kernel defined, for kernel_compiles()
+_HELPERS: dict[str, list[Callable]] = {}  # module -> its lazy_helper functions
+
+
+def lazy_helper(fn: Callable) -> Callable:
+    """A device function the lazy kernels of its module call: `triton.jit` is applied to it (and
+    bound under its name) when the first kernel of the module is jitted."""
+    _HELPERS.setdefault(fn.__module__, []).append(fn)
+    return fn
 
 
 def _spec_unspecialised(a: Any) -> Any:
@@ -84,7 +92,11 @@ class LazyKernel:
             import triton
             import triton.language as tl
 
-            self.fn.__globals__["tl"] = tl
+            g = self.fn.__globals__
+            g["tl"] = tl
+            for h in _HELPERS.get(self.fn.__module__, ()):
+                if g.get(h.__name__) is h:  # not jitted yet
+                    g[h.__name__] = triton.jit(h)
             self._jitted = triton.jit(
                 self.fn, do_not_specialize=list(self.do_not_specialize) or None,
                 do_not_specialize_on_alignment=list(self.do_not_specialize_on_alignment) or None,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import check, lazy_jit, next_pow2
+from kernels._triton import check, lazy_helper, lazy_jit, next_pow2
 from kernels.fp8_linear import FP8, FP8_MAX, quantize
 from kernels.rmsnorm import rms_norm_ref
 from kernels.silu_mul import silu_and_mul_ref
@@ -53,6 +53,20 @@ def _groups(cols: int, group: int | None, block: int, op: str) -> tuple[int, int
 tl: Any = None  # triton.language, bound at the first launch by kernels._triton.lazy_jit
 
 
+@lazy_helper
+def _quantize_groups(y, FP8_MAX_: tl.constexpr):
+    """y: [groups, GROUP] fp32 -> (q on the e4m3 grid, fp32; scale [groups]): each group scaled so
+    that its largest magnitude maps to FP8_MAX_."""
+    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12)  # [groups]
+    scale = amax / FP8_MAX_
+    q = tl.minimum(tl.maximum(y / scale[:, None], -FP8_MAX_), FP8_MAX_)
+    # rounded to the e4m3 grid here (nearest, half away from zero), so the caller's cast is exact and
+    # does not hang on a backend's fp8 rounding (Triton's interpreter rounds values just under a
+    # power of two down a whole binade); below 2^-6 the grid is e4m3's subnormal step, 2^-9
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(q), 0.015625))) - 3.0)
+    return tl.where(q < 0, -1.0, 1.0) * tl.floor(tl.abs(q) / step + 0.5) * step, scale
+
+
 @lazy_jit
 def _rms_norm_quant_kernel(
     x_ptr,  # x: [T, H], last dim contiguous
@@ -87,14 +101,7 @@ def _rms_norm_quant_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     # the unfused path rounds the weighted output to the activation dtype before quantizing it
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12)  # [groups]
-    scale = amax / FP8_MAX_
-    q = tl.minimum(tl.maximum(y / scale[:, None], -FP8_MAX_), FP8_MAX_)
-    # rounded to the e4m3 grid here (nearest, half away from zero), so the cast below is exact and
-    # does not hang on a backend's fp8 rounding (Triton's interpreter rounds values just under a
-    # power of two down a whole binade); below 2^-6 the grid is e4m3's subnormal step, 2^-9
-    step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(q), 0.015625))) - 3.0)
-    q = tl.where(q < 0, -1.0, 1.0) * tl.floor(tl.abs(q) / step + 0.5) * step
+    q, scale = _quantize_groups(y, FP8_MAX_)
     tl.store(q_ptr + row * H + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * n_groups + gi, scale, mask=gi < n_groups)
 
@@ -150,14 +157,7 @@ def _silu_and_mul_quant_kernel(
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     # rounded to the activation dtype, as the unfused silu_and_mul writes it
     y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12)  # [groups]
-    scale = amax / FP8_MAX_
-    q = tl.minimum(tl.maximum(y / scale[:, None], -FP8_MAX_), FP8_MAX_)
-    # rounded to the e4m3 grid here (nearest, half away from zero), so the cast below is exact and
-    # does not hang on a backend's fp8 rounding (Triton's interpreter rounds values just under a
-    # power of two down a whole binade); below 2^-6 the grid is e4m3's subnormal step, 2^-9
-    step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(q), 0.015625))) - 3.0)
-    q = tl.where(q < 0, -1.0, 1.0) * tl.floor(tl.abs(q) / step + 0.5) * step
+    q, scale = _quantize_groups(y, FP8_MAX_)
     tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * n_groups + gi, scale, mask=gi < n_groups)
 
