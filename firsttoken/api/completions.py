@@ -15,7 +15,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from firsttoken.api.deps import ApiError, ApiState, Principal, State, Who, read_body
+from firsttoken.api.deps import RATE_LIMITED, ApiError, ApiState, Principal, State, Who, read_body
 from firsttoken.api.jobs import queue_one
 from pipeline.replies import parse_message, reply_channel
 from schemas.batchfile import (
@@ -87,6 +88,7 @@ class ReplyWaiter:
         self._redis = redis.asyncio.Redis.from_url(redis_url, socket_connect_timeout=2.0)
         self._pubsub = self._redis.pubsub()
         self._subs: dict[bytes, Subscription] = {}  # channel -> its waiter
+        self._owners: Counter[str] = Counter()  # owner -> its subscriptions open here
         self._reader: asyncio.Task[None] | None = None
         # one command at a time on the shared connection (the first one also makes the connection)
         self._send = asyncio.Lock()
@@ -97,10 +99,20 @@ class ReplyWaiter:
         """Subscriptions open now."""
         return len(self._subs)
 
-    async def subscribe(self, job_id: str) -> Subscription:
+    def live_of(self, owner: str) -> int:
+        """Subscriptions of `owner` open now."""
+        return self._owners[owner]
+
+    async def subscribe(self, job_id: str, owner: str | None = None, max_live: int = 0) -> Subscription:
+        """Subscribe to a job's replies, as one of `owner`'s; LiveLimitError when `owner` holds
+        `max_live` (0: no limit) already (checked and counted before any wait: no race)."""
+        if max_live and owner is not None and self._owners[owner] >= max_live:
+            raise LiveLimitError(self._owners[owner], max_live)
         channel = reply_channel(job_id).encode()
-        sub = Subscription(self, channel)
+        sub = Subscription(self, channel, owner)
         self._subs[channel] = sub
+        if owner is not None:
+            self._owners[owner] += 1
         try:
             async with self._send:
                 await self._pubsub.subscribe(channel)
@@ -113,7 +125,13 @@ class ReplyWaiter:
         return sub
 
     async def unsubscribe(self, channel: bytes) -> None:
-        if self._subs.pop(channel, None) is not None:
+        """Drop a subscription (once: a second call does nothing)."""
+        sub = self._subs.pop(channel, None)
+        if sub is not None:
+            if sub.owner is not None:
+                self._owners[sub.owner] -= 1
+                if not self._owners[sub.owner]:
+                    del self._owners[sub.owner]
             with contextlib.suppress(Exception):
                 async with self._send:
                     await self._pubsub.unsubscribe(channel)
@@ -145,20 +163,29 @@ class ReplyWaiter:
             with contextlib.suppress(BaseException):
                 await self._reader
         self._subs.clear()
+        self._owners.clear()
         with contextlib.suppress(Exception):
             await self._pubsub.aclose()
         await self._redis.aclose()
 
 
+class LiveLimitError(Exception):
+    """An owner holds as many live subscriptions as it may."""
+
+    def __init__(self, have: int, limit: int) -> None:
+        super().__init__(f"{have} live of at most {limit}")
+        self.have, self.limit = have, limit
+
+
 class Subscription:
     """One job's replies, as the shared reader hands them over."""
 
-    def __init__(self, waiter: ReplyWaiter, channel: bytes) -> None:
+    def __init__(self, waiter: ReplyWaiter, channel: bytes, owner: str | None = None) -> None:
         self._waiter = waiter
         self.channel = channel
+        self.owner = owner
         self.confirmed = asyncio.Event()
         self.queue: asyncio.Queue[bytes] = asyncio.Queue()
-        self.on_close: Callable[[], None] | None = None  # e.g. the release of the caller's completion slot
 
     async def next(self, timeout_s: float) -> dict[str, Any] | None:
         """The next reply, or None after `timeout_s` without one."""
@@ -169,9 +196,6 @@ class Subscription:
         return parse_message(data)
 
     async def close(self) -> None:
-        if self.on_close is not None:
-            self.on_close()
-            self.on_close = None
         await self._waiter.unsubscribe(self.channel)
 
 
@@ -206,24 +230,21 @@ def _job(state: ApiState, raw: bytes, fmt: LineFormat, who: Principal) -> tuple[
 
 
 async def _start(state: ApiState, request: Request, fmt: LineFormat, who: Principal) -> tuple[JobRequest, bool, bool, Subscription]:
-    """Parse, admit and queue a completion; the subscription returned holds one of the caller's
-    completion slots until it is closed."""
+    """Parse, admit and queue a completion; the subscription returned counts as one of the
+    caller's completions in flight (api_max_live_completions) until it is closed."""
     raw = await read_body(request, state.settings.api_max_body_bytes)
     job, stream, include_usage = await run_in_threadpool(_job, state, raw, fmt, who)
     if state.replies is None:
         raise ApiError(503, "unavailable", "completions need the reply channel: set FIRSTTOKEN_REDIS_URL")
-    release = state.take_completion_slot(who)
-    try:
-        await run_in_threadpool(state.admit, who, 1)
-        try:
-            sub = await state.replies.subscribe(job.id)  # before the job is queued: no reply is missed
-        except Exception as exc:
-            log.warning("completion %s: reply channel unavailable (%s)", job.id, type(exc).__name__)
-            raise ApiError(503, "unavailable", "the reply channel (Redis) is unreachable; try again") from None
-    except BaseException:
-        release()
-        raise
-    sub.on_close = release
+    await run_in_threadpool(state.admit, who, 1)
+    try:  # before the job is queued: no reply is missed
+        sub = await state.replies.subscribe(job.id, who.owner, state.settings.api_max_live_completions)
+    except LiveLimitError as exc:
+        raise ApiError(429, RATE_LIMITED, f"you have {exc.have} completions in flight and the limit is {exc.limit}",
+                       headers={"Retry-After": "1"}) from None
+    except Exception as exc:
+        log.warning("completion %s: reply channel unavailable (%s)", job.id, type(exc).__name__)
+        raise ApiError(503, "unavailable", "the reply channel (Redis) is unreachable; try again") from None
     try:
         await run_in_threadpool(queue_one, state, job, None)
     except BaseException:

@@ -71,7 +71,6 @@ class ApiState:
     replies: Any = None  # firsttoken.api.replies.ReplyWaiter, when Redis is configured
     model_name: str = "firsttoken"
     owned: list[Any] = field(default_factory=list)  # closed at shutdown
-    live_completions: dict[str | None, int] = field(default_factory=dict)  # owner -> completions in flight here
 
     def admit(self, who: Principal, jobs: int) -> None:
         """429 when `jobs` more would take the caller past api_max_unfinished_jobs (its queued and
@@ -87,31 +86,6 @@ class ApiState:
             raise ApiError(429, RATE_LIMITED, f"you have {have} unfinished jobs and the limit is {limit}: "
                            f"these {jobs} would pass it; send them once some finish",
                            headers={"Retry-After": str(max(1, int(self.settings.api_retry_after_s)))})
-
-    def take_completion_slot(self, who: Principal) -> Callable[[], None]:
-        """One of the caller's api_max_live_completions (in this process); returns its release
-        (idempotent). 429 when they are all taken."""
-        limit = self.settings.api_max_live_completions
-        if not limit or who.owner is None:
-            return lambda: None
-        have = self.live_completions.get(who.owner, 0)
-        if have >= limit:
-            raise ApiError(429, RATE_LIMITED, f"you have {have} completions in flight and the limit is {limit}",
-                           headers={"Retry-After": "1"})
-        self.live_completions[who.owner] = have + 1
-        done = False
-
-        def release() -> None:
-            nonlocal done
-            if not done:
-                done = True
-                left = self.live_completions[who.owner] - 1
-                if left:
-                    self.live_completions[who.owner] = left
-                else:
-                    del self.live_completions[who.owner]
-
-        return release
 
     @property
     def st(self) -> ResultStore:

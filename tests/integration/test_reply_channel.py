@@ -57,6 +57,47 @@ def test_many_completions_share_one_subscriber_connection(redis_url):
     assert _pubsub_clients(client) == before  # closed: its connection is gone
 
 
+def test_completions_in_flight_are_counted_per_owner_and_released_once(redis_url):
+    """The per-owner limit of live completions (api_max_live_completions) is the waiter's own count
+    of each owner's open subscriptions: checked and counted before any wait, given back once."""
+    from firsttoken.api.completions import LiveLimitError
+
+    run = uuid.uuid4().hex[:8]
+
+    async def main() -> None:
+        waiter = ReplyWaiter(redis_url)
+        a1 = await waiter.subscribe(f"{run}-a1", "alice", 2)
+        a2 = await waiter.subscribe(f"{run}-a2", "alice", 2)
+        try:
+            await waiter.subscribe(f"{run}-a3", "alice", 2)
+        except LiveLimitError as exc:
+            assert (exc.have, exc.limit) == (2, 2)
+        else:
+            raise AssertionError("a third live subscription past the limit")
+        assert waiter.live == 2  # the refused one left nothing behind
+        b = await waiter.subscribe(f"{run}-b", "bob", 2)  # another owner has its own
+        await a1.close()
+        await a1.close()  # a second close gives nothing back
+        assert waiter.live_of("alice") == 1 and waiter.live_of("bob") == 1
+        a3 = await waiter.subscribe(f"{run}-a3", "alice", 2)
+        try:
+            await waiter.subscribe(f"{run}-a4", "alice", 2)
+        except LiveLimitError:
+            pass
+        else:
+            raise AssertionError("past the limit again")
+        for s in (a2, a3, b):
+            await s.close()
+        assert waiter.live == 0 and waiter.live_of("alice") == 0
+        # no owner (no auth), or no limit: not limited
+        subs = [await waiter.subscribe(f"{run}-n{i}", None, 2) for i in range(3)]
+        subs += [await waiter.subscribe(f"{run}-u{i}", "alice", 0) for i in range(3)]
+        assert waiter.live == 6
+        await waiter.close()
+
+    asyncio.run(main())
+
+
 def test_an_unreachable_redis_fails_the_subscription_not_the_process():
     async def main() -> None:
         waiter = ReplyWaiter("redis://127.0.0.1:1/0", confirm_timeout_s=1.0)  # nothing listens on port 1

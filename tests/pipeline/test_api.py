@@ -414,28 +414,3 @@ def test_an_owner_past_its_unfinished_jobs_limit_gets_429_and_nothing_is_queued(
         four = b"".join(b'{"id": "f%d", "prompt": "x"}\n' % i for i in range(4))
         r = c.post("/v1/batches", content=four, headers=BOB)
         assert r.status_code == 413 and r.json()["error"]["code"] == "too_large" and "split" in r.json()["error"]["message"]
-
-
-def test_completion_slots_are_counted_per_owner_and_released_once():
-    from firsttoken.api.deps import ApiError, ApiState, Principal
-
-    state = ApiState(settings=Settings(api_no_auth=True, api_max_live_completions=2), authenticate=lambda r: None)
-    alice, bob = Principal("alice"), Principal("bob")
-    r1, r2 = state.take_completion_slot(alice), state.take_completion_slot(alice)
-    with pytest.raises(ApiError) as e:
-        state.take_completion_slot(alice)
-    assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"}
-    state.take_completion_slot(bob)()  # another owner has its own
-    r1()
-    r1()  # a second release gives nothing back
-    assert state.live_completions == {"alice": 1}
-    r3 = state.take_completion_slot(alice)
-    with pytest.raises(ApiError):
-        state.take_completion_slot(alice)
-    r2()
-    r3()
-    assert state.live_completions == {}
-    state.take_completion_slot(Principal(None))  # no auth: not limited
-    unlimited = ApiState(settings=Settings(api_no_auth=True), authenticate=lambda r: None)
-    for _ in range(100):
-        unlimited.take_completion_slot(alice)
