@@ -354,6 +354,24 @@ class LLMEngine:
         ids = sorted({lp.token_id for lp in lps} | {t for lp in lps for t, _ in lp.top})
         return dict(zip(ids, self.tokenizer.decode_each(ids))) if ids else {}
 
+    # ---- lifetime -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Give back what the engine holds on its device (weights, KV cache, graphs); idempotent.
+
+        A closed engine takes no more requests. A second engine in the same process can then use
+        the memory."""
+        self.requests.clear()
+        self._detok.clear()
+        self._pending_finished = []
+        self._in_flight = None
+        self.runner.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ---- introspection ----------------------------------------------------------------
     def stats(self) -> EngineStats:
         pool = self.kv.pool

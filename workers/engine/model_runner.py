@@ -333,6 +333,11 @@ class ModelRunner:
             generators=gens,
         )
 
+    def close(self) -> None:
+        """Drop the weights, KV cache and captured graphs so their device memory can be reused."""
+        # TODO(issue 21.4): the GPU side fills this in and tests it on the H200.
+        return None
+
     def release(self, request_id: str) -> None:
         """Forget per-request state (its RNG) once it has finished."""
         self._generators.pop(request_id, None)
