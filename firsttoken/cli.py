@@ -20,6 +20,10 @@ EXIT_ERROR = 1  # the command could not run: a missing file, an unknown model, a
 EXIT_USAGE = 2  # bad arguments (argparse's own code)
 EXIT_SOME_FAILED = 3  # it ran, but some lines failed or were cancelled: their errors are in the output
 
+# the model of `run`, `generate` and (without FIRSTTOKEN_MODEL) `worker`: pipeline.settings.DEFAULT_MODEL,
+# written out so that the parser imports nothing heavy (a test holds the two equal)
+DEFAULT_MODEL = "smollm2-135m"
+
 
 class CliError(Exception):
     """An error the user can fix, printed as one line (no traceback) with EXIT_ERROR."""
@@ -292,13 +296,14 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
     """A GPU worker without Celery: Kafka intake, engine loop, result sink; SIGTERM drains."""
     import logging
 
+    from pipeline.settings import get_settings
     from workers.worker import WorkerSettings, build_worker, run_until_signalled
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {
         k: v
         for k, v in (
-            ("model", args.model),
+            ("model", args.model or get_settings().model),  # FIRSTTOKEN_MODEL, else the real default
             ("device", args.device),
             ("dtype", args.dtype),
             ("max_model_len", args.max_model_len),
@@ -377,9 +382,13 @@ def cmd_results(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK if p.count(JobStatus.SUCCEEDED) == total else EXIT_SOME_FAILED
 
 
-def _engine_args(a: argparse.ArgumentParser, model_default: str | None = "tiny") -> None:
+def _engine_args(a: argparse.ArgumentParser, model_default: str | None = DEFAULT_MODEL,
+                 model_help: str = f"default: {DEFAULT_MODEL}") -> None:
     a.add_argument(
-        "--model", default=model_default, help="preset (tiny, llama3-8b) or Hugging Face checkpoint directory"
+        "--model", default=model_default,
+        help=f"a real model ({DEFAULT_MODEL}: fetched and converted once), a Hugging Face checkpoint "
+             f"directory, or a random-weight preset named explicitly (tiny, llama3-8b, ...: garbage text, for "
+             f"tests and benchmarks); {model_help}",
     )
     a.add_argument("--max-model-len", type=int, default=None)
     a.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -435,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_submit)
 
     w = sub.add_parser("worker", help="a GPU worker without Celery (Kafka -> engine -> database)")
-    _engine_args(w, model_default=None)
+    _engine_args(w, model_default=None, model_help=f"default: FIRSTTOKEN_MODEL, else {DEFAULT_MODEL}")
     w.set_defaults(func=cmd_worker)
 
     a = sub.add_parser("api", help="serve the HTTP API")

@@ -18,6 +18,7 @@ from typing import TextIO
 from pipeline.batch_io import batch_format, default_batch_id, file_digest, write_results
 from pipeline.producer import Producer
 from pipeline.queue import LocalQueue
+from pipeline.settings import DEFAULT_MODEL
 from pipeline.store import ResultStore, migrate
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class RunSummary:
 def run_file(
     path: str | Path,
     *,
-    model: str = "tiny",
+    model: str = DEFAULT_MODEL,
     db_url: str = "sqlite:///firsttoken.db",
     output: TextIO | None = None,
     batch_id: str | None = None,

@@ -121,7 +121,7 @@ def test_500_jobs_one_worker_equal_to_embedded(kafka_settings, postgres_url, sto
     client_fields = set(JobInput.model_fields)  # what a batch line may hold
     path.write_text("".join(j.model_dump_json(include=client_fields) + "\n" for j in jobs))
     out = io.StringIO()
-    run_file(path, db_url=f"sqlite:///{tmp_path / 'e.db'}", output=out, batch_id="emb")
+    run_file(path, model="tiny", db_url=f"sqlite:///{tmp_path / 'e.db'}", output=out, batch_id="emb")
     embedded = {o["id"]: o["text"] for o in map(json.loads, out.getvalue().splitlines())}
     assert embedded == {j.id: rows[j.id].text for j in jobs}
 

@@ -196,9 +196,9 @@ def test_user_errors_are_one_line_not_a_traceback(tmp_path, capsys):
     assert main(["run", str(src), "--db", db, "--model", str(bad_ckpt)]) == EXIT_ERROR
     assert "cannot read config.json" in capsys.readouterr().err
     # a batch id that already holds another input is refused, not mixed
-    assert main(["run", str(src), "--db", db, "--batch-id", "X", "--max-tokens", "2"]) == EXIT_OK
+    assert main(["run", str(src), "--db", db, "--batch-id", "X", "--max-tokens", "2", "--model", "tiny"]) == EXIT_OK
     _write(src, [{"id": "a", "prompt": "something else"}])
-    assert main(["run", str(src), "--db", db, "--batch-id", "X"]) == EXIT_ERROR
+    assert main(["run", str(src), "--db", db, "--batch-id", "X", "--model", "tiny"]) == EXIT_ERROR
     assert "already exists with a different input" in capsys.readouterr().err
 
 
@@ -269,7 +269,8 @@ def test_a_killed_run_leaves_the_previous_output(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text("previous results\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "firsttoken.cli", "run", str(src), "-o", str(out), "--db", f"sqlite:///{tmp_path / 'k.db'}"],
+        [sys.executable, "-m", "firsttoken.cli", "run", str(src), "-o", str(out), "--model", "tiny",
+         "--db", f"sqlite:///{tmp_path / 'k.db'}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 60
@@ -313,3 +314,44 @@ def test_status_and_report_of_a_batch(tmp_path, capsys):
     embedded = re.search(r'src="data:image/png;base64,([^"]+)"', page)
     assert embedded and base64.b64decode(embedded.group(1)) == png  # self-contained
     assert "batch REP completed" in page and "<td>ttft_ms</td><td>12</td>" in page
+
+
+@pytest.mark.slow
+def test_run_without_model_answers_with_the_real_model(tmp_path, capsys):
+    """No --model: SmolLM2-135M-Instruct answers (not the random-weight `tiny` preset's garbage)."""
+    from firsttoken.cli import DEFAULT_MODEL as CLI_DEFAULT
+    from pipeline.settings import DEFAULT_MODEL, Settings
+
+    assert CLI_DEFAULT == DEFAULT_MODEL == Settings.model_fields["model"].default == "smollm2-135m"
+    src = tmp_path / "q.jsonl"
+    _write(src, [{"id": "fr", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                  "max_tokens": 12, "temperature": 0}])
+    out = tmp_path / "out.jsonl"
+    assert main(["run", str(src), "--db", f"sqlite:///{tmp_path / 'r.db'}", "-o", str(out)]) == EXIT_OK
+    (row,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert row["status"] == "succeeded" and row["model"] == "smollm2-135m"
+    assert "Paris" in row["text"]
+
+
+@pytest.mark.parametrize(("argv", "env", "expect"), [
+    ([], None, "smollm2-135m"),  # the real model unless told otherwise
+    ([], "tiny", "tiny"),  # FIRSTTOKEN_MODEL names the preset
+    (["--model", "tiny"], "smollm2-135m", "tiny"),  # --model over the environment
+])
+def test_worker_model_is_the_real_one_unless_named(monkeypatch, argv, env, expect):
+    import workers.worker
+    from pipeline.settings import get_settings
+
+    built = []
+    monkeypatch.setattr(workers.worker, "build_worker", lambda worker_settings: built.append(worker_settings))
+    monkeypatch.setattr(workers.worker, "run_until_signalled", lambda worker: 0)
+    if env is None:
+        monkeypatch.delenv("FIRSTTOKEN_MODEL", raising=False)
+    else:
+        monkeypatch.setenv("FIRSTTOKEN_MODEL", env)
+    get_settings.cache_clear()
+    try:
+        assert main(["worker", *argv]) == EXIT_OK
+    finally:
+        get_settings.cache_clear()
+    assert [ws.model for ws in built] == [expect]
