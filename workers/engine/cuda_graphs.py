@@ -18,6 +18,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _close_graphs(gs: DecodeGraphs | PrefillGraphs) -> None:
+    """Reset every graph of a set (CUDAGraph.reset frees its captured allocations) and drop the
+    set's device tensors and its reference to the runner."""
+    for g, _logits in gs.graphs.values():
+        g.reset()
+    gs.graphs.clear()
+    for name, value in list(vars(gs).items()):
+        if isinstance(value, torch.Tensor):
+            setattr(gs, name, None)
+    gs.runner = None  # type: ignore[assignment]
+
+
 def graph_buckets(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 64, then every 16 up to max_bs (max_bs itself included)."""
     out = [b for b in (1, 2, 4, 8) if b <= max_bs]
@@ -64,6 +76,10 @@ class DecodeGraphs:
 
     def fits(self, batch: int) -> bool:
         return 0 < batch <= self.max_bs
+
+    def close(self) -> None:
+        """Free the captured graphs (their memory pool goes with the last of them) and the static buffers."""
+        _close_graphs(self)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -166,6 +182,10 @@ class PrefillGraphs:
 
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
         return num_tokens <= self.buckets[-1] and num_seqs <= self.max_seqs
+
+    def close(self) -> None:
+        """Free the captured graphs and the static buffers."""
+        _close_graphs(self)
 
     def _splits(self, t: int, ctx_bound: int) -> int:
         """Prefill key-range splits the kernel picks for bucket t at contexts up to ctx_bound."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 from collections.abc import Iterator
@@ -121,6 +122,7 @@ class ModelRunner:
 
     def __init__(self, model: str, config: EngineConfig) -> None:
         self.config = config
+        self.closed = False  # close() gave the device memory back
         self.device = pick_device(config.device)
         backend = config.kernel_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.ops: KernelOps = get_ops(backend)
@@ -334,9 +336,29 @@ class ModelRunner:
         )
 
     def close(self) -> None:
-        """Drop the weights, KV cache and captured graphs so their device memory can be reused."""
-        # TODO(issue 21.4): the GPU side fills this in and tests it on the H200.
-        return None
+        """Drop the weights, KV cache and captured graphs so their device memory can be reused;
+        idempotent. The runner serves no step after it.
+
+        The tensors go with the last reference to them: the graphs (their private memory pool and
+        static inputs and outputs) first, then the KV cache, RoPE tables, the model and per-request
+        RNGs; then the caching allocator hands its free blocks back to the driver, so another
+        engine (or process) on the device gets the memory."""
+        if self.closed:
+            return
+        self.closed = True
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.close()
+        self.graphs = self.prefill_graphs = None
+        self.kv_caches = []
+        self.cos_sin = None  # type: ignore[assignment]
+        self.model = None  # type: ignore[assignment]
+        self._generators.clear()
+        self.sampler = None  # type: ignore[assignment]
+        gc.collect()  # the graph sets and the model's modules can sit in reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing in flight still reads the memory
+            torch.cuda.empty_cache()
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (its RNG) once it has finished."""
