@@ -372,6 +372,10 @@ class Worker:
                     if f.finish_reason == "abort":  # no row, no commit: the queue delivers it again
                         self.counters.handed_back += 1
                         continue
+                if f.finish_reason == "error":  # it made engine steps fail, alone: it fails, the others go on
+                    outcomes.append(self._failure(entry.request, entry.messages, ErrorCode.ENGINE_ERROR,
+                                                  f.error or "the engine failed on this job", entry.submitted_at))
+                    continue
                 done.append((entry, f))
         outcomes.extend(self._outcome(entry, f) for entry, f in done)
         if outcomes:

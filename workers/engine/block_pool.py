@@ -115,6 +115,15 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Take blocks out of the prefix-cache index (their contents may not be what their hash
+        says: a step that was to write them failed). Holders keep them; nobody finds them again."""
+        for b in blocks:
+            if b.block_hash is not None:
+                if self._cached.get(b.block_hash) is b:
+                    del self._cached[b.block_hash]
+                b.block_hash = None
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no request holds; returns how many were dropped."""
         n = 0

@@ -94,6 +94,7 @@ class LLMEngine:
             c.async_scheduling if c.async_scheduling is not None else self.runner.device.type == "cuda"
         )
         self._in_flight: InFlightStep | None = None  # launched, not read back (async scheduling)
+        self._isolation: deque[frozenset[str]] = deque()  # a failed step's requests, in groups retried apart
         self._history: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
 
     # ---- requests ---------------------------------------------------------------------
@@ -113,6 +114,11 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError("duplicate_request_id", f"request {request_id!r} is already in the engine")
         sp = self._validate_sampling(sampling)
+        if sp.top_k is not None and sp.top_k > self.model_config.vocab_size:
+            raise InvalidRequestError(
+                "invalid_sampling",
+                f"top_k must be at most the vocabulary ({self.model_config.vocab_size}), or -1 for no cut",
+            )
         if prompt_token_ids is None:
             if prompt is None:
                 raise InvalidRequestError("empty_prompt", "give a prompt or prompt_token_ids")
@@ -213,23 +219,73 @@ class LLMEngine:
         self._pending_finished = []
         prev = self._in_flight
         self._in_flight = None
-        out = self.scheduler.schedule()
+        self._next_isolation_group()
+        out: SchedulerOutput | None = None
         launched = None
-        if not out.is_empty:
-            t_launch = time.monotonic()
-            sampled = self.runner.execute(out, prev.sampled if prev is not None else None)
-            launched = self._launched(out, sampled, t_launch)
-            result.num_scheduled = len(out.scheduled)
-            result.num_batched_tokens = out.num_batched_tokens
-        if prev is not None:
-            self._read_back(prev, result)
-        if launched is not None:
-            if self.async_scheduling and not launched.has_first_tokens:
-                self._in_flight = launched
-            else:
-                self._read_back(launched, result)
+        try:
+            out = self.scheduler.schedule()
+            if not out.is_empty:
+                t_launch = time.monotonic()
+                sampled = self.runner.execute(out, prev.sampled if prev is not None else None)
+                launched = self._launched(out, sampled, t_launch)
+                result.num_scheduled = len(out.scheduled)
+                result.num_batched_tokens = out.num_batched_tokens
+            if prev is not None:
+                self._read_back(prev, result)
+            if launched is not None:
+                if self.async_scheduling and not launched.has_first_tokens:
+                    self._in_flight = launched
+                else:
+                    self._read_back(launched, result)
+        except Exception as exc:
+            if _is_fatal(exc):
+                raise
+            suspects = [e.request for e in out.scheduled] if out is not None else list(self.scheduler.running)
+            for step in (prev, launched):
+                if step is not None:
+                    suspects.extend(req for req, _ in step.rows)
+            self._step_failed(exc, suspects, result)
+        if self._isolation:
+            self._next_isolation_group()
         self._step_seconds += time.perf_counter() - t0
         return result
+
+    # ---- a step that fails ------------------------------------------------------------
+    def _step_failed(self, exc: Exception, suspects: list[Request], result: StepOutput) -> None:
+        """Retry a failed step's requests apart: each half of them runs alone (nothing else is
+        scheduled beside it) until it finishes, and a half that fails again is split again, so a
+        request that makes steps fail ends up alone and fails with `engine_error`; the others go
+        on. Every suspect is computed again from its first token (its KV blocks may not hold what
+        the failed step was to write)."""
+        live = list({id(r): r for r in suspects if r.status is not RequestStatus.FINISHED}.values())
+        if not live:
+            raise exc
+        live.sort(key=lambda r: r.arrival_index)
+        what = f"{type(exc).__name__}: {str(exc)[:200]}"  # an exception's text, never a prompt's
+        if len(live) == 1:
+            req = live[0]
+            log.warning("engine step failed on request %s alone (%s): it fails", req.request_id, what)
+            self.scheduler.reset(req)
+            self.scheduler.finish(req, "error")
+            req.error = f"the engine failed on this request ({what})"
+            result.finished.append(self._finish(req, time.monotonic()))
+            return
+        log.warning("engine step failed with %d requests (%s): retrying them apart", len(live), what)
+        for req in live:
+            self.scheduler.reset(req)
+        ids = [r.request_id for r in live]
+        half = len(ids) // 2
+        if self._isolation and set(ids) <= self._isolation[0]:
+            self._isolation.popleft()  # the group that failed is replaced by its halves
+        self._isolation.appendleft(frozenset(ids[half:]))
+        self._isolation.appendleft(frozenset(ids[:half]))
+        self._next_isolation_group()
+
+    def _next_isolation_group(self) -> None:
+        """Point the scheduler at the first isolation group with a request left (None: no group)."""
+        while self._isolation and not any(rid in self.requests for rid in self._isolation[0]):
+            self._isolation.popleft()
+        self.scheduler.isolated = self._isolation[0] if self._isolation else None
 
     def _launched(self, out: SchedulerOutput, sampled: SampledTokens, t_launch: float) -> InFlightStep:
         """Advance the scheduled requests past the launched step; sampled tokens become placeholders."""
@@ -344,6 +400,7 @@ class LLMEngine:
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,
             token_texts=self._token_texts(req),
+            error=req.error,
         )
 
     def _token_texts(self, req: Request) -> dict[int, str] | None:
@@ -399,6 +456,15 @@ class LLMEngine:
             async_scheduling=self.async_scheduling,
             kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
         )
+
+
+def _is_fatal(exc: BaseException) -> bool:
+    """An error after which the engine cannot go on (its device context is lost): the worker
+    stops instead of retrying requests apart, and their messages are delivered again elsewhere."""
+    text = str(exc)
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "AcceleratorError" or (
+        "CUDA error" in text and "out of memory" not in text
+    )
 
 
 def _pydantic_message(e: ValidationError) -> str:

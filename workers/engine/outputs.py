@@ -71,7 +71,7 @@ class FinishedRequest:
     request_id: str
     output_token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None  # the token id or stop string that ended it
     usage: Usage
     timings: EngineTimings
@@ -80,6 +80,7 @@ class FinishedRequest:
     # one per prompt token (None for the first: nothing predicts it), when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
     token_texts: dict[int, str] | None = None  # each token id of the two above, decoded alone
+    error: str | None = None  # finish_reason "error": what failed (the request made engine steps fail)
 
     @property
     def tpot_ms(self) -> float | None:

@@ -112,6 +112,9 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # while a failed step's requests are retried apart (LLMEngine.step), only this group's
+        # requests are scheduled; the others keep their state and wait
+        self.isolated: frozenset[str] | None = None
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -132,6 +135,24 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(victim)
+
+    def reset(self, req: Request) -> None:
+        """Send a request of a failed step back to waiting, to be computed again from its first
+        token: its blocks leave the prefix cache (the failed step may not have written them) and
+        are freed; sampled tokens not read back are dropped."""
+        if req.num_pending:
+            del req.token_ids[len(req.token_ids) - req.num_pending :]
+            req.num_pending = 0
+        req.pending_row = None
+        self.kv.pool.uncache(self.kv.pool.blocks[b] for b in req.block_ids)
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.kv.free(req)
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.push(req)
+        else:
+            self.kv.free(req)
+        req.num_computed_tokens = 0
 
     def _ends_with_pending(self, req: Request) -> bool:
         """The pending sampled token is the request's last by length: nothing more to compute."""
@@ -156,11 +177,16 @@ class Scheduler:
         entries: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
+        only = self.isolated
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0 or (req.pending_row is not None and self._ends_with_pending(req)):
+            if (
+                n <= 0
+                or (req.pending_row is not None and self._ends_with_pending(req))
+                or (only is not None and req.request_id not in only)
+            ):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, n):
@@ -182,17 +208,29 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        if not preempted and self._may_admit():
+        if not preempted and (only is not None or self._may_admit()):
             now = time.monotonic()
+            group = None if only is None else sorted(
+                (r for r in self.waiting._live.values() if r.request_id in only), key=Request.sort_key, reverse=True
+            )
             while budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting.peek()
+                req = self.waiting.peek() if group is None else (group[-1] if group else None)
                 if req is None:
                     break
                 cached, n_cached = self.kv.find_cached_prefix(req)
                 n = min(req.num_tokens - n_cached, budget)
                 if not self.kv.allocate_slots(req, n, cached):
-                    break
-                self.waiting.pop()
+                    others = [] if only is None else [r for r in self.running if r.request_id not in only]
+                    if not others:
+                        break
+                    victim = max(others, key=lambda r: (-r.priority, r.arrival_index))  # room for the group
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    continue
+                if group is None:
+                    self.waiting.pop()
+                else:
+                    self.waiting.remove(group.pop())
                 if req.num_cached_tokens is None:
                     req.num_cached_tokens = n_cached
                     self.kv.record_hit(req.num_prompt_tokens, n_cached)

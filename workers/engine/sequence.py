@@ -53,7 +53,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
     num_indexed_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why it failed (finish_reason "error")
     stop_reason: int | str | None = None  # the token id or stop string that ended it
     text: str = ""  # output text so far (kept only when stop strings or streaming need it)
     stream: bool = False  # report text deltas as tokens arrive (StepOutput.deltas)
