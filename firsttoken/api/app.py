@@ -88,7 +88,7 @@ def create_app(
         queue=queue,
         check=check,
         canceller=canceller,
-        model_name=s.model or s.check_model or "firsttoken",
+        model_name=s.model,
     )
 
     @asynccontextmanager

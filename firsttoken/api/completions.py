@@ -71,6 +71,13 @@ def models(who: Who, state: State) -> ModelList:
     return ModelList(data=[ModelCard(id=state.model_name)])
 
 
+@router.get("/v1/models/{model:path}", response_model=ModelCard)
+def retrieve_model(model: str, who: Who, state: State) -> ModelCard:
+    """The served model by any of its names; 404 model_not_found for another one."""
+    state.check_model(model)
+    return ModelCard(id=state.model_name)
+
+
 class ReplyWaiter:
     """Jobs' reply channels on Redis over one shared subscriber connection (redis.asyncio): a reader
     task routes each message to its job's `Subscription`, so a thousand live completions hold one
@@ -210,6 +217,7 @@ def _job(state: ApiState, raw: bytes, fmt: LineFormat, who: Principal) -> tuple[
     """The job of a completions body, and whether to stream and to send usage at the end."""
     try:
         body = parse_json_object(raw, max_bytes=state.settings.api_max_body_bytes)
+        state.check_model(body.get("model"))  # another model: 404 model_not_found
         stream = body.pop("stream", False)
         options = body.pop("stream_options", None)
         if not isinstance(stream, bool) and stream is not None:

@@ -1,11 +1,13 @@
 """What every route of the API shares: its state (settings, store, queue, checks), the caller
-(API key -> owner), errors as `{"error": {...}}`, and bodies read up to a limit."""
+(API key -> owner), the model it serves (and the names a request may give for it), errors as
+`{"error": {...}}`, and bodies read up to a limit."""
 
 from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -15,6 +17,7 @@ from pipeline.producer import JobCheck, Producer
 from pipeline.queue.base import JobQueue
 from pipeline.settings import Settings
 from pipeline.store import BatchRecord, JobRecord, ResultStore
+from schemas.batchfile import loads_strict
 from schemas.job import ErrorCode, job_id_of_owner
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,29 @@ class ApiError(Exception):
 
 
 RATE_LIMITED = "rate_limit_exceeded"  # OpenAI's code: its clients retry a 429 after Retry-After
+MODEL_NOT_FOUND = "model_not_found"  # OpenAI's code (404) for a model this server does not serve
+
+# the upstream checkpoint of a model served by a short name: a request may name either
+UPSTREAM_NAMES = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def served_model_ids(model: str) -> frozenset[str]:
+    """The names a request may give for the served `model` (as configured, e.g. FIRSTTOKEN_MODEL):
+    that name itself; the upstream checkpoint of a downloadable model (`HuggingFaceTB/SmolLM2-135M-
+    Instruct`, and without its organisation); the last component of a checkpoint directory's path
+    (`/models/Llama-3.1-8B-Instruct` -> `Llama-3.1-8B-Instruct`). Names are compared exactly."""
+    ids = {model}
+    for name in (UPSTREAM_NAMES.get(model), model if "/" in model else None):
+        if name:
+            ids.add(name)
+            last = name.rstrip("/").rsplit("/", 1)[-1]
+            if last:
+                ids.add(last)
+    return frozenset(ids)
+
+
+# `"model": "<name>"` without escapes: a batch line's model, found without parsing the line
+_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]*)"')
 
 
 class ConfigError(RuntimeError):
@@ -69,8 +95,52 @@ class ApiState:
     check: JobCheck | None = None
     canceller: Canceller | None = None
     replies: Any = None  # firsttoken.api.replies.ReplyWaiter, when Redis is configured
-    model_name: str = "firsttoken"
+    model_name: str = "smollm2-135m"  # the served model's id (GET /v1/models, `model` of responses)
     owned: list[Any] = field(default_factory=list)  # closed at shutdown
+    model_ids: frozenset[str] = field(init=False)  # the names a request may give for it (served_model_ids)
+
+    def __post_init__(self) -> None:
+        self.model_ids = served_model_ids(self.model_name)
+
+    def check_model(self, name: object, where: str = "model") -> None:
+        """Nothing when a request's `model` names the served model (or is absent); 404
+        model_not_found when it names another one, 400 when it is not a string."""
+        if name is None or name in self.model_ids:
+            return
+        if not isinstance(name, str):
+            raise ApiError(400, ErrorCode.INVALID_REQUEST, f"{where}: must be a string", param=where)
+        raise ApiError(404, MODEL_NOT_FOUND, self.model_not_found_message(name), param=where)
+
+    def model_not_found_message(self, name: str) -> str:
+        return f"the model {name[:200]!r} does not exist here: this server serves {self.model_name!r}"
+
+    def unserved_models(self, lines: Iterable[bytes | str], limit: int = 20) -> list[tuple[int, str]]:
+        """(line number, model) of the first `limit` OpenAI batch lines whose `body.model` names a
+        model not served here (lines numbered from 1, blank ones counted, as in the batch).
+
+        A line is parsed only when it may name another model: a line whose every `"model"` field
+        reads (unescaped) as a served name is taken as it is. A line that does not parse is left to
+        the submission, which fails it with its own error."""
+        ids = {i.encode() for i in self.model_ids}
+        found: list[tuple[int, str]] = []
+        for line_no, line in enumerate(lines, start=1):
+            raw = line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line
+            if b"model" not in raw and b"\\u" not in raw:
+                continue
+            named = _MODEL_FIELD.findall(raw)
+            if named and len(named) == raw.count(b'"model"') and all(n in ids for n in named):
+                continue
+            try:
+                obj = loads_strict(raw, check_text=False)
+            except (ValueError, RecursionError):
+                continue
+            body = obj.get("body") if isinstance(obj, dict) and "custom_id" in obj else None
+            model = body.get("model") if isinstance(body, dict) else None
+            if model is not None and model not in self.model_ids:
+                found.append((line_no, model if isinstance(model, str) else repr(model)))
+                if len(found) >= limit:
+                    break
+        return found
 
     def admit(self, who: Principal, jobs: int) -> None:
         """429 when `jobs` more would take the caller past api_max_unfinished_jobs (its queued and
