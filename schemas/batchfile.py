@@ -20,6 +20,8 @@ line instead of stopping. Nothing a line holds makes the parser raise.
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -143,10 +145,14 @@ class BatchLineError:
 
 
 class LineError(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    """Why a line (or a request body) is not a job; `job_id`: the client's id it claims, when
+    it has a usable one and the error came before the caller could read it."""
+
+    def __init__(self, code: ErrorCode, message: str, job_id: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.job_id = job_id
 
 
 def _server_field(key: str, where: str = "") -> LineError:
@@ -236,7 +242,8 @@ def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | 
             elif key == "metadata" and isinstance(value, dict):
                 metadata.update(value)
         elif key in _OPENAI_DEFAULT_ONLY:
-            if value not in _OPENAI_DEFAULT_ONLY[key]:
+            # by type too: `n: true` is not `n: 1`, nor `echo: 0` `echo: false`
+            if not any(value == d and type(value) is type(d) for d in _OPENAI_DEFAULT_ONLY[key]):
                 raise LineError(
                     ErrorCode.INVALID_REQUEST, f"body.{key}: not supported (only its default value)"
                 )
@@ -293,12 +300,69 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def loads_strict(text: str | bytes) -> Any:
-    """json.loads that refuses NaN and Infinity (not JSON, and not storable in JSONB).
+class UnsafeText(ValueError):
+    """A JSON document holding what no store can keep: a NUL character, an unpaired surrogate
+    (`code` undecodable: not UTF-8 text), a number past a float's range."""
 
-    Raises ValueError (json.JSONDecodeError, too many digits in an integer, NaN) or
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: JSON, but no store or queue can carry it back as a number
+        raise UnsafeText(f"a number ({_short(text, 24)}) is past a 64-bit float's range")
+    return value
+
+
+# NUL: no Postgres text or JSONB value holds it. U+D800-U+DFFF: json decodes a surrogate pair
+# into one character, so one left over is unpaired, and no UTF-8 encoder takes it.
+_UNSAFE = re.compile("[\x00\ud800-\udfff]")
+
+
+def _check_text(obj: Any) -> None:
+    """Raise UnsafeText naming the first string (a key or a value, at any depth) that holds a NUL
+    or an unpaired surrogate. One pass, without recursion."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    search = _UNSAFE.search
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            m = search(v)
+            if m is not None:
+                _unsafe(path or "value", m.group())
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                where = f"{path}.{k}" if path else str(k)
+                m = search(k)
+                if m is not None:
+                    _unsafe(f"{path + '.' if path else ''}<key>", m.group())
+                if isinstance(x, (str, dict, list)):
+                    stack.append((x, where))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(v) if isinstance(x, (str, dict, list)))
+
+
+def _unsafe(path: str, char: str) -> None:
+    # the path names fields, not values: a key of the client's is shown only when it is safe to print
+    shown = path if _UNSAFE.search(path) is None and len(path) <= 120 else "a field"
+    if char == "\x00":
+        raise UnsafeText(f"{shown}: holds a NUL character (\\u0000), which no text field may hold")
+    raise UnsafeText(f"{shown}: not valid UTF-8 text (an unpaired surrogate, U+{ord(char):04X})", ErrorCode.UNDECODABLE)
+
+
+def loads_strict(text: str | bytes, *, check_text: bool = True) -> Any:
+    """json.loads that refuses what JSON allows but no store or queue here can carry: NaN,
+    Infinity, numbers past a 64-bit float's range (1e400), and strings (keys or values, at any
+    depth) holding a NUL or an unpaired surrogate.
+
+    Raises ValueError (json.JSONDecodeError, too many digits in an integer, NaN, UnsafeText) or
     RecursionError (nesting deeper than the interpreter's stack)."""
-    return json.loads(text, parse_constant=_reject_constant)
+    obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    if check_text:
+        _check_text(obj)
+    return obj
 
 
 def parse_json_object(raw: str | bytes, *, max_bytes: int = MAX_LINE_BYTES) -> dict[str, Any]:
@@ -314,17 +378,23 @@ def parse_json_object(raw: str | bytes, *, max_bytes: int = MAX_LINE_BYTES) -> d
         except UnicodeDecodeError as exc:
             raise LineError(ErrorCode.UNDECODABLE, f"not valid UTF-8 (byte {exc.start})") from None
     try:
-        obj = loads_strict(raw)
+        obj = loads_strict(raw, check_text=False)
     except json.JSONDecodeError as exc:
         raise LineError(ErrorCode.INVALID_REQUEST, f"not valid JSON: {exc.msg} at column {exc.colno}") from None
     except RecursionError:
         raise LineError(ErrorCode.TOO_LARGE, f"JSON nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:  # an integer of more than 4300 digits, NaN, Infinity
+    except UnsafeText as exc:
+        raise LineError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+    except ValueError as exc:  # an integer of more than 4300 digits, NaN, Infinity, 1e400
         raise LineError(ErrorCode.INVALID_REQUEST, f"not valid JSON: {str(exc)[:120]}") from None
     if not isinstance(obj, dict):
         raise LineError(ErrorCode.INVALID_REQUEST, "must be a JSON object")
     if nests_deeper_than(obj, MAX_JSON_DEPTH):
         raise LineError(ErrorCode.TOO_LARGE, f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        _check_text(obj)
+    except UnsafeText as exc:
+        raise LineError(exc.code, str(exc), job_id_hint(obj)) from None
     return obj
 
 
@@ -348,7 +418,7 @@ def parse_line(line: str | bytes, line_no: int) -> ParsedLine | BatchLineError |
             request = _plain_request(obj)
         job = JobInput.model_validate(request)
     except LineError as exc:
-        return BatchLineError(line_no, fmt, exc.code, exc.message, job_id_hint(obj))
+        return BatchLineError(line_no, fmt, exc.code, exc.message, exc.job_id or job_id_hint(obj))
     except ValidationError as exc:
         assert fmt is not None
         return BatchLineError(line_no, fmt, error_code_for(exc), _describe(exc, fmt), job_id_hint(obj))

@@ -210,7 +210,7 @@ class JobBody(BaseModel):
         default=None, min_length=1, max_length=MAX_MESSAGES, description="chat turns"
     )
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    priority: int = Field(default=0, ge=-(2**31), lt=2**31, description="higher is served first")
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31, strict=True, description="higher is served first")
     prefix_key: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = Field(
         default=None, description="routing key for prefix-cache locality"
     )

@@ -6,7 +6,14 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from schemas.limits import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS
+from schemas.limits import (
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKENS,
+    MAX_TOP_K,
+)
 
 
 class SamplingParams(BaseModel):
@@ -19,28 +26,38 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS, description="most output tokens to generate")
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 means greedy")
-    top_k: int | None = Field(default=None, ge=0, description="keep the k most likely tokens; None or 0: all")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus mass kept, in (0, 1]")
-    seed: int | None = Field(default=None, ge=0, lt=2**63, description="per-request RNG seed")
+    # Strict types, as OpenAI's API: no string, bool or float becomes an int, no string or bool a
+    # float (an int is a float), and only true/false are booleans. Every number has a bound.
+    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS, strict=True, description="most output tokens to generate")
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0, strict=True, description="0 means greedy")
+    top_k: int | None = Field(
+        default=None, ge=-1, le=MAX_TOP_K, strict=True,
+        description="keep the k most likely tokens; None, 0 or -1: all (at most the model's vocabulary)",
+    )
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True, description="nucleus mass kept, in (0, 1]")
+    seed: int | None = Field(default=None, ge=0, lt=2**63, strict=True, description="per-request RNG seed")
     stop: list[str] = Field(
         default_factory=list, max_length=MAX_STOP_STRINGS, description="strings that end generation (not in output)"
     )
-    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31, strict=True)]] = Field(
         default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="token ids that end generation"
     )
-    ignore_eos: bool = Field(default=False, description="keep going past the model's end-of-sequence ids")
+    ignore_eos: bool = Field(default=False, strict=True, description="keep going past the model's end-of-sequence ids")
     logprobs: int | None = Field(
-        default=None, ge=0, le=MAX_LOGPROBS,
+        default=None, ge=0, le=MAX_LOGPROBS, strict=True,
         description="report each output token's log-probability under the model (its raw distribution, before "
         "temperature or top-k/p) and this many most likely tokens beside it; None: no log-probabilities",
     )
     prompt_logprobs: int | None = Field(
-        default=None, ge=0, le=MAX_LOGPROBS,
+        default=None, ge=0, le=MAX_LOGPROBS, strict=True,
         description="the same for each prompt token after the first (given the tokens before it): scoring a "
         "text; the prompt is then computed whole (no prefix-cache reuse)",
     )
+
+    @field_validator("top_k")
+    @classmethod
+    def _no_cut_as_none(cls, v: int | None) -> int | None:
+        return None if v in (0, -1) else v
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -42,7 +42,7 @@ HANDWRITTEN: list[bytes] = [
     b'{"prompt": "x", "max_tokens": "ten"}',
     b'{"prompt": "x", "max_tokens": 99999999999}',
     b'{"prompt": "x", "temperature": 1000}',
-    b'{"prompt": "x", "top_k": -1}',
+    b'{"prompt": "x", "top_k": -2}',
     b'{"prompt": "x", "seed": -1}',
     b'{"prompt": "x", "seed": 18446744073709551616}',
     b'{"prompt": "x", "stop": [""]}',
@@ -73,6 +73,48 @@ HANDWRITTEN: list[bytes] = [
     b'{"custom_id": ["c"], "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}',
     b'{"custom_id": "c", "url": {"$gt": ""}, "body": {"prompt": "x"}}',
     b'{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}, "extra": 1}',
+    # issue 17: text no store can hold (each once stopped a whole Postgres submission)
+    b'{"prompt": "a\\u0000b"}',
+    b'{"messages": [{"role": "user", "content": "hi\\u0000"}]}',
+    b'{"prompt": "x", "stop": ["\\u0000"]}',
+    b'{"prompt": "x", "metadata": {"k": "v\\u0000"}}',
+    b'{"prompt": "x", "metadata": {"k\\u0000": 1}}',
+    b'{"prompt": "x", "metadata": {"a": [{"b": {"c": "\\u0000"}}]}}',
+    b'{"prompt": "x", "prefix_key": "p\\u0000"}',
+    b'{"id": "i\\u0000", "prompt": "x"}',
+    b'{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "model": "m\\u0000"}}',
+    b'{"custom_id": "c\\u0000", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}',
+    b'{"prompt": "x", "metadata": {"\\ud800": 1}}',
+    b'{"prompt": "x", "metadata": {"k": "\\udbff"}}',
+    b'{"prompt": "x", "stop": ["\\ud800"]}',
+    b'{"prompt": "x", "metadata": {"k": 1e400}}',
+    b'{"prompt": "x", "metadata": {"k": [-1e400]}}',
+    b'{"prompt": "x", "temperature": 1e400}',
+    # issue 17: wrong types are errors, not coerced (OpenAI's API is strict)
+    b'{"prompt": "x", "max_tokens": true}',
+    b'{"prompt": "x", "max_tokens": "16"}',
+    b'{"prompt": "x", "max_tokens": 16.0}',
+    b'{"prompt": "x", "temperature": "0"}',
+    b'{"prompt": "x", "temperature": false}',
+    b'{"prompt": "x", "ignore_eos": "yes"}',
+    b'{"prompt": "x", "ignore_eos": 1}',
+    b'{"prompt": "x", "priority": "1"}',
+    b'{"prompt": "x", "seed": 1.5}',
+    b'{"prompt": "x", "stop_token_ids": [true]}',
+    b'{"prompt": "x", "logprobs": true}',
+    b'{"prompt": "x", "top_k": 1e30}',
+    b'{"prompt": "x", "top_k": 1000000000000000000000000000000}',
+    b'{"prompt": "x", "top_k": 5.0}',
+    b'{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": true}}',
+    b'{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": "4"}}',
+]
+
+# Valid lines that only the model can refuse (their prompt, or top_k past its vocabulary): with
+# the model known at submission they fail there, else at the engine; each fails alone.
+MODEL_REFUSED: list[bytes] = [
+    # ~2.1 MB of 3-byte UTF-8: past kafka-python's default max_request_size (1 MiB), within the line limit
+    b'{"id": "huge-multibyte", "prompt": "' + ("\u4e2d" * 700_000).encode() + b'"}',
+    b'{"id": "topk-past-vocab", "prompt": "x", "top_k": 1000000}',
 ]
 
 

@@ -44,18 +44,20 @@ def load_tokenizer(model: str) -> Tokenizer:
         raise CheckpointError(f"{path}: cannot read its tokenizer ({type(exc).__name__}: {exc})") from None
 
 
+def _model_config(model: str) -> ModelConfig:
+    if model in PRESETS:
+        return PRESETS[model]
+    path = _checkpoint_dir(model)
+    try:
+        return ModelConfig.from_dir(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: cannot read config.json ({type(exc).__name__}: {exc})") from None
+
+
 def model_context(model: str, max_model_len: int | None = None) -> int:
     """The context length the engine serves `model` with (its max_position_embeddings unless
     capped). Raises CheckpointError."""
-    if model in PRESETS:
-        mc = PRESETS[model]
-    else:
-        path = _checkpoint_dir(model)
-        try:
-            mc = ModelConfig.from_dir(path)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{path}: cannot read config.json ({type(exc).__name__}: {exc})") from None
-    return max_model_len or mc.max_position_embeddings
+    return max_model_len or _model_config(model).max_position_embeddings
 
 
 def prompt_token_ids(
@@ -84,19 +86,26 @@ class SubmitCheck:
     Call it with a JobRequest: None when it fits, else (ErrorCode, message).
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
 
     @classmethod
     def for_model(cls, model: str, max_model_len: int | None = None) -> SubmitCheck:
         """The check for a preset or checkpoint directory (reads its config and tokenizer, no weights)."""
-        context = model_context(model, max_model_len)
-        return cls(load_tokenizer(model), context)
+        mc = _model_config(model)
+        return cls(load_tokenizer(model), max_model_len or mc.max_position_embeddings, mc.vocab_size)
 
     def __call__(self, job: JobRequest) -> tuple[ErrorCode, str] | None:
         ctx = self.max_model_len
         max_tokens = job.sampling.max_tokens
+        top_k = job.sampling.top_k
+        if top_k is not None and self.vocab_size is not None and top_k > self.vocab_size:
+            return (
+                ErrorCode.INVALID_SAMPLING,
+                f"top_k must be at most the vocabulary ({self.vocab_size}), or -1 for no cut",
+            )
         if max_tokens >= ctx:
             return (
                 ErrorCode.INVALID_SAMPLING,
