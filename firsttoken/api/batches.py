@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
-from firsttoken.api.deps import ApiError, ApiState, Principal, State, Who, read_body
+from firsttoken.api.deps import MODEL_NOT_FOUND, ApiError, ApiState, Principal, State, Who, read_body
 from pipeline.batch_io import batch_format, bytes_digest, result_lines
 from pipeline.producer import BatchConflict, JobCheck
 from pipeline.store import BatchRecord
@@ -232,6 +232,11 @@ def _submit_lines(
     lines = _batch_lines(raw)
     if not any(line.strip() for line in lines):
         raise ApiError(400, ErrorCode.INVALID_REQUEST, "body: no jobs (send JSONL lines or a JSON list)")
+    unserved = state.unserved_models(lines, limit=1)
+    if unserved:  # as OpenAI's batches: refused whole, nothing queued
+        line_no, name = unserved[0]
+        raise ApiError(404, MODEL_NOT_FOUND, f"line {line_no}: {state.model_not_found_message(name)}",
+                       param="body.model")
     new = sum(1 for line in lines if line.strip())
     if batch_id is not None:  # resuming a batch: its lines already recorded are not new jobs
         new -= state.st.batch_progress(batch_id).recorded
@@ -264,7 +269,9 @@ def _create_openai_batch(state: ApiState, req: OpenAIBatchRequest, who: Principa
     lines = content.splitlines()
     if not any(line.strip() for line in lines):
         raise ApiError(400, ErrorCode.INVALID_REQUEST, f"file {f.id!r} holds no requests")
-    state.admit(who, sum(1 for line in lines if line.strip()))
+    unserved = state.unserved_models(lines)
+    if not unserved:
+        state.admit(who, sum(1 for line in lines if line.strip()))
     fmt = OPENAI_URLS[req.endpoint].value
     inner = state.check
 
@@ -277,9 +284,16 @@ def _create_openai_batch(state: ApiState, req: OpenAIBatchRequest, who: Principa
     meta = {"openai": {"endpoint": req.endpoint, "input_file_id": f.id, "completion_window": "24h",
                        "metadata": req.metadata}}
     state.st.create_batch(bid, owner=who.owner, input_digest=f.sha256, source=f"file {f.id}", metadata=meta)
-    summary = _submit(state, lines, bid=bid, digest=f.sha256, max_tokens=None, who=who, check=check)  # type: ignore[arg-type]
-    if summary.submitted == 0 and summary.already_done == 0:  # not one valid request: the batch failed
-        errors = [{"code": str(e.error_code), "message": e.error_message, "line": None} for e in summary.errors[:20]]
+    errors: list[dict[str, Any]] = []
+    if unserved:  # as OpenAI's: a line naming another model fails the batch's validation, nothing runs
+        errors = [{"code": MODEL_NOT_FOUND, "message": state.model_not_found_message(name), "line": line_no,
+                   "param": "body.model"} for line_no, name in unserved]
+    else:
+        summary = _submit(state, lines, bid=bid, digest=f.sha256, max_tokens=None, who=who, check=check)  # type: ignore[arg-type]
+        if summary.submitted == 0 and summary.already_done == 0:  # not one valid request: the batch failed
+            errors = [{"code": str(e.error_code), "message": e.error_message, "line": None}
+                      for e in summary.errors[:20]]
+    if errors:
         meta["openai"]["errors"] = {"object": "list", "data": errors}
         state.st.set_batch_metadata(bid, meta)
         # (its rows are all failed, so the batch may have been marked completed already)

@@ -414,3 +414,71 @@ def test_an_owner_past_its_unfinished_jobs_limit_gets_429_and_nothing_is_queued(
         four = b"".join(b'{"id": "f%d", "prompt": "x"}\n' % i for i in range(4))
         r = c.post("/v1/batches", content=four, headers=BOB)
         assert r.status_code == 413 and r.json()["error"]["code"] == "too_large" and "split" in r.json()["error"]["message"]
+
+
+def _openai_line(custom_id: str, model: object = "smollm2-135m", **body: object) -> bytes:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": model, "messages": [{"role": "user", "content": "hi"}], **body}}).encode()
+
+
+def test_the_api_serves_its_model_by_its_names_and_another_is_model_not_found(store, queue):
+    settings = Settings(api_keys=f"alice:{KEY_A}", model="smollm2-135m")
+    app = create_app(settings, store=store, queue=queue, canceller=None, replies=None)
+    with TestClient(app) as c:
+        assert [m["id"] for m in c.get("/v1/models", headers=ALICE).json()["data"]] == ["smollm2-135m"]
+        for name in ("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"):
+            r = c.get(f"/v1/models/{name}", headers=ALICE)
+            assert r.status_code == 200 and r.json()["id"] == "smollm2-135m", name
+        r = c.get("/v1/models/gpt-4o", headers=ALICE)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+        # completions: another model is 404 before anything is queued; the served one passes the check
+        # (then 503: no reply channel in this test); a model that is not a string is a 400
+        for path, body in (("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            r = c.post(path, json={**body, "model": "gpt-4o"}, headers=ALICE)
+            assert r.status_code == 404, r.text
+            err = r.json()["error"]
+            assert err["code"] == err["type"] == "model_not_found" and err["param"] == "model"
+            assert "'gpt-4o'" in err["message"] and "'smollm2-135m'" in err["message"]
+            assert c.post(path, json={**body, "model": "tiny"}, headers=ALICE).status_code == 404  # a preset too
+            assert c.post(path, json={**body, "model": 5}, headers=ALICE).status_code == 400
+            for name in ("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+                assert c.post(path, json={**body, "model": name}, headers=ALICE).status_code == 503
+            assert c.post(path, json=body, headers=ALICE).status_code == 503  # no model named: the served one
+        assert _published(queue) == 0
+
+        # a JSONL batch with one line naming another model is refused whole, as OpenAI's: nothing queued
+        good = [_openai_line("a"), _openai_line("b", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+                _openai_line("c", metadata={"model": "gpt-4o"}),  # the client's metadata: not the model
+                _openai_line("d", temperature=0).replace(b"hi", b'say \\"model\\": \\"gpt-4o\\"')]  # in a prompt
+        for bad, where in ((_openai_line("x", "gpt-4o"), 3),
+                           (_openai_line("x", "smollm2-135m").replace(b'"model"', b'"mod\\u0065l"', 1)
+                            .replace(b'"smollm2-135m"', b'"gpt-4o"'), 3),
+                           (_openai_line("x", "SMOLLM2-135M"), 3)):  # names are compared exactly
+            lines = [*good[:2], b"", bad, *good[2:]]
+            r = c.post("/v1/batches?batch_id=refused", content=b"\n".join(lines), headers=ALICE)
+            assert r.status_code == 404, r.text
+            err = r.json()["error"]
+            assert err["code"] == "model_not_found" and err["message"].startswith(f"line {where + 1}: ")
+        assert _published(queue) == 0 and store.get_batch("refused") is None
+        r = c.post("/v1/batches?batch_id=served", content=b"\n".join(good), headers=ALICE)
+        assert r.status_code == 202 and r.json()["submitted"] == 4 and _published(queue) == 4
+
+        # an OpenAI batch (uploaded file) naming another model fails its validation, as OpenAI's does
+        f = c.post("/v1/files", files={"file": ("in.jsonl", b"\n".join([good[0], _openai_line("x", "gpt-4o")]))},
+                   data={"purpose": "batch"}, headers=ALICE).json()
+        b = c.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions"},
+                   headers=ALICE).json()
+        assert b["status"] == "failed" and b["failed_at"] is not None
+        assert [(e["code"], e["line"], e["param"]) for e in b["errors"]["data"]] == [("model_not_found", 2, "body.model")]
+        assert b["request_counts"] == {"total": 0, "completed": 0, "failed": 0} and _published(queue) == 4
+
+
+def test_a_checkpoint_directory_is_served_by_its_path_and_its_name(store, queue):
+    settings = Settings(api_keys=f"alice:{KEY_A}", model="/models/Llama-3.1-8B-Instruct")
+    with TestClient(create_app(settings, store=store, queue=queue, canceller=None, replies=None)) as c:
+        assert [m["id"] for m in c.get("/v1/models", headers=ALICE).json()["data"]] == ["/models/Llama-3.1-8B-Instruct"]
+        assert c.get("/v1/models/Llama-3.1-8B-Instruct", headers=ALICE).status_code == 200
+        assert c.get("/v1/models//models/Llama-3.1-8B-Instruct", headers=ALICE).status_code == 200
+        assert c.get("/v1/models/smollm2-135m", headers=ALICE).status_code == 404
