@@ -119,8 +119,8 @@ class ApiState:
         model not served here (lines numbered from 1, blank ones counted, as in the batch).
 
         A line is parsed only when it may name another model: a line whose every `"model"` field
-        reads (unescaped) as a served name is taken as it is. A line that does not parse is left to
-        the submission, which fails it with its own error."""
+        reads (unescaped) as a served name is taken as it is. A line that does not parse (bad JSON,
+        a NUL or a lone surrogate in any string) is left to the submission, which fails it alone."""
         ids = {i.encode() for i in self.model_ids}
         found: list[tuple[int, str]] = []
         for line_no, line in enumerate(lines, start=1):
@@ -131,8 +131,8 @@ class ApiState:
             if named and len(named) == raw.count(b'"model"') and all(n in ids for n in named):
                 continue
             try:
-                obj = loads_strict(raw, check_text=False)
-            except (ValueError, RecursionError):
+                obj = loads_strict(raw)
+            except (ValueError, RecursionError):  # a NUL in its model too: that line's own error
                 continue
             body = obj.get("body") if isinstance(obj, dict) and "custom_id" in obj else None
             model = body.get("model") if isinstance(body, dict) else None
