@@ -191,6 +191,30 @@ def test_text_completions_and_errors(client):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3)
 
 
+def test_a_model_not_served_here_is_model_not_found(client):
+    import openai
+
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.code == "model_not_found"
+    for model in ("gpt-4o", "smollm2-135m"):  # another model than the one served (tiny here)
+        with pytest.raises(openai.NotFoundError) as e:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert e.value.status_code == 404 and e.value.code == "model_not_found" and repr(model) in e.value.message
+        with pytest.raises(openai.NotFoundError) as e:
+            client.completions.create(model=model, prompt="hi", max_tokens=2)
+        assert e.value.code == "model_not_found"
+    # a batch whose line names another model fails its validation (as OpenAI's does): nothing runs
+    lines = [{"custom_id": f"m{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": model, "prompt": "hi", "max_tokens": 2}} for i, model in enumerate(["tiny", "gpt-4o"])]
+    f = client.files.create(file=("m.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
+                            purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert b.status == "failed" and b.errors is not None and b.request_counts.total == 0
+    assert [(x.code, x.line, x.param) for x in b.errors.data] == [("model_not_found", 2, "body.model")]
+
+
 def test_files_and_batches(client):
     import openai
 
