@@ -46,16 +46,15 @@ def _input_file(path: str) -> Path:
 def _output_file(path: str | None, *inputs: Path) -> Path | None:
     if path is None:
         return None
-    from pipeline.batch_io import same_file
+    from pipeline.batch_io import output_problem, same_file
 
     out = Path(path)
+    problem = output_problem(out)  # a regular file or a character device (/dev/null) only
+    if problem is not None:
+        raise CliError(f"--output {path}: {problem}")
     for p in inputs:
         if same_file(p, out):
             raise CliError(f"--output {path} is the input file: it would be overwritten; choose another path")
-    if out.is_dir():
-        raise CliError(f"--output {path}: is a directory")
-    if not out.parent.exists():
-        raise CliError(f"--output {path}: directory {out.parent} does not exist")
     return out
 
 
@@ -480,10 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's to fix: one line on stderr, no traceback."""
+    from pipeline.batch_io import OutputError
     from pipeline.producer import BatchConflict
     from workers.engine.errors import CheckpointError
 
-    return (CliError, BatchConflict, CheckpointError)
+    return (CliError, BatchConflict, CheckpointError, OutputError)
 
 
 def _service_error(exc: BaseException) -> str | None:

@@ -281,6 +281,48 @@ def test_a_killed_run_leaves_the_previous_output(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(30)
     assert out.read_text() == "previous results\n"
+    assert (tmp_path / ".out.jsonl.part").exists()  # the killed run's
+    # the next run of the same output takes its .part file over: nothing is left beside the output
+    _write(src, [{"id": "next", "prompt": "x", "max_tokens": 2}])
+    assert main(["run", str(src), "-o", str(out), "--model", "tiny", "--db", f"sqlite:///{tmp_path / 'n.db'}"]) == EXIT_OK
+    assert json.loads(out.read_text())["id"] == "next"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")]
+
+
+def test_output_is_a_regular_file_with_the_umask_or_a_device_written_through(tmp_path, capsys):
+    import os
+    import stat
+
+    db = f"sqlite:///{tmp_path / 'run.db'}"
+    src = tmp_path / "in.jsonl"
+    _write(src, [{"id": "a", "prompt": "x", "max_tokens": 2, "temperature": 0}])
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for bad, why in ((tmp_path, "is a directory"), (fifo, "is a FIFO")):  # refused before anything runs
+        assert main(["run", str(src), "--db", db, "--model", "tiny", "-o", str(bad)]) == EXIT_ERROR
+        err = capsys.readouterr().err
+        assert err.startswith(f"firsttoken run: error: --output {bad}: {why}") and len(err.splitlines()) == 1
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and not (tmp_path / "run.db").exists()
+
+    old = os.umask(0o027)
+    try:
+        out = tmp_path / "out.jsonl"
+        assert main(["run", str(src), "--db", db, "--model", "tiny", "-o", str(out)]) == EXIT_OK
+        assert stat.S_IMODE(out.stat().st_mode) == 0o640  # the umask's, not always 0600
+        assert main(["results", "in-x", "--db", db, "-o", str(out)]) == EXIT_ERROR  # no such batch: untouched
+        assert stat.S_IMODE(out.stat().st_mode) == 0o640 and json.loads(out.read_text())["id"] == "a"
+    finally:
+        os.umask(old)
+
+    master, slave = os.openpty()  # a terminal (as /dev/stdout is on one): written through, not replaced
+    try:
+        tty = os.ttyname(slave)
+        assert main(["run", str(src), "--db", db, "--model", "tiny", "-o", tty]) == EXIT_OK
+        assert stat.S_ISCHR(os.stat(tty).st_mode)
+        assert json.loads(os.read(master, 65536).decode())["id"] == "a"
+    finally:
+        os.close(master)
+        os.close(slave)
 
 
 def test_status_and_report_of_a_batch(tmp_path, capsys):
