@@ -171,7 +171,7 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
             engine_config=_engine_config(args),
             progress=False if args.no_progress else None,
         )
-    counts = ", ".join(f"{n} {k}" for k, n in sorted(s.counts.items()))
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(s.counts.items())) or "no jobs"
     print(
         f"# batch {s.batch_id} {s.batch_status}: {s.lines} lines ({s.invalid} invalid), ran {s.ran}, "
         f"skipped {s.skipped} already done; {counts}; {time.perf_counter() - t0:.2f}s; db {db}"
@@ -225,6 +225,8 @@ def cmd_submit(args: argparse.Namespace, out: TextIO) -> int:
     if args.wait:
         if args.no_db:
             raise CliError("--wait follows the batch in the database: it cannot be used with --no-db")
+        if s.lines == 0:  # an empty input: nothing to wait for
+            return EXIT_OK
         return _watch_until_done(_db_url(args), s.batch_id, progress=not args.no_progress)
     return EXIT_SOME_FAILED if s.invalid else EXIT_OK
 

@@ -40,8 +40,8 @@ class RunSummary:
 
     @property
     def all_succeeded(self) -> bool:
-        """True when every line's job succeeded."""
-        return self.lines > 0 and self.counts.get("succeeded", 0) == self.lines
+        """True when every line's job succeeded (an empty input too: it has no line that did not)."""
+        return self.counts.get("succeeded", 0) == self.lines
 
 
 def run_file(
@@ -80,7 +80,7 @@ def run_file(
         # the engine starts before the jobs are stamped submitted, so a job's TTFT is not its
         # wait for the model to load; a batch already ended needs no engine at all
         worker = None
-        if existing is None or existing.status == "open":
+        if (existing is None or existing.status == "open") and _has_lines(path):
             worker = _start_worker(queue, store, model, cfg, worker_name)
         try:
             sub = Producer(queue, store).submit_file(
@@ -112,6 +112,12 @@ def run_file(
         written=written,
         batch_status=b.status,
     )
+
+
+def _has_lines(path: Path) -> bool:
+    """True when the file holds a non-blank line (an empty input needs no engine)."""
+    with path.open("rb") as f:
+        return any(line.strip() for line in f)
 
 
 def _start_worker(
