@@ -229,3 +229,18 @@ def test_submit_wait_follows_the_batch_to_its_end(kafka_settings, postgres_url, 
         assert r.returncode == 0 and r.stdout.strip() == f"batch {batch} completed: 6/6 done (6 succeeded)"
     finally:
         worker.stop()
+
+
+def test_submit_of_an_empty_input_exits_0(kafka_settings, postgres_url, store, tmp_path):
+    s = settings_for(kafka_settings, postgres_url)
+    batch = f"empty-{tag()}"
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n   \n")
+    env = worker_env(s, "submitter")
+    cmd = [sys.executable, "-m", "firsttoken.cli", "submit", str(path), "--batch-id", batch, "--wait", "--no-progress"]
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)  # no worker: none needed
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert (summary["lines"], summary["submitted"], summary["invalid"]) == (0, 0, 0)
+    b = store.get_batch(batch)
+    assert b is not None and b.progress.total == 0 and b.progress.recorded == 0
