@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
 import sys
@@ -222,7 +223,9 @@ def hf_throughput(preset: str, prompts: list[list[int]], outs: list[int]) -> dic
 
 ENGINES = {  # --engines names -> EngineConfig fields
     "bf16": {},
-    "fp8": {"quantization": "fp8"},  # per-channel weight scales: torch._scaled_mm
+    "fp8": {"quantization": "fp8"},  # per-channel weight scales: torch._scaled_mm, the small-M kernel in decode
+    # the same with torch._scaled_mm at every batch size (the layout before the small-M kernel)
+    "fp8-cublas": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_SMALL_M": "0"}},
     "fp8-g128": {"quantization": "fp8", "fp8_weight_group": 128},  # weight scales per 128 columns: Triton
     "fp8-block": {"quantization": "fp8", "fp8_act_group": 128},  # and activation scales per 128 columns
 }
@@ -240,10 +243,21 @@ def run_engine(spec: str, fields: dict[str, Any], args: argparse.Namespace, sect
                prompts: list[list[int]], lens_out: list[int]) -> dict[str, Any]:
     """One engine through the sections; returns its numbers (the engine is freed before returning)."""
     big = max(TTFT_LENGTHS) if "ttft" in sections else 8192
+    env = fields.get("_env", {})
+    fields = {k: v for k, v in fields.items() if k != "_env"}
     ecfg = EngineConfig(max_model_len=max(big, 2176) + 256, max_num_batched_tokens=big if "ttft" in sections else 8192,
                         max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.90, device=args.device, **fields)
     t0 = time.perf_counter()
-    engine = LLMEngine(args.preset, ecfg)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # read when the layers are built
+    try:
+        engine = LLMEngine(args.preset, ecfg)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     st = engine.stats()
     ours: dict[str, Any] = {"engine_start_s": time.perf_counter() - t0, "engine": {
         "spec": spec, **fields, "kv_blocks": st.kv_blocks_total, "kernels": st.kernel_backend,
@@ -272,7 +286,7 @@ def run_engine(spec: str, fields: dict[str, Any], args: argparse.Namespace, sect
                                     "alloc_retries": mem.get("num_alloc_retries"),
                                     "device_allocs": mem.get("num_device_alloc")}
         print(f"# {spec} throughput {ours['throughput_tok_s']:.0f} tok/s", flush=True)
-    del engine
+    engine.close()  # the next engine gets the memory (del alone kept it: graphs and the runner hold it)
     free_memory()
     return ours
 

@@ -1,20 +1,32 @@
 """Time to first token under load: Poisson arrivals into the engine at fixed rates, for a while,
-with prompts of 256-2048 tokens (half of them opening with one of a few 512-token shared
-prefixes) and 64-256 output tokens. Reports TTFT p50/p90/p99, time per output token p50/p99,
-throughput, and goodput (requests per second that met both SLOs: TTFT and TPOT targets).
+with prompts of 256-2048 tokens (half of them opening with one of 8 shared 512-token prefixes)
+and 64-256 output tokens. Reports TTFT p50/p90/p99, time per output token p50/p99, throughput,
+goodput (requests per second that met both SLOs), and the step-cost model's prediction error.
 
 Each request's arrival is its scheduled Poisson time (on the monotonic clock), so a step that
-keeps a new request waiting counts in its TTFT, as a client would see it.
+keeps a new request waiting counts in its TTFT, as a client would see it. One engine serves every
+row: the TPOT target is switched between rows (none: no budget function).
 
-    python3 bench/bench_load.py --preset llama3-8b --rates 8,16,32 --duration 30       # a GPU
-    python3 bench/bench_load.py --preset llama3-8b --rates 32 --quantization fp8
-    python3 bench/bench_load.py --preset llama3-8b --rates 32 --tpot-targets none,15,20,30   # the trade-off
+--goodput searches for the highest rate that meets MLPerf's Llama-3.1-8B limits, interactive
+(TTFT p99 <= 500 ms, TPOT p99 <= 30 ms) and server (2000 ms / 100 ms): a ladder of rates up to
+the first miss, then bisection; a probe stops early (and fails) once more than 1% of its
+requests have waited past the TTFT limit. Prints and records max_rate_interactive and
+max_rate_server (req/s).
+
+Step timing (--step-timing device, the default on CUDA): the cost model learns from each step's
+CUDA-event time (SampledTokens.device_seconds) instead of the engine's host read-back time,
+which async scheduling distorts (the host sees a step only when it reads it back, often while it
+was busy elsewhere); the model fed the host's times runs beside it for comparison.
+
+    python3 bench/bench_load.py --preset llama3-8b --rates 8,16,24,32 --duration 15 --tpot-targets none,15,20,30
+    python3 bench/bench_load.py --preset llama3-8b --goodput --duration 20
     python3 bench/bench_load.py --preset tiny --rates 4 --duration 3 --device cpu       # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import random
 import statistics
 import sys
@@ -27,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import header, md_table, write_report
 from schemas.sampling import SamplingParams
 from workers.engine import EngineConfig, LLMEngine
+from workers.engine.slo import StepCostModel
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -36,7 +49,7 @@ def pct(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def workload(rate: float, duration_s: float, vocab: int, seed: int, *, prefixes: int = 4,
+def workload(rate: float, duration_s: float, vocab: int, seed: int, *, prefixes: int = 8,
              prefix_len: int = 512, prompt_range: tuple[int, int] = (256, 2048),
              out_range: tuple[int, int] = (64, 256)) -> list[tuple[float, list[int], int]]:
     """(arrival offset s, prompt token ids, output tokens) of each request, in arrival order."""
@@ -55,6 +68,10 @@ def workload(rate: float, duration_s: float, vocab: int, seed: int, *, prefixes:
         reqs.append((t, ids, rng.randint(*out_range)))
 
 
+INTERACTIVE = (500.0, 30.0)  # MLPerf Llama-3.1-8B interactive: TTFT p99, TPOT p99 (ms)
+SERVER = (2000.0, 100.0)
+
+
 def warm_up(engine: LLMEngine, vocab: int, max_prompt: int) -> None:
     """A few requests run through before any is timed: the first steps of an engine pay for
     allocations, compiles and caches that no later request does. The cost model's fit carries over."""
@@ -66,23 +83,79 @@ def warm_up(engine: LLMEngine, vocab: int, max_prompt: int) -> None:
         engine.step()
 
 
-def run_rate(engine: LLMEngine, reqs: list[tuple[float, list[int], int]], duration_s: float) -> dict[str, Any]:
+class DeviceTiming:
+    """The engine's cost model fed each step's CUDA-event time: every launched step is read back
+    once, in launch order, and each read-back calls the model's observe once; this keeps the
+    launched steps' SampledTokens in order and swaps the host's seconds for the device's. A second
+    model takes the host's seconds, for comparison."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.launched: collections.deque = collections.deque()
+        self.host_model = StepCostModel()
+        runner, model = engine.runner, engine.slo.model  # type: ignore[union-attr]
+        execute, observe = runner.execute, model.observe
+
+        def timed_execute(out, prev=None):
+            sampled = execute(out, prev)
+            self.launched.append(sampled)
+            return sampled
+
+        def device_observe(prefill_tokens, seconds, decodes=0):
+            self.host_model.observe(prefill_tokens, seconds, decodes)
+            sampled = self.launched.popleft() if self.launched else None
+            dev = sampled.device_seconds() if sampled is not None else None
+            observe(prefill_tokens, dev if dev is not None else seconds, decodes)
+
+        runner.execute = timed_execute  # type: ignore[method-assign]
+        model.observe = device_observe  # type: ignore[method-assign]
+
+
+def set_target(engine: LLMEngine, target_ms: float | None) -> None:
+    """Switch the TPOT target between rows: None serves with the fixed budget (the cost model
+    keeps learning, so its error is measured in every row)."""
+    slo = engine.slo
+    assert slo is not None
+    if target_ms is None:
+        engine.scheduler.budget_fn = None
+    else:
+        slo.tpot_target_s = target_ms / 1e3
+        slo._starved_since = None
+        engine.scheduler.budget_fn = slo
+
+
+def run_rate(engine: LLMEngine, reqs: list[tuple[float, list[int], int]], give_up_ttft_ms: float | None = None,
+             tag: str = "r") -> dict[str, Any]:
+    """Serve one workload; with give_up_ttft_ms, stop (gave_up: True) once more than 1% of the
+    requests have waited longer than that for their first token."""
     start = time.monotonic() + 0.05
     arrival: dict[str, float] = {}
     first: dict[str, float] = {}
     done: dict[str, tuple[float, int]] = {}
-    i = 0
+    model = engine.slo.model if engine.slo is not None else None
+    err0 = (model._rel_err_sum, model._rel_err_n) if model is not None else None
+    i, gave_up, late_allowed = 0, False, len(reqs) // 100
     while i < len(reqs) or engine.has_unfinished():
         now = time.monotonic()
         while i < len(reqs) and start + reqs[i][0] <= now:
             at, ids, out = reqs[i]
-            rid = f"r{i}"
+            rid = f"{tag}{i}"
             arrival[rid] = start + at
             engine.add_request(rid, prompt_token_ids=ids, arrival_time=start + at,
                                sampling=SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
             i += 1
+        if give_up_ttft_ms is not None and not gave_up:
+            limit = give_up_ttft_ms / 1e3
+            late = sum(1 for r, t in arrival.items() if (first.get(r, now) - t) > limit)
+            if late > late_allowed:
+                gave_up = True
+                i = len(reqs)
+                for r in list(arrival):
+                    if r not in done:
+                        engine.abort(r)
         if not engine.has_unfinished():
-            time.sleep(max(0.0, min(0.01, start + reqs[i][0] - time.monotonic())))
+            if i < len(reqs):
+                time.sleep(max(0.0, min(0.01, start + reqs[i][0] - time.monotonic())))
             continue
         step = engine.step()
         for ev in step.first_tokens:
@@ -92,14 +165,56 @@ def run_rate(engine: LLMEngine, reqs: list[tuple[float, list[int], int]], durati
     wall = time.monotonic() - start
     ttft = [(first[r] - arrival[r]) * 1e3 for r in first]
     tpot = [(done[r][0] - first[r]) * 1e3 / (done[r][1] - 1) for r in done if r in first and done[r][1] > 1]
-    slo = getattr(engine, "slo", None)
-    return {"requests": len(reqs), "wall_s": wall,
-            "cost_model": None if slo is None else {
-                "fixed_ms": slo.model.fixed_s * 1e3, "per_token_us": slo.model.per_token_s * 1e6,
-                "per_decode_us": slo.model.per_decode_s * 1e6,
-                "mean_rel_error": slo.model.mean_rel_error, "steps": slo.model.observed}, "ttft_ms": ttft, "tpot_ms": tpot, "per_request": {
-        r: ((first[r] - arrival[r]) * 1e3, (done[r][0] - first[r]) * 1e3 / max(1, done[r][1] - 1)) for r in done if r in first},
-        "output_tokens": sum(n for _, n in done.values())}
+    cost = None
+    if model is not None:
+        n = model._rel_err_n - err0[1]  # type: ignore[index]
+        cost = {"fixed_ms": model.fixed_s * 1e3, "per_token_us": model.per_token_s * 1e6,
+                "per_decode_us": model.per_decode_s * 1e6, "steps": n,
+                "mean_rel_error": (model._rel_err_sum - err0[0]) / n if n else None}  # type: ignore[index]
+    return {"requests": len(reqs), "wall_s": wall, "gave_up": gave_up, "cost_model": cost, "ttft_ms": ttft,
+            "tpot_ms": tpot, "output_tokens": sum(n for _, n in done.values()),
+            "per_request": {r: ((first[r] - arrival[r]) * 1e3, (done[r][0] - first[r]) * 1e3 / max(1, done[r][1] - 1))
+                            for r in done if r in first}}
+
+
+def summarize(r: dict[str, Any], target: str, rate: float, slo: tuple[float, float]) -> dict[str, Any]:
+    good = sum(1 for t, p in r["per_request"].values() if t <= slo[0] and p <= slo[1])
+    return {
+        "tpot_target": target, "rate": rate, "requests": r["requests"], "gave_up": r["gave_up"],
+        "ttft_p50": pct(r["ttft_ms"], 0.5), "ttft_p90": pct(r["ttft_ms"], 0.9), "ttft_p99": pct(r["ttft_ms"], 0.99),
+        "tpot_p50": pct(r["tpot_ms"], 0.5), "tpot_p99": pct(r["tpot_ms"], 0.99),
+        "out_tok_s": r["output_tokens"] / r["wall_s"], "goodput_rps": good / r["wall_s"],
+        "slo_met": good / max(1, r["requests"]),
+        "mean_ttft": statistics.fmean(r["ttft_ms"]) if r["ttft_ms"] else None,
+        "cost_model": r["cost_model"], "model_err": (r["cost_model"] or {}).get("mean_rel_error"),
+    }
+
+
+def meets(row: dict[str, Any], limits: tuple[float, float]) -> bool:
+    return (not row["gave_up"] and row["ttft_p99"] is not None and row["tpot_p99"] is not None
+            and row["ttft_p99"] <= limits[0] and row["tpot_p99"] <= limits[1])
+
+
+def search(probe, limits: tuple[float, float], ladder: list[float], steps: int) -> tuple[float, list[dict]]:
+    """The highest rate of the ladder (then bisected `steps` times toward the first miss) whose
+    probe meets `limits`; 0.0 if none does."""
+    rows, best, miss = [], 0.0, None
+    for rate in ladder:
+        row = probe(rate, limits)
+        rows.append(row)
+        if not meets(row, limits):
+            miss = rate
+            break
+        best = rate
+    for _ in range(steps if miss is not None else 0):
+        rate = round((best + miss) / 2, 1)
+        row = probe(rate, limits)
+        rows.append(row)
+        if meets(row, limits):
+            best = rate
+        else:
+            miss = rate
+    return best, rows
 
 
 def main() -> None:
@@ -110,52 +225,90 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--quantization", default=None, choices=["fp8"])
     ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--ttft-slo-ms", type=float, default=200.0)
-    ap.add_argument("--tpot-slo-ms", type=float, default=20.0)
+    ap.add_argument("--ttft-slo-ms", type=float, default=INTERACTIVE[0])
+    ap.add_argument("--tpot-slo-ms", type=float, default=INTERACTIVE[1])
     ap.add_argument("--tpot-targets", default="none",
                     help="comma-separated engine TPOT targets (ms) to run in turn, 'none' for no target: the trade-off curve")
+    ap.add_argument("--goodput", action="store_true", help="search max_rate_interactive and max_rate_server instead")
+    ap.add_argument("--goodput-targets", default="25,none",
+                    help="the engine's TPOT target (ms or none) for the interactive search, then the server search")
+    ap.add_argument("--search-rates", default=None, help="the ladder (req/s); default 16,24,...,64 / 24,32,...,96")
+    ap.add_argument("--search-steps", type=int, default=2, help="bisections after the ladder's first miss")
     ap.add_argument("--max-prompt", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--step-timing", default=None, choices=["device", "host"],
+                    help="what the cost model learns from (default: device on CUDA)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     lo = min(256, args.max_prompt // 2)
-    rows, data = [], {**header(), "bench": "load", "preset": args.preset, "quantization": args.quantization,
-                      "kv_cache_dtype": args.kv_cache_dtype, "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
-                      "rates": []}
-    for target in args.tpot_targets.split(","):
-        tpot_target = None if target == "none" else float(target)
-        cfg = EngineConfig(device=args.device, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                           max_model_len=args.max_prompt + 512, tpot_target_ms=tpot_target)
-        engine = LLMEngine(args.preset, cfg)
-        vocab = engine.model_config.vocab_size
-        warm_up(engine, vocab, args.max_prompt)
-        for rate in (float(r) for r in args.rates.split(",")):
-            reqs = workload(rate, args.duration, vocab, args.seed, prefix_len=min(512, lo),
-                            prompt_range=(lo, args.max_prompt), out_range=(64, 256))
-            r = run_rate(engine, reqs, args.duration)
-            good = sum(1 for t, p in r["per_request"].values() if t <= args.ttft_slo_ms and p <= args.tpot_slo_ms)
-            row = {
-                "tpot_target": target,
-                "rate": rate,
-                "requests": r["requests"],
-                "ttft_p50": pct(r["ttft_ms"], 0.5),
-                "ttft_p90": pct(r["ttft_ms"], 0.9),
-                "ttft_p99": pct(r["ttft_ms"], 0.99),
-                "tpot_p50": pct(r["tpot_ms"], 0.5),
-                "tpot_p99": pct(r["tpot_ms"], 0.99),
-                "out_tok_s": r["output_tokens"] / r["wall_s"],
-                "goodput_rps": good / r["wall_s"],
-                "slo_met": good / max(1, r["requests"]),
-                "mean_ttft": statistics.fmean(r["ttft_ms"]) if r["ttft_ms"] else None,
-                "cost_model": r["cost_model"],
-                "model_err": (r["cost_model"] or {}).get("mean_rel_error"),
-            }
-            rows.append(row)
-            data["rates"].append(row)
-        del engine
-    md = md_table(rows, ["tpot_target", "rate", "requests", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99",
-                         "out_tok_s", "goodput_rps", "slo_met", "model_err"])
-    write_report(f"bench_load_{args.preset}{'_' + args.quantization if args.quantization else ''}", data,
-                 f"TTFT under load, {args.preset}, quantization {args.quantization}, times in ms\n\n{md}")
+    extra = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
+                               ("max_num_seqs", args.max_num_seqs)) if v is not None}
+    cfg = EngineConfig(device=args.device, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                       max_model_len=args.max_prompt + 512, tpot_target_ms=30.0, **extra)
+    engine = LLMEngine(args.preset, cfg)
+    cuda = engine.runner.device.type == "cuda"
+    timing = args.step_timing or ("device" if cuda else "host")
+    dev_timing = DeviceTiming(engine) if timing == "device" and cuda else None
+    vocab = engine.model_config.vocab_size
+    data: dict[str, Any] = {**header(), "bench": "load", "preset": args.preset, "quantization": args.quantization,
+                            "kv_cache_dtype": args.kv_cache_dtype, "step_timing": timing, "engine_config": {
+                                "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs},
+                            "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}, "rates": []}
+    warm_up(engine, vocab, args.max_prompt)
+    n_probe = [0]
+
+    def probe(rate: float, slo: tuple[float, float], target: str, give_up: float | None = None) -> dict[str, Any]:
+        set_target(engine, None if target == "none" else float(target))
+        host0 = (dev_timing.host_model._rel_err_sum, dev_timing.host_model._rel_err_n) if dev_timing else None
+        reqs = workload(rate, args.duration, vocab, args.seed, prefix_len=min(512, lo),
+                        prompt_range=(lo, args.max_prompt), out_range=(64, 256))
+        n_probe[0] += 1
+        row = summarize(run_rate(engine, reqs, give_up, tag=f"p{n_probe[0]}-"), target, rate, slo)
+        if dev_timing is not None:
+            hm = dev_timing.host_model
+            n = hm._rel_err_n - host0[1]  # type: ignore[index]
+            row["model_err_host_timing"] = (hm._rel_err_sum - host0[0]) / n if n else None  # type: ignore[index]
+        print(f"# {row['tpot_target']} @ {rate} req/s: ttft p50/p99 {row['ttft_p50']}/{row['ttft_p99']} ms, "
+              f"tpot p50/p99 {row['tpot_p50']}/{row['tpot_p99']} ms, gave_up {row['gave_up']}, "
+              f"model err {row['model_err']} (host timing {row.get('model_err_host_timing')})", flush=True)
+        return row
+
+    rows: list[dict[str, Any]] = []
+    if args.goodput:
+        t_int, t_srv = args.goodput_targets.split(",")
+        ladders = ([float(r) for r in args.search_rates.split(",")],) * 2 if args.search_rates else (
+            [16.0, 24.0, 32.0, 40.0, 48.0, 56.0, 64.0], [24.0, 32.0, 40.0, 48.0, 64.0, 80.0, 96.0])
+        best_i, rows_i = search(lambda r, lim: probe(r, lim, t_int, lim[0]), INTERACTIVE, ladders[0], args.search_steps)
+        best_s, rows_s = search(lambda r, lim: probe(r, lim, t_srv, lim[0]), SERVER, ladders[1], args.search_steps)
+        for r in rows_i:
+            r["limits"] = "interactive"
+        for r in rows_s:
+            r["limits"] = "server"
+        rows = rows_i + rows_s
+        data.update({"max_rate_interactive": best_i, "max_rate_server": best_s,
+                     "goodput_targets": {"interactive": t_int, "server": t_srv},
+                     "limits": {"interactive": INTERACTIVE, "server": SERVER}})
+        print(f"max_rate_interactive {best_i} req/s (TTFT p99 <= {INTERACTIVE[0]:.0f} ms, TPOT p99 <= "
+              f"{INTERACTIVE[1]:.0f} ms; target {t_int}); max_rate_server {best_s} req/s (target {t_srv})", flush=True)
+    else:
+        for target in args.tpot_targets.split(","):
+            for rate in (float(r) for r in args.rates.split(",")):
+                rows.append(probe(rate, (args.ttft_slo_ms, args.tpot_slo_ms), target))
+    data["rates"] = rows
+    engine.close()
+    cols = ["tpot_target", "rate", "requests", "gave_up", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99",
+            "out_tok_s", "goodput_rps", "slo_met", "model_err", "model_err_host_timing"]
+    if args.goodput:
+        cols.insert(0, "limits")
+    md = md_table(rows, cols)
+    if args.goodput:
+        md = (f"max_rate_interactive {data['max_rate_interactive']} req/s, max_rate_server "
+              f"{data['max_rate_server']} req/s\n\n") + md
+    name = f"bench_load_{args.preset}{'_' + args.quantization if args.quantization else ''}"
+    write_report(name + ("_goodput" if args.goodput else ""), data,
+                 f"TTFT under load, {args.preset}, quantization {args.quantization}, step timing {timing}, "
+                 f"times in ms\n\n{md}")
 
 
 if __name__ == "__main__":

@@ -1,33 +1,51 @@
 #!/usr/bin/env bash
-# Every GPU measurement the FP8 / TTFT-under-load work needs, in one command, for one device call
-# (~25 minutes on an H200). Results (JSON + markdown + a log per stage) go under $OUT.
+# The GPU measurements of the FP8 / TTFT-under-load work, one stage per device command: each stage
+# ends well inside a device command's 10 minutes (its `timeout` below is the bound; the times in
+# the comments are the H200's). Results (JSON + markdown + a log per stage) go under $OUT.
 #
-#   OUT=/some/dir bash bench/gpu_run.sh                 # every stage, in the order below
-#   OUT=/some/dir bash bench/gpu_run.sh kernels engine  # some of them
-#   SMOKE=1 OUT=/tmp/x bash bench/gpu_run.sh            # the plumbing on a CPU: tiny model, seconds
+#   OUT=/some/dir bash bench/gpu_run.sh STAGE [STAGE...]   # stages run in the order given
+#   SMOKE=1 OUT=/tmp/x bash bench/gpu_run.sh engine load goodput   # the plumbing on a CPU: tiny model, seconds
 #
-# Stages: tests kernels engine throughput quality load load_fp8. Each runs under its own time
-# limit and a failure does not stop the next; the summary at the end lists each stage's status.
+# Stages (run each as its own device command; a failure does not stop the next):
+#   tests       GPU tests (tests/engine/test_gpu.py), measurements to measure.jsonl      ~4 min
+#   kernels     FP8 GEMMs: _scaled_mm per channel, Triton groups vs bf16 (bench_kernels --sweep)  ~3 min
+#   decode_gemms  a decode step's GEMMs: bf16, _scaled_mm, the small-M kernel's configs (bench_fp8_decode)  ~2 min
+#   engine      TTFT and decode: bf16 and FP8 (per channel), transformers beside          ~6 min
+#   layouts     the same for the FP8 layouts with group scales (fp8-g128, fp8-block)     ~5 min
+#   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens: bf16, FP8         ~6 min
+#   quality     FP8 on SmolLM2 with the real kernels (needs the model: bench/restore_smollm2.py)  ~3 min
+#   load        TTFT under load, bf16: targets none/15/20/30 ms at 8/16/24/32 req/s       ~8 min
+#   goodput     the highest rate within MLPerf's interactive and server limits, bf16      ~8 min
+#   load_fp8    load + goodput with FP8 projections and an fp8 KV cache                   ~8 min
+# Packages the device image lacks (pydantic, gguf) travel as wheels in .whl (carry it).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the results directory}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
 export FIRSTTOKEN_COMMIT=${FIRSTTOKEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && ! $PY -c "import pydantic" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[ -d /tmp/site ] && case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} ;; esac
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests kernels engine throughput quality load load_fp8)
+[ ${#STAGES[@]} -eq 0 ] && { echo "name the stages to run (see the header): each is one device command"; exit 2; }
 
 if [ "${SMOKE:-0}" = 1 ]; then  # a CPU run of the same commands, small
   DEV=(--device cpu); PRESET=tiny
   ENGINE_ARGS=(--ttft-lengths 64,256 --decode-batches 1,4 --no-hf --max-num-seqs 8)
   TPUT_ARGS=(--num-prompts 4 --no-hf --max-num-seqs 8)
   LOAD_ARGS=(--rates 8 --duration 2 --max-prompt 256)
-  LOAD_TARGETS=none,50; LOAD_FP8_TARGETS=none
+  GOODPUT_ARGS=(--duration 2 --max-prompt 256 --search-rates 2,4 --search-steps 1)
+  LOAD_TARGETS=none,50
 else
   DEV=(); PRESET=llama3-8b
   ENGINE_ARGS=(); TPUT_ARGS=(--hf-prompts 32)
-  LOAD_ARGS=(--rates 8,16,32 --duration 20)
-  LOAD_TARGETS=none,15,20,30; LOAD_FP8_TARGETS=none,15,20
+  LOAD_ARGS=(--rates 8,16,24,32 --duration 15)
+  GOODPUT_ARGS=(--duration 20)
+  LOAD_TARGETS=none,15,20,30
 fi
 
 declare -A STATUS
@@ -39,6 +57,7 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, record the exit status
   local rc=$?
   STATUS[$name]="rc=$rc $((SECONDS - t0))s"
   echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/$name.log"
+  tail -25 "$OUT/$name.log" | grep -v "^===" || true
 }
 
 $PY - <<'EOF' >"$OUT/machine.txt" 2>&1
@@ -52,38 +71,43 @@ cat "$OUT/machine.txt"
 
 for stage in "${STAGES[@]}"; do
   case $stage in
-    tests)  # the GPU tests (FP8 GEMMs, the engine with FP8 projections under CUDA graphs, ...)
+    tests)
       [ "${SMOKE:-0}" = 1 ] && continue
-      FIRSTTOKEN_GPU_TESTS=1 run tests 600 $PY -m pytest -q -m gpu tests/engine/test_gpu.py -p no:cacheprovider ;;
-    kernels)  # _scaled_mm per channel vs the Triton per-128 and block-wise GEMMs vs bf16
+      FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 560 \
+        $PY -m pytest -q -s -m gpu tests/engine/test_gpu.py -p no:cacheprovider -rA ;;
+    kernels)
       [ "${SMOKE:-0}" = 1 ] && continue
-      run kernels 600 $PY bench/bench_kernels.py --sections fp8 --sweep --out "$OUT" --commit "$FIRSTTOKEN_COMMIT" ;;
-    engine)  # TTFT and decode: bf16 and FP8 engines beside transformers and each engine's floor
-      run engine 900 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
-        --engines bf16,fp8+kv8,fp8-g128+kv8,fp8-block+kv8 "${ENGINE_ARGS[@]}" ;;
-    throughput)  # offline throughput, 1000 prompts, each engine (transformers on a subset)
-      run throughput 900 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
-        --engines bf16+kv8,fp8+kv8,fp8-block+kv8 "${TPUT_ARGS[@]}" ;;
+      run kernels 560 $PY bench/bench_kernels.py --sections fp8 --sweep --out "$OUT" --commit "$FIRSTTOKEN_COMMIT" ;;
+    decode_gemms)
+      [ "${SMOKE:-0}" = 1 ] && continue
+      run decode_gemms 400 $PY bench/bench_fp8_decode.py ;;
+    engine)
+      run engine 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
+        --engines bf16,fp8+kv8,fp8-cublas+kv8 "${ENGINE_ARGS[@]}" ;;
+    layouts)
+      run layouts 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --no-hf \
+        --engines fp8+kv8,fp8-g128+kv8,fp8-block+kv8 "${ENGINE_ARGS[@]}" ;;
+    throughput)
+      run throughput 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
+        --engines bf16+kv8,fp8+kv8 "${TPUT_ARGS[@]}" ;;
     quality)  # FP8 on SmolLM2 with the real kernels: compare with bench/results/*fp8-quality-cpu*
       [ "${SMOKE:-0}" = 1 ] && continue
-      qdev=cuda
-      run quality 300 $PY bench/bench_fp8_quality.py --device $qdev --out "$OUT/fp8_quality_channel.json"
-      run quality_g64 300 $PY bench/bench_fp8_quality.py --device $qdev --group 64 --out "$OUT/fp8_quality_g64.json"
-      run quality_block64 300 $PY bench/bench_fp8_quality.py --device $qdev --act-group 64 \
+      run quality 150 $PY bench/bench_fp8_quality.py --device cuda --out "$OUT/fp8_quality_channel.json"
+      run quality_g64 150 $PY bench/bench_fp8_quality.py --device cuda --group 64 --out "$OUT/fp8_quality_g64.json"
+      run quality_block64 150 $PY bench/bench_fp8_quality.py --device cuda --act-group 64 \
         --out "$OUT/fp8_quality_block64.json"
-      # through firsttoken's engine on the GPU (Triton kernels, fused quantization) against the fp32 CPU engine:
-      # compare with bench/results/2026-12-01-fp8-quality-engine-cpu.json
-      run quality_engine 600 $PY bench/bench_fp8_quality.py --engine --device $qdev \
+      run quality_engine 240 $PY bench/bench_fp8_quality.py --engine --device cuda \
         --out "$OUT/fp8_quality_engine.json" ;;
-    load)  # TTFT under load, bf16: Poisson arrivals at each rate, the TPOT-target trade-off curve
-      run load 900 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET "${LOAD_ARGS[@]}" \
-        --tpot-targets $LOAD_TARGETS ;;
-    load_fp8)  # the same with FP8 projections and an fp8 KV cache
-      run load_fp8 900 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET "${LOAD_ARGS[@]}" \
-        --quantization fp8 --kv-cache-dtype fp8 --tpot-targets $LOAD_FP8_TARGETS ;;
+    load)
+      run load 560 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET "${LOAD_ARGS[@]}" --tpot-targets $LOAD_TARGETS ;;
+    goodput)
+      run goodput 560 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET --goodput "${GOODPUT_ARGS[@]}" ;;
+    load_fp8)
+      run load_fp8 560 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET --quantization fp8 --kv-cache-dtype fp8 \
+        --goodput "${GOODPUT_ARGS[@]}" ;;
     *) echo "unknown stage $stage"; STATUS[$stage]="unknown" ;;
   esac
 done
 
-echo "=== summary ($FIRSTTOKEN_COMMIT)" | tee "$OUT/summary.txt"
+echo "=== summary ($FIRSTTOKEN_COMMIT)" | tee -a "$OUT/summary.txt"
 for k in "${!STATUS[@]}"; do echo "$k: ${STATUS[$k]}"; done | sort | tee -a "$OUT/summary.txt"

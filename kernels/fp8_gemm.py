@@ -121,3 +121,78 @@ def fp8_linear_grouped_triton(
 ) -> torch.Tensor:
     """`kernels.fp8_linear.fp8_linear` through the Triton group-scaled GEMM."""
     return fp8_linear(fp8_gemm_grouped_triton, x, w_q, w_scale, bias, act_group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Few rows (decode): per-channel weight scales, per-token activation scales
+# ---------------------------------------------------------------------------------------------
+
+
+@lazy_jit
+def _fp8_gemm_rowwise_small_m_kernel(
+    a_ptr,  # A: [M, K] e4m3, row-major, M <= BLOCK_M
+    a_scale_ptr,  # [M] fp32: one scale per row of A
+    b_ptr,  # B: [N, K] e4m3, row-major (the weight)
+    b_scale_ptr,  # [N] fp32: one scale per output channel
+    bias_ptr,  # [N] or a dummy when HAS_BIAS is false
+    c_ptr,  # C: [M, N], out dtype, row-major
+    M, N, K,  # sizes
+    stride_am, stride_bn, stride_cm,  # row strides (elements)
+    HAS_BIAS: tl.constexpr,  # add bias before the store
+    BLOCK_M: tl.constexpr,  # >= M: every row of A in one tile (16: the smallest tensor-core tile)
+    BLOCK_N: tl.constexpr,  # columns of C per program
+    BLOCK_K: tl.constexpr,  # K step
+):
+    # one program per BLOCK_N output channels: a decode step's GEMM is a pass over the weight, so
+    # the grid is over N alone and each program streams its BLOCK_N rows of B once
+    pid_n = tl.program_id(0).to(tl.int64)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M
+    mask_n = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        mask_k = k < K
+        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.dot(a, tl.trans(b))
+    sa = tl.load(a_scale_ptr + rm, mask=mask_m, other=0.0)
+    sb = tl.load(b_scale_ptr + rn, mask=mask_n, other=0.0)
+    acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+SMALL_M = 16  # rows up to which fp8_gemm_rowwise_small_m serves (one tensor-core tile of A)
+
+
+def fp8_gemm_rowwise_small_m(
+    a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+    block_n: int = 32, block_k: int = 256, num_warps: int = 4, num_stages: int = 4,
+) -> torch.Tensor:
+    """`kernels.fp8_linear.fp8_gemm_ref` for at most SMALL_M rows with per-token ([M, 1]) and
+    per-channel ([N, 1]) scales: a weight-streaming kernel for decode steps, where cuBLASLt's FP8
+    GEMM (torch._scaled_mm) tiles M to 64 or more."""
+    check(a_q.dtype == FP8 and b_q.dtype == FP8, "fp8_gemm_small_m: A and B must be float8_e4m3fn")
+    m, k = a_q.shape
+    n, kb = b_q.shape
+    check(k == kb, "fp8_gemm_small_m: A is [M, {}] but B is [N, {}]", k, kb)
+    check(m <= SMALL_M, "fp8_gemm_small_m: {} rows > {}", m, SMALL_M)
+    check(a_scale.numel() == m and b_scale.numel() == n, "fp8_gemm_small_m: scales must be per row ([M, 1], [N, 1])")
+    check(a_q.stride(1) == 1 and b_q.stride(1) == 1, "fp8_gemm_small_m: A's and B's last dims must be contiguous")
+    c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
+    if m == 0 or n == 0:
+        return c
+    a_s = a_scale.reshape(m).float().contiguous()
+    b_s = b_scale.reshape(n).float().contiguous()
+    has_bias = bias is not None
+    args = (a_q, a_s, b_q, b_s, bias if has_bias else b_s, c, m, n, k, a_q.stride(0), b_q.stride(0), c.stride(0))
+    consts = {"HAS_BIAS": has_bias, "BLOCK_M": SMALL_M, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    _fp8_gemm_rowwise_small_m_kernel.launch((cdiv(n, block_n),), args, consts, num_warps, num_stages,
+                                            a_q.device.type == "cuda")
+    return c

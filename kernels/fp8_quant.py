@@ -182,3 +182,43 @@ def silu_and_mul_quant_triton(x: torch.Tensor, group: int | None = None) -> Quan
 
 
 
+
+@lazy_jit
+def _quantize_kernel(
+    x_ptr,  # x: [T, C], last dim contiguous
+    q_ptr,  # out: [T, C] e4m3, contiguous
+    scale_ptr,  # out: [T, n_groups] fp32, contiguous
+    stride_x,  # row stride of x (elements)
+    C,  # columns
+    n_groups,  # scales per row: 1 (per token) or C / GROUP
+    FP8_MAX_: tl.constexpr,  # 448
+    GROUP: tl.constexpr,  # columns per scale (BLOCK for one scale per row)
+    BLOCK: tl.constexpr,  # power of two >= C: one program handles one whole row
+):
+    row = tl.program_id(0).to(tl.int64)
+    gi = tl.arange(0, BLOCK // GROUP)  # the row as [groups, GROUP]
+    cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = cols < C
+    y = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quantize_groups(y, FP8_MAX_)
+    tl.store(q_ptr + row * C + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row * n_groups + gi, scale, mask=gi < n_groups)
+
+
+def quantize_triton(x: torch.Tensor, group: int | None = None) -> Quantized:
+    """Triton `kernels.fp8_linear.quantize`: x [T, C] -> (q [T, C] e4m3, scale [T, 1] or [T, C / group])
+    in one launch (the torch composition is ~8 kernels: o_proj's input took that in every layer)."""
+    check(x.dim() == 2, "quantize: x must be [T, C], got {}", tuple(x.shape))
+    check(x.stride(1) == 1 or x.shape[1] == 1, "quantize: x's last dim must be contiguous")
+    t, c = x.shape
+    check(c <= 65536, "quantize: {} columns > 65536 are not supported (one row per program)", c)
+    block = next_pow2(c)
+    group_cols, n_groups = _groups(c, group, block, "quantize")
+    q = torch.empty((t, c), dtype=FP8, device=x.device)
+    scale = torch.empty((t, n_groups), dtype=torch.float32, device=x.device)
+    if t == 0 or c == 0:
+        return q, scale
+    _quantize_kernel.launch((t,), (x, q, scale, x.stride(0), c, n_groups),
+                            {"FP8_MAX_": FP8_MAX, "GROUP": group_cols, "BLOCK": block},
+                            min(16, max(1, block // 256)), 3, x.device.type == "cuda")
+    return q, scale

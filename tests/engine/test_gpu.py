@@ -205,20 +205,167 @@ def test_cuda_fp8_gemms_match_their_reference():
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-3)
 
 
-@pytest.mark.parametrize(("group", "act_group"), [(None, None), (32, None), (32, 32)])
-def test_cuda_engine_serves_fp8_projections_with_graphs(llama_dir, group, act_group):
-    """quantization="fp8" on CUDA, CUDA graphs on: it serves, and stays close to the bf16 engine."""
+# ---- FP8: the GPU kernels against their emulation, and FP8's error against fp32 -----------------
+# The test model's random weights give logits with a spread of several nats, and FP8's three
+# mantissa bits (a relative rounding step of 2^-3 on every weight and activation) move each
+# log-probability by ~0.24 nats on average: ten times bf16's 0.025 (H200, 2026-12-01,
+# bench/results/2026-12-01-fp8-error-h200.md). So FP8 flips many greedy choices of a random model,
+# and one flip changes every later token of a free-running continuation: the 11, 7 and 8 of 96
+# tokens equal to the bf16 engine's (231bf73) were FP8's error on near-uniform logits, not a bug.
+# What finds a bug is a comparison with FP8's exact emulation (transformers in fp32 with every
+# projection quantized the same way, the GEMM done in fp32 on the CPU): with fp32 elsewhere the
+# GPU's FP8 engine must give its log-probabilities far closer than bf16 comes to fp32; a 5% scale
+# error in one projection fails that bound (the control below). As served (bf16 elsewhere), FP8's
+# error against fp32 must be the emulation's, within half again.
+
+FP8_VARIANTS = {"per-channel": {}, "g32": {"fp8_weight_group": 32}, "block32": {"fp8_act_group": 32}}
+# mean |d logprob| of the GPU's FP8 engine (fp32 elsewhere) against the FP8 emulation: below bf16's
+# distance from fp32 (0.025, measured), which is what "the same function up to the order of sums" allows
+EMULATION_BOUND = 0.02
+BF16_MEAN_DLP_BOUND = 0.05  # the bf16 engine against fp32: 0.025 measured, x2
+SERVED_OVER_EMULATION = 1.5  # FP8 as served (bf16 elsewhere) over the emulation's error, both vs fp32
+# the engine's bf16 prompt log-probabilities against fp32, over transformers' bf16 against fp32:
+# 0.74 (mean) and 0.85 (max) measured on the H200; kernels that round elsewhere are of that size
+PROMPT_LP_RATIO = 1.5
+
+
+def hf_log_softmax(path, seqs, fp8: dict | None = None, device="cuda", scale_error: float = 1.0):
+    """transformers' fp32 log-softmax at every position of each sequence: [L, V] on the CPU (row p
+    scores token p + 1). fp8: the engine's FP8 fields (fp8_weight_group, fp8_act_group): every
+    projection becomes an Fp8Linear quantized the same way, its GEMM the fp32 reference on the CPU
+    (the engine's fused qkv and gate_up have the separate matrices' rows and inputs, so the same
+    scales). scale_error multiplies the down projections' weight scales (a planted defect)."""
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    from workers.engine.quantization import Fp8Linear
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    if fp8 is not None:
+        device = "cpu"
+        group = fp8.get("fp8_weight_group") or fp8.get("fp8_act_group")
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and name.endswith("_proj"):
+                    q = Fp8Linear(child, group, fp8.get("fp8_act_group"))
+                    if name == "down_proj":
+                        q.weight_scale.mul_(scale_error)
+                    setattr(module, name, q)
+    model = model.to(device)
+    with torch.no_grad():
+        return [torch.log_softmax(model(torch.tensor([s], device=device)).logits[0].float(), -1).cpu() for s in seqs]
+
+
+def score_error(ref_rows, lps) -> dict:
+    """Per scored position: the engine's TokenLogprob (its top 20) against the reference's row.
+    Returns mean |d logprob| over the engine's top tokens, the same for the scored token, and
+    top-1 agreement (a tie in the engine counts when the reference's argmax is among the tied)."""
+    d_top, d_tok, agree = [], [], 0
+    for row, lp in zip(ref_rows, lps):
+        d_top.append(sum(abs(v - row[t].item()) for t, v in lp.top) / len(lp.top))
+        d_tok.append(abs(lp.logprob - row[lp.token_id].item()))
+        agree += int(row.argmax()) in {t for t, v in lp.top if v == lp.top[0][1]}
+    n = len(d_top)
+    return {"positions": n, "mean_dlp_top": sum(d_top) / n, "max_dlp_top": max(d_top),
+            "mean_dlp_token": sum(d_tok) / n, "top1_agreement": agree / n}
+
+
+def scored_rows(ref, seqs=None):
+    """The reference rows that score tokens 1.. of each sequence, flattened."""
+    return [r for seq_ref in ref for r in seq_ref[:-1]]
+
+
+@pytest.fixture(scope="module")
+def teacher_forced(llama_dir):
+    """Six prompts, each with its fp32 greedy continuation, and the fp32 reference over them."""
+    prompts = prompt_set(6, min_len=20, max_len=90)
+    seqs = [p + c for p, c in zip(prompts, hf_greedy_cuda(llama_dir, prompts))]
+    return seqs, hf_log_softmax(llama_dir, seqs)
+
+
+def engine_prompt_scores(path, seqs, **cfg):
+    """Each sequence's prompt log-probabilities (top 20, tokens 1..) from a CUDA engine, flattened."""
+    eng = LLMEngine(str(path), EngineConfig(device="cuda", kernel_backend="triton", num_blocks=256,
+                                            max_model_len=512, **cfg))
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=20)
+    done = run_prompts(eng, seqs, sp)
+    eng.close()
+    return [lp for f in done for lp in f.prompt_logprobs[1:]]
+
+
+def measured(name, result):
+    """Print a measurement (pytest -s) and append it to $FIRSTTOKEN_MEASURE_OUT (JSON lines) when set."""
+    import json
+    import os
+
+    line = json.dumps({"test": name, **result})
+    print(line)
+    if os.environ.get("FIRSTTOKEN_MEASURE_OUT"):
+        with open(os.environ["FIRSTTOKEN_MEASURE_OUT"], "a") as f:
+            f.write(line + "\n")
+
+
+@pytest.mark.parametrize("variant", list(FP8_VARIANTS))
+def test_cuda_fp8_engine_matches_its_emulation(llama_dir, teacher_forced, variant):
+    """FP8 projections on CUDA (Triton kernels, torch._scaled_mm, fused quantization), fp32
+    elsewhere: teacher-forced log-probabilities, and those of its own continuation decoded through
+    CUDA graphs, equal the FP8 emulation's within EMULATION_BOUND; a planted 5% scale error fails it."""
+    fields = FP8_VARIANTS[variant]
+    seqs, _ = teacher_forced
+    emu = scored_rows(hf_log_softmax(llama_dir, seqs, fp8=fields))
+    tf = score_error(emu, engine_prompt_scores(llama_dir, seqs, dtype="float32", quantization="fp8", **fields))
+    # decode steps replaying graphs: the engine's continuation, scored by the emulation
     prompts = prompt_set(6)
-    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for q in (None, "fp8"):
-        eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton",
-                                                     num_blocks=256, max_model_len=512, quantization=q,
-                                                     fp8_weight_group=group if q else None,
-                                                     fp8_act_group=act_group if q else None))
-        outs[q] = [f.output_token_ids for f in run_prompts(eng, prompts, sp)]
-    same = sum(a == b for x, y in zip(outs[None], outs["fp8"]) for a, b in zip(x, y))
-    assert all(len(o) == MAX_NEW for o in outs["fp8"]) and same >= len(prompts) * MAX_NEW // 2
+    eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="float32", kernel_backend="triton",
+                                                 num_blocks=256, max_model_len=512, quantization="fp8", **fields))
+    assert eng.runner.graphs is not None
+    done = run_prompts(eng, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True,
+                                                    logprobs=20))
+    path = eng.runner.last_path
+    eng.close()
+    conts = hf_log_softmax(llama_dir, [p + f.output_token_ids for p, f in zip(prompts, done)], fp8=fields)
+    rows = [r[len(p) - 1 + i] for p, f, r in zip(prompts, done, conts) for i in range(MAX_NEW)]
+    dec = score_error(rows, [lp for f in done for lp in f.logprobs])
+    result = {"teacher_forced": tf, "graph_decode": dec, "last_path": path}
+    if variant == "per-channel":  # the control: the same comparison against a defective emulation
+        bad = scored_rows(hf_log_softmax(llama_dir, seqs, fp8=fields, scale_error=1.05))
+        result["control_5pct_scale_error"] = score_error(bad, engine_prompt_scores(
+            llama_dir, seqs, dtype="float32", quantization="fp8", **fields))
+        assert result["control_5pct_scale_error"]["mean_dlp_top"] > EMULATION_BOUND, result
+    measured(f"fp8_vs_emulation[{variant}]", result)
+    assert path == "decode_graph"
+    assert tf["mean_dlp_top"] < EMULATION_BOUND, result
+    assert dec["mean_dlp_top"] < EMULATION_BOUND, result
+    assert tf["top1_agreement"] >= 0.97 and dec["top1_agreement"] >= 0.97, result
+
+
+@pytest.mark.parametrize("variant", list(FP8_VARIANTS))
+def test_cuda_fp8_as_served_errs_as_fp8_does(llama_dir, teacher_forced, variant):
+    """quantization="fp8" as served (bf16 elsewhere), teacher-forced against transformers in
+    fp32: FP8's error is its emulation's (within SERVED_OVER_EMULATION), bf16's beside it is a
+    tenth of it."""
+    fields = FP8_VARIANTS[variant]
+    seqs, ref = teacher_forced
+    rows = scored_rows(ref)
+    emu = scored_rows(hf_log_softmax(llama_dir, seqs, fp8=fields))
+    emu_err = sum((a - b).abs().mean().item() for a, b in zip(emu, rows)) / len(rows)  # over the whole vocabulary
+    emu_top = score_error(rows, [_as_logprob(r) for r in emu])
+    fp8 = score_error(rows, engine_prompt_scores(llama_dir, seqs, dtype="bfloat16", quantization="fp8", **fields))
+    bf16 = score_error(rows, engine_prompt_scores(llama_dir, seqs, dtype="bfloat16"))
+    spread = sum(r.std().item() for r in rows) / len(rows)
+    measured(f"fp8_as_served[{variant}]", {"fp8": fp8, "bf16": bf16, "emulation": emu_top,
+                                           "emulation_mean_dlp_vocab": emu_err, "ref_logprob_std": spread})
+    assert bf16["mean_dlp_top"] < BF16_MEAN_DLP_BOUND, bf16
+    assert fp8["mean_dlp_top"] < SERVED_OVER_EMULATION * emu_top["mean_dlp_top"], (fp8, emu_top)
+    assert fp8["mean_dlp_top"] > 3 * bf16["mean_dlp_top"]  # the FP8 path really ran
+
+
+def _as_logprob(row):
+    """A full reference row as the engine reports it: its top 20 (for score_error)."""
+    from workers.engine.outputs import TokenLogprob
+
+    top_lp, top_ids = row.topk(20)
+    return TokenLogprob(int(top_ids[0]), float(top_lp[0]), tuple(zip(top_ids.tolist(), top_lp.tolist())))
 
 
 def test_cuda_logprobs_under_graphs_and_async_scheduling(llama_dir):
@@ -244,7 +391,11 @@ def test_cuda_logprobs_under_graphs_and_async_scheduling(llama_dir):
             continue
         assert f.logprobs is not None and [lp.token_id for lp in f.logprobs] == f.output_token_ids
         for lp in f.logprobs:
-            assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id and lp.logprob <= 0.0
+            # the greedy token is a likeliest one: first in the list, or tied with the first. bf16
+            # logits tie often (8 mantissa bits: -2.7617 twice at 231bf73), and argmax (the sampler)
+            # and topk (the list) need not pick the same one of a tie
+            assert len(lp.top) == 3 and lp.logprob <= 0.0
+            assert lp.top[0][0] == lp.token_id or lp.logprob == lp.top[0][1], lp
             assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
 
 
@@ -267,4 +418,54 @@ def test_cuda_prompt_logprobs_beside_graph_steps(llama_dir):
         got[device] = done["r3"].prompt_logprobs
     assert got["cuda"] is not None and len(got["cuda"]) == len(prompts[3]) and got["cuda"][0] is None
     diffs = [abs(a.logprob - b.logprob) for a, b in zip(got["cuda"][1:], got["cpu"][1:])]
-    assert max(diffs) < 0.1, max(diffs)  # bf16 against fp32
+    # the yardstick: transformers in bf16 against transformers in fp32, the same prompt, on the GPU.
+    # The engine's bf16 error must be of that size (a fixed 0.1 failed at 0.137 at 231bf73: bf16's
+    # rounding of these random-weight activations alone gives errors near 0.1)
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([prompts[3]], device="cuda")
+    hf = {}
+    for dt in (torch.float32, torch.bfloat16):
+        m = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=dt, attn_implementation="eager").cuda().eval()
+        with torch.no_grad():
+            hf[dt] = torch.log_softmax(m(ids).logits[0].float(), -1)[:-1].gather(1, ids[0, 1:, None])[:, 0].cpu()
+    hf_diffs = (hf[torch.bfloat16] - hf[torch.float32]).abs()
+    measured("prompt_logprobs_bf16", {"engine_max": max(diffs), "engine_mean": sum(diffs) / len(diffs),
+                                      "hf_bf16_max": hf_diffs.max().item(), "hf_bf16_mean": hf_diffs.mean().item()})
+    assert sum(diffs) / len(diffs) < PROMPT_LP_RATIO * hf_diffs.mean().item(), (diffs, hf_diffs)
+    assert max(diffs) < PROMPT_LP_RATIO * hf_diffs.max().item(), (max(diffs), hf_diffs.max())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_close_gives_the_memory_back():
+    """An engine sized from free memory (KV cache, CUDA graphs), closed: its device memory goes
+    back to the driver, and a second engine of the same configuration in the same process gets
+    the same KV cache (before close() it ran out of memory: `del engine` freed nothing)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free0 = torch.cuda.mem_get_info()[0]
+    alloc0 = torch.cuda.memory_allocated()
+    cfg = {"device": "cuda", "dtype": "bfloat16", "kernel_backend": "triton", "max_model_len": 1024,
+           "gpu_memory_utilization": 0.6, "quantization": "fp8"}
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    blocks, used = [], []
+    for _ in range(2):
+        with LLMEngine("tiny", EngineConfig(**cfg)) as eng:
+            assert eng.runner.graphs is not None
+            run_prompts(eng, prompt_set(4, vocab=eng.model_config.vocab_size), sp)
+            blocks.append(eng.runner.num_blocks)
+            used.append(free0 - torch.cuda.mem_get_info()[0])
+        left = free0 - torch.cuda.mem_get_info()[0]
+        held = torch.cuda.memory_allocated() - alloc0
+        measured("close", {"kv_blocks": blocks[-1], "used_gib": used[-1] / 2**30, "left_after_close_mib": left / 2**20,
+                           "allocated_after_close_mib": held / 2**20})
+        assert used[-1] > 0.4 * free0  # the engine took most of the card
+        # every tensor of the engine is gone; torch keeps cuBLAS's workspace (32 MiB on sm90) for
+        # each stream cuBLAS ran on, the graph-capture stream's too: torch's state, not the engine's
+        # (33 MiB held at 4902abe)
+        assert held < 40 << 20, held
+        assert left < 512 << 20, left  # and the memory is the driver's again (CUDA/cuBLAS/Triton state aside)
+    assert blocks[1] >= 0.99 * blocks[0], blocks

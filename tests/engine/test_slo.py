@@ -70,6 +70,7 @@ def test_a_target_changes_the_chunks_not_the_tokens(llama_dir):
     slo = LLMEngine(str(llama_dir), EngineConfig(device="cpu", max_num_batched_tokens=256, tpot_target_ms=1e-3))
     slo.slo.warmup_steps = 0  # type: ignore[union-attr]
     slo.slo.min_prefill = 8  # type: ignore[union-attr]
+    slo.slo.max_starve_s = float("inf")  # type: ignore[union-attr]  # the target alone (no starvation relief)
     batched = []
     orig = slo.scheduler.schedule
 
@@ -85,3 +86,49 @@ def test_a_target_changes_the_chunks_not_the_tokens(llama_dir):
     # a target far below any step's cost: while decodes ran, steps took the decodes plus 8 prefill tokens
     assert any(d > 0 for d, _ in batched)
     assert all(n <= d + 8 for d, n in batched if d > 0)
+
+
+def _fitted(fixed=0.010, per_token=5e-6, per_decode=20e-6) -> StepCostModel:
+    model = StepCostModel()
+    for t, d in ((64, 0), (512, 4), (2048, 0), (8192, 32), (100, 64), (4000, 8), (300, 128), (6000, 0), (1000, 16),
+                 (50, 200)):
+        model.observe(t, fixed + per_token * t + per_decode * d, d)
+    return model
+
+
+def test_a_target_never_starves_admission():
+    """Steps that keep filling the target's prefill share (prompts waiting) for longer than
+    max_starve_s get a share that grows to the whole budget over as long again; a step that
+    leaves some of it unused (the queue drained) brings the target's share back."""
+    now = [0.0]
+    model = _fitted()
+    b = SloBudget(tpot_target_s=0.012, max_tokens=8192, min_prefill=64, model=model, max_starve_s=0.25,
+                  clock=lambda: now[0])
+    share = b(64) - 64  # (12 ms - 10 ms - 64 * 20 us) / 5 us = 144 prefill tokens
+    assert share == pytest.approx(144, abs=2)
+    grants = []
+    for _ in range(40):  # every step takes the whole share: the queue does not drain
+        g = b(64)
+        model.observe(g - 64, model.predict(g - 64, 64), 64)
+        grants.append((now[0], g))
+        now[0] += 0.020
+    assert all(g == 64 + share for t, g in grants if t <= 0.25)  # the target holds for max_starve_s
+    assert any(g > 64 + 4 * share for t, g in grants if 0.25 < t < 0.5)  # then prefill gets more
+    assert grants[-1][1] == 8192  # and after twice as long, the whole budget: TPOT gives way
+    assert b.starving
+    model.observe(10, model.predict(10, 64), 64)  # a step with prompt room left over: nobody waits
+    assert b(64) == 64 + share and not b.starving
+
+
+def test_a_long_prompt_alone_is_not_starvation():
+    """A few steps that fill the share (one prompt in chunks) stay within the target."""
+    now = [0.0]
+    model = _fitted()
+    b = SloBudget(tpot_target_s=0.012, max_tokens=8192, model=model, clock=lambda: now[0])
+    share = b(64) - 64
+    for _ in range(5):
+        assert b(64) == 64 + share
+        model.observe(share, model.predict(share, 64), 64)
+        now[0] += 0.012
+    model.observe(0, model.predict(0, 64), 64)
+    assert b(64) == 64 + share and not b.starving

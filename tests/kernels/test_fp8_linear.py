@@ -371,3 +371,52 @@ def test_grouped_gemm_tile_order_covers_every_tile(poison_empty, m, n, group_m, 
                                   group_m=group_m)
     assert not got.isnan().any()
     torch.testing.assert_close(got, fp8_gemm_ref(a_q, a_s, w_q, w_s, None, torch.float32), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "bias", "out_dtype"), [
+    (1, 32, 16, False, torch.float32), (3, 96, 272, True, torch.float32), (16, 70, 100, False, torch.bfloat16),
+    (7, 33, 431, True, torch.float32),
+])
+def test_small_m_gemm_triton_against_reference(poison_empty, m, n, k, bias, out_dtype):
+    """The decode GEMM (per-token and per-channel scales, at most 16 rows) against the fp32
+    reference of the same quantized operands, on ragged N and K (poisoned outputs: every element
+    written)."""
+    from kernels_testutil_tol import tol
+
+    from kernels.fp8_gemm import fp8_gemm_rowwise_small_m
+    from kernels.fp8_linear import fp8_gemm_ref
+
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-1, 1, m).unsqueeze(1)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n).unsqueeze(1)  # a scale per channel matters
+    b = torch.randn(n, generator=g) if bias else None
+    a_q, a_s = quantize_rowwise(x)
+    w_q, w_s = quantize_rowwise(w)
+    got = fp8_gemm_rowwise_small_m(a_q, a_s, w_q, w_s, b, out_dtype, block_n=16, block_k=64)
+    want = fp8_gemm_ref(a_q, a_s, w_q, w_s, b, out_dtype)
+    assert got.dtype == out_dtype and not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), **tol(out_dtype))
+    swapped = fp8_gemm_rowwise_small_m(a_q, a_s, w_q, w_s.flip(0), b, out_dtype, block_n=16, block_k=64)
+    assert not torch.allclose(swapped.float(), want.float(), **tol(out_dtype))  # the scales are per channel
+    with pytest.raises(ValueError):
+        fp8_gemm_rowwise_small_m(torch.zeros(17, k).to(FP8), torch.ones(17, 1), w_q, w_s)
+
+
+@pytest.mark.parametrize(("t", "c", "group", "dtype"), [(1, 16, None, torch.float32), (5, 100, None, torch.bfloat16),
+                                                        (3, 96, 32, torch.float32), (9, 4096 // 8, 64, torch.bfloat16)])
+def test_quantize_triton_matches_torch(poison_empty, t, c, group, dtype):
+    """o_proj's input quantization in one kernel: torch's scales, and e4m3 values equal except
+    at an exact halfway point (the kernel rounds half away from zero, torch to even)."""
+    from kernels.fp8_linear import dequantize, quantize
+    from kernels.fp8_quant import quantize_triton
+
+    g = torch.Generator().manual_seed(t * c)
+    x = (torch.randn(t, c, generator=g) * torch.logspace(-3, 3, t).unsqueeze(1)).to(dtype)
+    q, s = quantize_triton(x, group)
+    q_ref, s_ref = quantize(x, group)
+    assert q.dtype == FP8 and s.shape == s_ref.shape
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.float() != q_ref.float()).float().mean() < 0.01
+    back = dequantize(q, s)
+    rel = (back - x.float()).abs().reshape(t, -1, group or c).amax(-1) / x.float().abs().reshape(t, -1, group or c).amax(-1)
+    assert rel.max() <= 2**-4 + 1e-6

@@ -42,11 +42,23 @@ def graph_buckets(max_bs: int) -> list[int]:
     return out
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: int) -> torch.cuda.Stream:
+    """One capture stream per device for every engine of the process: torch keeps a cuBLAS
+    workspace (32 MiB on sm90) for each stream cuBLAS ran on, so a new stream per engine would
+    leave one behind each time an engine closes."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
 def capture_graphs(*graph_sets: DecodeGraphs | PrefillGraphs) -> None:
     """Capture every graph set on one side stream, sharing one memory pool (largest graphs first)."""
     t0 = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
-    stream = torch.cuda.Stream()
+    stream = _capture_stream(torch.cuda.current_device())
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for gs in graph_sets:

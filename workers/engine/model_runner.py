@@ -51,9 +51,22 @@ class SampledTokens:
             self._event = torch.cuda.Event()
             self._event.record()
 
+    # CUDA events recorded before and after the step's work (ModelRunner.execute); None on a CPU
+    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
     @classmethod
     def empty(cls) -> SampledTokens:
         return cls(None)
+
+    def device_seconds(self) -> float | None:
+        """The step's time on the device, from the stream reaching its first kernel to its last
+        (waits for it): exact under async scheduling, where the host's clock sees the step only
+        when it reads it back. None without timing events (a CPU)."""
+        if self.timing is None:
+            return None
+        start, end = self.timing
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def __len__(self) -> int:
         return 0 if self.device_tokens is None else self.device_tokens.shape[0]
@@ -386,8 +399,20 @@ class ModelRunner:
         """Launch the step; return its sampled tokens (one per entry that samples, in order).
 
         Nothing here waits for the device: `SampledTokens.tolist()` does. Decode inputs still
-        pending on `prev` (async scheduling) are read from its tokens on the device.
+        pending on `prev` (async scheduling) are read from its tokens on the device. On CUDA the
+        step's work is bracketed by two timing events: `SampledTokens.device_seconds()`.
         """
+        if self.device.type != "cuda":
+            return self._execute(out, prev)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        sampled = self._execute(out, prev)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        sampled.timing = (start, end)
+        return sampled
+
+    def _execute(self, out: SchedulerOutput, prev: SampledTokens | None) -> SampledTokens:
         sampling_reqs = [e.request for e in out.scheduled if e.samples]
         n_seq = len(out.scheduled)
         pending = self.pending_inputs(out, prev)

@@ -12,13 +12,15 @@ pair as it is. o_proj quantizes the attention output itself.
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import fp8_gemm_grouped_triton
+from kernels.fp8_gemm import SMALL_M, fp8_gemm_grouped_triton, fp8_gemm_rowwise_small_m
 from kernels.fp8_linear import Gemm, fp8_gemm_ref, fp8_gemm_scaled_mm, quantize, scaled_mm_supported
+from kernels.fp8_quant import quantize_triton
 
 QUANTIZATIONS = ("fp8",)
 
@@ -63,14 +65,23 @@ class Fp8Linear(nn.Module):
         else:
             gemm, self.kernel = fp8_gemm_ref, "reference"
         self._gemm = gemm
+        # rows up to which a decode step takes kernels/fp8_gemm.py's weight-streaming kernel instead
+        # of _scaled_mm (0: never); FIRSTTOKEN_FP8_SMALL_M sets it for an experiment
+        self.small_m = min(int(os.environ.get("FIRSTTOKEN_FP8_SMALL_M", SMALL_M)), SMALL_M) if gemm is fp8_gemm_scaled_mm else 0
+        # activations that come unquantized (o_proj's): one Triton launch on CUDA, not torch's ~8
+        self._quantize = quantize_triton if w.device.type == "cuda" else quantize
+
+    def _run(self, x_q: torch.Tensor, x_s: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        if x_q.shape[0] <= self.small_m:
+            return fp8_gemm_rowwise_small_m(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
+        return self._gemm(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
 
     def forward(self, x: Activation) -> torch.Tensor:
         # x: [..., K], or (e4m3 [T, K], scale [T, 1] or [T, K / act_group]) -> [..., N]
         if isinstance(x, torch.Tensor):
-            x_q, x_s = quantize(x.reshape(-1, self.in_features), self.act_group)
-            out = self._gemm(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, x.dtype)
-            return out.reshape(*x.shape[:-1], self.out_features)
-        return self._gemm(x[0], x[1], self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
+            x_q, x_s = self._quantize(x.reshape(-1, self.in_features), self.act_group)
+            return self._run(x_q, x_s, x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return self._run(x[0], x[1], self.out_dtype)
 
 
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
