@@ -482,3 +482,15 @@ def test_a_checkpoint_directory_is_served_by_its_path_and_its_name(store, queue)
         assert c.get("/v1/models/Llama-3.1-8B-Instruct", headers=ALICE).status_code == 200
         assert c.get("/v1/models//models/Llama-3.1-8B-Instruct", headers=ALICE).status_code == 200
         assert c.get("/v1/models/smollm2-135m", headers=ALICE).status_code == 404
+
+
+def test_without_firsttoken_model_the_api_serves_the_real_default(store, queue, monkeypatch):
+    monkeypatch.delenv("FIRSTTOKEN_MODEL", raising=False)
+    with TestClient(create_app(Settings(api_keys=f"alice:{KEY_A}"), store=store, queue=queue, canceller=None,
+                               replies=None)) as c:
+        assert [m["id"] for m in c.get("/v1/models", headers=ALICE).json()["data"]] == ["smollm2-135m"]
+    monkeypatch.setenv("FIRSTTOKEN_MODEL", "tiny")  # a random-weight preset, named
+    with TestClient(create_app(Settings(api_keys=f"alice:{KEY_A}"), store=store, queue=queue, canceller=None,
+                               replies=None)) as c:
+        assert [m["id"] for m in c.get("/v1/models", headers=ALICE).json()["data"]] == ["tiny"]
+        assert c.get("/v1/models/smollm2-135m", headers=ALICE).json()["error"]["code"] == "model_not_found"
