@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -17,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.batch_io import default_batch_id, file_digest
-from pipeline.queue.base import JobQueue
-from pipeline.store import ResultStore
+from pipeline.queue.base import JobQueue, encode_job
+from pipeline.store import ResultStore, refused_data
 from schemas.batchfile import BatchLineError, ParsedLine, parse_lines
 from schemas.job import ErrorCode, JobRequest, JobResult, job_id_of_line
+from schemas.limits import MAX_MESSAGE_BYTES
 
 
 class BatchConflict(Exception):
@@ -84,6 +86,20 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def message_too_large(job: JobRequest) -> tuple[ErrorCode, str] | None:
+    """`too_large` when the job would not fit one queue message (schemas.limits.MAX_MESSAGE_BYTES,
+    which the producer and the broker are configured to carry). Encoded only when a bound on its
+    size (6 bytes a character: a JSON escape) says it might not fit: never within the line limits."""
+    chars = len(job.prompt or "") + sum(len(m.content) + 32 for m in job.messages or ())
+    chars += sum(len(x) for x in job.sampling.stop) + len(json.dumps(job.metadata, ensure_ascii=False))
+    if 6 * chars + 64 * 1024 <= MAX_MESSAGE_BYTES:
+        return None
+    size = len(encode_job(job))
+    if size <= MAX_MESSAGE_BYTES:
+        return None
+    return ErrorCode.TOO_LARGE, f"the job is {size} bytes as a queue message; the limit is {MAX_MESSAGE_BYTES}"
 
 
 class Producer:
@@ -232,6 +248,8 @@ class _BatchRun:
                 continue
             job = item.request(self.batch_id, owner=self.owner, default_max_tokens=self.default_max_tokens)
             problem = None if self.check is None else self.check(job)
+            if problem is None:
+                problem = message_too_large(job)
             if problem is not None:
                 failures.append((self._line_failure(job, *problem), item.line_no, job.line_format))
             elif job.id in first:
@@ -250,13 +268,7 @@ class _BatchRun:
             room = MAX_REPORTED_ERRORS - len(self.errors)
             self.errors.extend(f for f, _, _ in failures[: max(0, room)])
             if self.p.store is not None:
-                self.p.store.upsert_results(
-                    [f for f, _, _ in failures],
-                    lines={
-                        f.id: {"owner": self.owner, "line_no": line_no, "line_format": fmt}
-                        for f, line_no, fmt in failures
-                    },
-                )
+                self._record_failures(failures)
 
     def _new_or_unfinished(
         self, jobs: list[JobRequest], failures: list[tuple[JobResult, int, str | None]]
@@ -274,7 +286,7 @@ class _BatchRun:
                     self._seen.add(j.id)
                     out.append(j)
             return out
-        inserted = store.record_queued(jobs)
+        inserted = self._record_queued(jobs, failures)
         if len(inserted) == len(jobs):
             return jobs
         others = [j for j in jobs if j.id not in inserted]
@@ -289,6 +301,62 @@ class _BatchRun:
             else:  # this very line, recorded by an earlier submission that may not have published it
                 out.append(j)
         return out
+
+    def _record_queued(self, jobs: list[JobRequest], failures: list[tuple[JobResult, int, str | None]]) -> set[str]:
+        """Record the chunk's jobs as queued, in one statement; when the database refuses the
+        chunk's values, record them one by one, and each job it refuses is that line's error
+        (the others go on). `jobs` loses the refused ones."""
+        store = self.p.store
+        assert store is not None
+        try:
+            return store.record_queued(jobs)
+        except Exception as exc:
+            if refused_data(exc) is None:
+                raise
+        inserted: set[str] = set()
+        refused: set[str] = set()
+        for j in jobs:
+            try:
+                inserted |= store.record_queued([j])
+            except Exception as exc:
+                reason = refused_data(exc)
+                if reason is None:
+                    raise
+                refused.add(j.id)
+                failures.append((self._line_failure(j, ErrorCode.INVALID_REQUEST, f"the store refused this line ({reason})"),
+                                 j.line_no or 0, j.line_format))
+        if refused:
+            jobs[:] = [j for j in jobs if j.id not in refused]
+        return inserted
+
+    def _record_failures(self, failures: list[tuple[JobResult, int, str | None]]) -> None:
+        """Write the lines' `failed` rows; one the database refuses (it holds what no column can)
+        is written again by itself with a plain message, so one row never costs the others."""
+        store = self.p.store
+        assert store is not None
+
+        def write(part: list[tuple[JobResult, int, str | None]]) -> None:
+            store.upsert_results(
+                [f for f, _, _ in part],
+                lines={f.id: {"owner": self.owner, "line_no": line_no, "line_format": fmt} for f, line_no, fmt in part},
+            )
+
+        try:
+            write(failures)
+            return
+        except Exception as exc:
+            if refused_data(exc) is None:
+                raise
+        for f, line_no, fmt in failures:
+            try:
+                write([(f, line_no, fmt)])
+            except Exception as exc:
+                reason = refused_data(exc)
+                if reason is None:
+                    raise
+                plain = f.model_copy(update={"custom_id": None, "error_message": f"line {line_no}: the store refused "
+                                             f"this line's error ({reason})"})
+                write([(plain, line_no, fmt)])
 
     def _line_failure(self, job: JobRequest, code: ErrorCode, message: str) -> JobResult:
         return JobResult.failure(

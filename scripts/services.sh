@@ -119,6 +119,11 @@ num.network.threads=2
 num.io.threads=2
 background.threads=2
 log.retention.hours=24
+# One job message may be up to 9 MiB (schemas/limits.py MAX_MESSAGE_BYTES: an 8 MiB line and what
+# the server adds): the producer sends record batches of up to 10 MiB (pipeline/queue/kafka.py
+# MAX_BATCH_BYTES), and the broker takes them.
+message.max.bytes=10485760
+replica.fetch.max.bytes=10485760
 EOF
   cat > "$KAFKA_DIR/log4j2.properties" <<EOF
 appender.file.type = File

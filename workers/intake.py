@@ -56,10 +56,12 @@ class Intake:
         max_messages: int = 256,
         commit_interval_s: float = 0.05,
         name: str = "intake",
+        each_poll: Callable[[], None] = lambda: None,
     ) -> None:
         self.consumer = consumer
         self._deliver = deliver
         self._overloaded = overloaded
+        self._each_poll = each_poll  # on this thread before every poll (work the worker holds back)
         self.poll_timeout_s = poll_timeout_s
         self.max_messages = max_messages
         self.commit_interval_s = commit_interval_s
@@ -128,6 +130,8 @@ class Intake:
         while not self._stop.is_set():
             try:
                 self._commit(force=False)
+                if self._taking:
+                    self._each_poll()
                 self._apply_backpressure()
                 messages = self.consumer.poll(self.poll_timeout_s, self.max_messages)
             except Exception as exc:  # broker down, rebalance failure: keep going, the client reconnects

@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,8 +31,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline.queue import JobConsumer, Message
 from pipeline.replies import ReplyPublisher, delta_message, final_message
-from pipeline.settings import Settings
+from pipeline.settings import DEFAULT_MODEL, Settings
 from pipeline.store import ResultStore
+from pipeline.store.records import Admission
 from schemas.job import (
     ErrorCode,
     FinishReason,
@@ -79,6 +81,15 @@ class WorkerConfig:
     commit_interval_s: float = 0.25
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight jobs may run before being handed back
     sink: SinkConfig = field(default_factory=SinkConfig)
+    # A job taken into an engine this many times without a result (each time, the worker running
+    # it died) is failed with engine_error and its message copied to the dead-letter topic instead
+    # of run again. Counted in the store, with one lookup per fetch that also marks the jobs
+    # running and skips those already terminal (a redelivered message whose row is written). A
+    # job delivered `hold_from` times without a result runs alone among such jobs (one at a time,
+    # beside the fresh ones), so that the job that kills workers is the one its deaths count
+    # against, not the jobs that happened to run beside it. None: no lookup (every job runs).
+    max_deliveries: int | None = 3
+    hold_from: int = 2
     # Python's GIL switch interval for this process (default 5 ms): a thread woken by the network
     # waits up to that long for the GIL while another thread runs Python; None: unchanged
     gil_switch_interval_s: float | None = 0.0005
@@ -104,6 +115,9 @@ class WorkerCounters:
     failed: int = 0
     cancelled: int = 0
     duplicates: int = 0  # messages for a job already in the engine
+    skipped: int = 0  # messages of jobs already terminal in the store (delivered again): not run
+    poisoned: int = 0  # jobs failed after max_deliveries deliveries without a result (dead-lettered)
+    held: int = 0  # jobs delivered hold_from times without a result, run one at a time
     handed_back: int = 0  # aborted at shutdown, left uncommitted
 
 
@@ -150,6 +164,10 @@ class Worker:
         self._stats: EngineStats | None = None  # the core's latest
         self._running = 0
         self._kv_used = 0.0
+        self.store = store
+        self._admit_error: str | None = None  # why the last admission lookup failed (logged once)
+        self._held: deque[Message] = deque()  # delivered too often: run one at a time (WorkerConfig.hold_from)
+        self._held_running: str | None = None  # the held job in the engine now
         self.sink = ResultSink(store, self._on_durable, self.config.sink)
         self.intake = Intake(
             consumer,
@@ -158,6 +176,7 @@ class Worker:
             poll_timeout_s=self.config.poll_timeout_s,
             max_messages=self.config.max_poll_messages,
             commit_interval_s=self.config.commit_interval_s,
+            each_poll=self._release_held,
         )
         self._thread = threading.Thread(target=self._results_loop, name="engine-results", daemon=True)
 
@@ -260,11 +279,40 @@ class Worker:
 
     # --- intake / sink callbacks -----------------------------------------------------------------
 
-    def _deliver(self, messages: list[Message]) -> None:
-        """On the intake thread: each new job goes to the engine core at once."""
+    def _admission(self, messages: list[Message], wall: float) -> Admission | None:
+        """One store round trip for a fetch: the jobs not in flight here are marked running and
+        count a delivery (those delivered `hold_from` times already are held instead, and those
+        terminal are left out). None when there is no lookup, or the store is unreachable (then
+        every job runs: results are idempotent by id, and the sink waits for the store)."""
+        if self.config.max_deliveries is None:
+            return None
+        fresh = [m.job for m in messages if m.job.id not in self._inflight]
+        if not fresh:
+            return Admission()
+        try:
+            got = self.store.admit(fresh, worker=self.name, admitted_at=wall, hold_from=self.config.hold_from)
+        except Exception as exc:
+            if self._admit_error is None:
+                log.warning("admission lookup failed (%s); running the jobs unchecked", type(exc).__name__)
+            self._admit_error = type(exc).__name__
+            return None
+        if self._admit_error is not None:
+            log.info("admission lookups work again")
+            self._admit_error = None
+        return got
+
+    def _deliver(self, messages: list[Message], *, held: bool = False) -> None:
+        """On the intake thread: each new job goes to the engine core at once (after one lookup
+        per fetch: a job already terminal is skipped, one delivered too often is held or fails).
+        `held`: the one held job released now (admitted already)."""
         wall, mono = self._wall(), time.monotonic()
+        if self._draining.is_set() or self._engine_error is not None:
+            return  # never admitted: left uncommitted, delivered again
+        admitted = None if held else self._admission(messages, wall)
         adds: list[AddRequest] = []
         outcomes: list[Outcome] = []
+        skipped: list[Message] = []
+        poison: list[tuple[JobRequest, Message]] = []
         with self._lock:
             if self._draining.is_set() or self._engine_error is not None:
                 return  # never admitted: left uncommitted, delivered again
@@ -274,6 +322,17 @@ class Worker:
                 if running is not None:  # the same job delivered again while it runs: one result
                     running.messages.append(msg)
                     self.counters.duplicates += 1
+                    continue
+                if admitted is not None and job.id not in admitted.running:
+                    deliveries = admitted.held.get(job.id)
+                    if deliveries is None:  # terminal already (or it just finished here): nothing to run
+                        skipped.append(msg)
+                        self.counters.skipped += 1
+                    elif deliveries >= self.config.max_deliveries:  # type: ignore[operator]
+                        poison.append((job, msg))
+                    else:
+                        self._held.append(msg)
+                        self.counters.held += 1
                     continue
                 submitted = job.submitted_at
                 if submitted is None:
@@ -302,14 +361,56 @@ class Worker:
                 self.counters.admitted += 1
             if adds:
                 self.core.submit(adds)  # under the lock: a cancel's abort always follows the add
+        if skipped:
+            self.intake.commit_later(skipped)
+        if poison:
+            outcomes.extend(self._poisoned(poison))
         if outcomes:
             self._finished(outcomes)
             self.sink.put(outcomes)
 
+    def _release_held(self) -> None:
+        """On the intake thread, before each poll: when no held job is in the engine, the next one
+        goes in (admitted now: its delivery counted)."""
+        if not self._held or (self._held_running is not None and self._held_running in self._inflight):
+            return
+        if self._draining.is_set() or self._engine_error is not None:
+            return
+        msg = self._held[0]
+        try:
+            got = self.store.admit([msg.job], worker=self.name, admitted_at=self._wall(), hold_from=None)
+        except Exception as exc:  # the store is away: try again at the next poll
+            if self._admit_error is None:
+                log.warning("admission of a held job failed (%s); retrying", type(exc).__name__)
+            self._admit_error = type(exc).__name__
+            return
+        self._held.popleft()
+        if msg.job.id in got.terminal:
+            self.counters.skipped += 1
+            self.intake.commit_later([msg])
+            return
+        self._held_running = msg.job.id
+        self._deliver([msg], held=True)
+
+    def _poisoned(self, poison: list[tuple[JobRequest, Message]]) -> list[Outcome]:
+        """Jobs taken into engines max_deliveries times without a result: copy their messages to
+        the dead-letter topic, then fail them (their rows, then the commit, follow as any result's)."""
+        n = self.config.max_deliveries
+        error = f"taken into an engine {n} times without a result (the workers running it stopped): not run again"
+        self.intake.consumer.dead_letter([m for _, m in poison], ErrorCode.ENGINE_ERROR.value, error)
+        self.counters.poisoned += len(poison)
+        log.warning("%d jobs failed after %d deliveries without a result; copied to the dead-letter topic",
+                    len(poison), n)
+        return [
+            self._failure(job, [msg], ErrorCode.ENGINE_ERROR, error,
+                          job.submitted_at if job.submitted_at is not None else self._wall())
+            for job, msg in poison
+        ]
+
     def _overloaded(self) -> bool:
         if self.sink.full:
             return True
-        backlog = len(self._inflight) - self._running  # sent to the core and not running yet
+        backlog = len(self._inflight) - self._running + len(self._held)  # not running yet
         if self.intake.paused:  # hysteresis: resume once half drained
             return (
                 backlog > self.config.max_waiting // 2 or self._kv_used > self.config.kv_high_watermark - 0.1
@@ -348,6 +449,7 @@ class Worker:
             self._kv_used = st.kv_blocks_used / st.kv_blocks_total if st.kv_blocks_total else 0.0
         done: list[tuple[_InFlight, FinishedRequest]] = []
         outcomes: list[Outcome] = []
+        handed_back: list[str] = []
         with self._lock:
             for rid, t in out.first_tokens:
                 entry = self._inflight.get(rid)
@@ -369,8 +471,9 @@ class Worker:
                     continue
                 if f.request_id in self._handing_back:
                     self._handing_back.discard(f.request_id)
-                    if f.finish_reason == "abort":  # no row, no commit: the queue delivers it again
+                    if f.finish_reason == "abort":  # no result, no commit: the queue delivers it again
                         self.counters.handed_back += 1
+                        handed_back.append(f.request_id)
                         continue
                 if f.finish_reason == "error":  # it made engine steps fail, alone: it fails, the others go on
                     outcomes.append(self._failure(entry.request, entry.messages, ErrorCode.ENGINE_ERROR,
@@ -381,6 +484,11 @@ class Worker:
         if outcomes:
             self._finished(outcomes)
             self.sink.put(outcomes)
+        if handed_back and self.config.max_deliveries is not None:
+            try:  # queued again, that delivery not counted (the job did not stop this worker)
+                self.store.hand_back(handed_back)
+            except Exception as exc:
+                log.warning("could not mark %d handed-back jobs queued (%s)", len(handed_back), type(exc).__name__)
 
     def _finished(self, outcomes: list[Outcome]) -> None:
         """Count these results, and tell the waiters of the jobs that asked (JobRequest.reply)."""
@@ -489,7 +597,7 @@ class WorkerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="FIRSTTOKEN_", extra="ignore", frozen=True)
 
-    model: str = "tiny"  # preset or Hugging Face checkpoint directory
+    model: str = DEFAULT_MODEL  # a real model, a checkpoint directory, or a random-weight preset named as such
     device: str | None = None  # cuda or cpu; None: cuda when available
     dtype: str | None = None
     max_model_len: int | None = None
@@ -502,6 +610,7 @@ class WorkerSettings(BaseSettings):
     max_waiting: int = 512
     drain_timeout_s: float = 30.0
     sink_max_buffer: int = 10_000
+    max_deliveries: int | None = 3  # see WorkerConfig; 0: no admission lookup
     # The engine in a child process of its own (workers.engine_core.ProcessCore), away from the
     # GIL of the intake and the Kafka client; False: on a thread of the worker's process.
     engine_process: bool = True
@@ -549,6 +658,7 @@ def build_worker(
         name=s.worker_name,
         max_waiting=ws.max_waiting,
         drain_timeout_s=ws.drain_timeout_s,
+        max_deliveries=ws.max_deliveries or None,
         max_poll_messages=s.max_poll_records,
         sink=SinkConfig(batch_rows=s.store_batch_rows, max_buffer=ws.sink_max_buffer),
     )

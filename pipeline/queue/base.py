@@ -181,6 +181,16 @@ class JobConsumer(ABC):
                 )
             return out
 
+    def dead_letter(self, messages: Iterable[Message], code: str, error: str) -> None:
+        """Copy messages to the dead-letter topic with why (durable when this returns). They stay
+        in flight: the caller marks them done (commit) once it has recorded their outcome."""
+        with self._lock:
+            for m in messages:
+                raw = RawMessage(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp_ms)
+                self._dead_letter(raw, PoisonReport(code, error))
+                self.dead_lettered += 1
+            self._flush_dead_letters()
+
     def batches(self, timeout_s: float = 0.1, max_messages: int = 256) -> Iterator[list[Message]]:
         """Poll forever (until closed), yielding each batch, empty ones included, so that the
         caller can do its other work between polls."""

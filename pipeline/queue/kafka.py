@@ -50,8 +50,16 @@ from pipeline.queue.kafka_batches import (
 from pipeline.queue.kafka_transport import install_eager_writes
 from pipeline.settings import Settings, get_settings
 from schemas.job import JobRequest
+from schemas.limits import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
+
+# The largest record batch the producer sends (max_request_size) and the broker takes
+# (message.max.bytes, set by scripts/services.sh and compose.yaml; max.message.bytes on the topics
+# created here): room for one job message of schemas.limits.MAX_MESSAGE_BYTES and its batch header.
+# kafka-python's default (1 MiB) refused a 2 MB prompt that the line limit allows.
+MAX_BATCH_BYTES = 10 * 1024 * 1024
+assert MAX_BATCH_BYTES >= MAX_MESSAGE_BYTES + BATCH_HEADER_BYTES + 1024
 
 
 def ensure_topics(
@@ -70,7 +78,9 @@ def ensure_topics(
     try:
         existing = set(admin.list_topics())
         missing = [
-            NewTopic(name, n, replication_factor) for name, n in topics.items() if name not in existing
+            NewTopic(name, n, replication_factor, topic_configs={"max.message.bytes": str(MAX_BATCH_BYTES)})
+            for name, n in topics.items()
+            if name not in existing
         ]
         if missing:
             # Another process may create one in between: that is fine.
@@ -257,6 +267,7 @@ def make_producer(settings: Settings, *, client_id: str, **overrides: Any) -> Ka
         "compression_type": None if settings.producer_compression == "none" else settings.producer_compression,
         "max_in_flight_requests_per_connection": 5,
         "allow_auto_create_topics": False,
+        "max_request_size": MAX_BATCH_BYTES,
         # kafka-python's client metrics (sensors updated on every request and record) are read by
         # nothing here and cost CPU, and GIL time, on every batch
         "metrics_enabled": False,

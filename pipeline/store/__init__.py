@@ -1,6 +1,6 @@
 """The results store: jobs and batches in Postgres or SQLite, schema by Alembic migrations."""
 
-from pipeline.store.engine import make_engine
+from pipeline.store.engine import make_engine, refused_data
 from pipeline.store.migrate import migrate
 from pipeline.store.records import BatchProgress, BatchRecord, FileRecord, JobRecord, LatencyStats
 from pipeline.store.repository import ResultStore, percentile_cont
@@ -15,4 +15,5 @@ __all__ = [
     "make_engine",
     "migrate",
     "percentile_cont",
+    "refused_data",
 ]

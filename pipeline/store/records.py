@@ -19,6 +19,14 @@ from schemas.job import (
 from schemas.sampling import SamplingParams
 
 
+@dataclass
+class Admission:
+    """What ResultStore.admit found for the jobs a worker is about to run."""
+
+    running: dict[str, int] = field(default_factory=dict)  # marked running now: id -> deliveries, this one included
+    held: dict[str, int] = field(default_factory=dict)  # delivered `hold_from` times or more already: id -> deliveries
+    terminal: set[str] = field(default_factory=set)  # already succeeded, failed or cancelled: not to run
+
 @dataclass(frozen=True)
 class JobRecord:
     """One row of `jobs`: the request as submitted and, once terminal, its result."""
@@ -48,6 +56,7 @@ class JobRecord:
     updated_at: float
     logprobs: list[TokenLogprobs] | None = None  # per output token, when the job asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first)
+    deliveries: int = 0  # times a worker took it into its engine (ResultStore.admit)
 
     def request(self) -> JobRequest | None:
         """The JobRequest this row was made from, or None for a row written from a result alone."""
@@ -120,7 +129,11 @@ class BatchProgress:
 
     @property
     def complete(self) -> bool:
-        """True when every job of the batch is terminal (and, if announced, all of them have rows)."""
+        """True when every job of the batch is terminal (and, if announced, all of them have rows).
+        An announced total of 0 (an empty input) is complete at once; a batch with no total and
+        no rows yet is not (its lines are still being submitted)."""
+        if self.total == 0:
+            return self.recorded == 0
         expected = self.total if self.total is not None else self.recorded
         return expected > 0 and self.done >= expected and self.done == self.recorded
 

@@ -16,6 +16,7 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
+    case,
     cast,
     column,
     delete,
@@ -29,7 +30,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.types import JSON
 
 from pipeline.store.engine import make_engine
-from pipeline.store.records import BatchProgress, BatchRecord, FileRecord, JobRecord, LatencyStats
+from pipeline.store.records import Admission, BatchProgress, BatchRecord, FileRecord, JobRecord, LatencyStats
 from pipeline.store.tables import LATENCY_METRICS, RESULT_COLUMNS, batches, files, jobs
 from schemas.job import (
     TERMINAL_STATUSES,
@@ -245,6 +246,7 @@ def _job_record(row: Row[Any]) -> JobRecord:
         logprobs=None if m["logprobs"] is None else [TokenLogprobs.model_validate(x) for x in m["logprobs"]],
         prompt_logprobs=None if m["prompt_logprobs"] is None else [
             None if x is None else TokenLogprobs.model_validate(x) for x in m["prompt_logprobs"]],
+        deliveries=m["deliveries"],
     )
 
 
@@ -334,6 +336,79 @@ class ResultStore:
                 )
                 written += _count(conn, stmt.returning(jobs.c.id))
         return written
+
+    def admit(
+        self,
+        requests: Sequence[JobRequest],
+        *,
+        worker: str | None = None,
+        admitted_at: float | None = None,
+        hold_from: int | None = None,
+    ) -> Admission:
+        """Jobs a worker is about to run. Each one not terminal with fewer than `hold_from` earlier
+        deliveries (all of them when None) is marked running and counts one more delivery; one
+        with more is held (unchanged: the caller decides when it runs, and admits it then); a
+        terminal one (a redelivered message whose result is written) is neither, and must not
+        run again. A job without a row gets one, as mark_running gives it. One UPDATE when every
+        job is fresh (the usual case); a SELECT more for the others."""
+        now = self._clock()
+        admitted = now if admitted_at is None else admitted_at
+        ids = list(dict.fromkeys(j.id for j in requests))
+        out = Admission()
+        if not ids:
+            return out
+        with self.engine.begin() as conn:
+            for i in range(0, len(ids), 1000):
+                cond = [jobs.c.id.in_(ids[i : i + 1000]), jobs.c.status.in_(_NOT_TERMINAL)]
+                if hold_from is not None:
+                    cond.append(jobs.c.deliveries < hold_from)
+                stmt = (
+                    update(jobs)
+                    .where(*cond)
+                    .values(status=JobStatus.RUNNING.value, worker=worker, admitted_at=admitted, updated_at=now,
+                            deliveries=jobs.c.deliveries + 1)
+                    .returning(jobs.c.id, jobs.c.deliveries)
+                )
+                out.running.update((r[0], r[1]) for r in conn.execute(stmt))
+            missing = [i for i in ids if i not in out.running]
+            if not missing:
+                return out
+            found: dict[str, tuple[str, int]] = {}
+            for i in range(0, len(missing), 1000):
+                q = select(jobs.c.id, jobs.c.status, jobs.c.deliveries).where(jobs.c.id.in_(missing[i : i + 1000]))
+                found.update((r[0], (r[1], r[2])) for r in conn.execute(q))
+            for jid, (status, deliveries) in found.items():
+                if status in _NOT_TERMINAL:
+                    out.held[jid] = deliveries
+                else:
+                    out.terminal.add(jid)
+            absent = set(missing) - set(found)
+            rows = []
+            for j in _first_by_id((j for j in requests if j.id in absent), lambda j: j.id):
+                row = _request_row(j, JobStatus.RUNNING, now)
+                row.update(worker=worker, admitted_at=admitted, deliveries=1)
+                rows.append(row)
+            if rows:  # inserted now, or by a writer in between (then left alone, not counted: it runs)
+                self._execute_many(conn, "queued", rows)
+                out.running.update((r["id"], 1) for r in rows)
+        return out
+
+    def hand_back(self, job_ids: Sequence[str]) -> int:
+        """Jobs a worker gave back unfinished (it stopped before they ended; their messages are
+        delivered again): queued again, and that delivery not counted. Returns rows changed."""
+        ids = list(dict.fromkeys(job_ids))
+        n = 0
+        now = self._clock()
+        with self.engine.begin() as conn:
+            for i in range(0, len(ids), 1000):
+                stmt = (
+                    update(jobs)
+                    .where(jobs.c.id.in_(ids[i : i + 1000]), jobs.c.status == JobStatus.RUNNING.value)
+                    .values(status=JobStatus.QUEUED.value, worker=None, updated_at=now,
+                            deliveries=case((jobs.c.deliveries > 0, jobs.c.deliveries - 1), else_=0))
+                )
+                n += _count(conn, stmt.returning(jobs.c.id))
+        return n
 
     def upsert_results(
         self,

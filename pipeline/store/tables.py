@@ -75,6 +75,8 @@ jobs = Table(
     # added by revision 0006: per output / prompt token, when the job asked for them (JSON lists)
     Column("logprobs", JsonDoc, nullable=True),
     Column("prompt_logprobs", JsonDoc, nullable=True),
+    # added by revision 0007: how many times a worker took it into its engine (ResultStore.admit)
+    Column("deliveries", Integer, nullable=False, server_default="0"),
     # row bookkeeping, epoch seconds
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),

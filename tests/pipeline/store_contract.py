@@ -132,6 +132,37 @@ class StoreContract:
         q = store.get_job("q")
         assert q is not None and q.prompt == "queued" and q.metadata == {"a": 1} and q.messages is None
 
+    def test_admit_marks_running_counts_deliveries_holds_the_redelivered_and_skips_terminal(self, store: ResultStore):
+        queued = [JobRequest(id=f"a{i}", prompt=f"p{i}", submitted_at=5.0) for i in range(3)]
+        store.insert_queued(queued)
+        store.upsert_results([ok("a2")])  # a redelivered message whose result is written
+        fresh = JobRequest(id="a-new", prompt="straight through the queue", priority=3)
+        got = store.admit([*queued, fresh, queued[0]], worker="gpu0", admitted_at=995.0, hold_from=2)
+        assert got.running == {"a0": 1, "a1": 1, "a-new": 1} and got.held == {} and got.terminal == {"a2"}
+        rec = store.get_job("a0")
+        assert rec is not None and rec.status is JobStatus.RUNNING and rec.worker == "gpu0"
+        assert rec.timings.admitted_at == 995.0 and rec.deliveries == 1
+        new = store.get_job("a-new")
+        assert new is not None and new.status is JobStatus.RUNNING and new.prompt == "straight through the queue"
+        assert new.priority == 3
+        # delivered again (the worker died before the result): counted again, up to hold_from
+        assert store.admit(queued, worker="gpu1", hold_from=2).running == {"a0": 2, "a1": 2}
+        third = store.admit(queued, worker="gpu2", hold_from=2)
+        assert third.running == {} and third.held == {"a0": 2, "a1": 2} and third.terminal == {"a2"}
+        assert store.get_job("a0").worker == "gpu1" and store.get_job("a0").deliveries == 2  # held: unchanged
+        # a held job admitted when its caller runs it: counted without a bound
+        assert store.admit([queued[0]], hold_from=None).running == {"a0": 3}
+        done = store.get_job("a2")
+        assert done is not None and done.status is JobStatus.SUCCEEDED and done.deliveries == 0
+        # a result ends it: later deliveries find it terminal
+        store.upsert_results([ok("a0")])
+        assert store.admit([queued[0]]).terminal == {"a0"}
+        assert store.get_job("a0").status is JobStatus.SUCCEEDED
+        # handed back unfinished: queued again, that delivery not counted
+        assert store.hand_back(["a1", "a0"]) == 1
+        a1 = store.get_job("a1")
+        assert a1.status is JobStatus.QUEUED and a1.deliveries == 1 and a1.worker is None
+
     def test_mark_running_then_result(self, store: ResultStore):
         store.insert_queued([JobRequest(id="r1", prompt="x", submitted_at=990.0)])
         assert store.mark_running(["r1", "missing"], worker="gpu0", admitted_at=995.0) == 1

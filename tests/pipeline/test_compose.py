@@ -208,3 +208,19 @@ def test_observability_scrapes_what_serves_metrics_and_charts_what_exists(servic
     dash = json.loads((ROOT / "observability" / "grafana" / "dashboards" / "firsttoken.json").read_text())
     used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"firsttoken:[a-z0-9_]+", t["expr"])}
     assert len(used) >= 10 and sorted(used - exported) == []
+
+
+def test_one_job_message_fits_the_producer_the_broker_and_the_topics(services: dict):
+    """The line limit, the producer's max_request_size and the broker's message.max.bytes agree:
+    a job as large as a line can be reaches the queue (a 2 MB prompt once did not)."""
+    from pipeline.queue.kafka import MAX_BATCH_BYTES
+    from pipeline.queue.kafka_batches import BATCH_HEADER_BYTES
+    from schemas.limits import MAX_LINE_BYTES, MAX_MESSAGE_BYTES
+
+    assert MAX_LINE_BYTES + 64 * 1024 <= MAX_MESSAGE_BYTES
+    assert MAX_MESSAGE_BYTES + BATCH_HEADER_BYTES <= MAX_BATCH_BYTES
+    env = services["kafka"]["environment"]
+    assert int(env["KAFKA_MESSAGE_MAX_BYTES"]) == MAX_BATCH_BYTES
+    assert int(env["KAFKA_REPLICA_FETCH_MAX_BYTES"]) >= MAX_BATCH_BYTES
+    script = (ROOT / "scripts" / "services.sh").read_text()
+    assert f"\nmessage.max.bytes={MAX_BATCH_BYTES}\n" in script

@@ -415,8 +415,6 @@ def test_an_empty_input_is_a_batch_of_no_lines_that_exits_0(tmp_path, capsys, co
     assert main(["run", str(src), "--db", db, "--batch-id", "E", "--model", "tiny"]) == EXIT_OK  # again: the same
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline/store: BatchProgress.complete is False for an announced total of 0 "
-                                       "(`expected > 0`), so finalize_batch leaves an empty batch open")
 def test_an_empty_input_is_a_completed_batch(tmp_path, capsys):
     src = tmp_path / "empty.jsonl"
     src.write_bytes(b"\n")

@@ -117,7 +117,9 @@ def test_cancel_and_hand_back_cross_the_pipe(core, store):
     wait_until(lambda: len(w._inflight) == 3, what="slow jobs admitted")
     w.stop(drain=True, timeout_s=0.0)  # hand them back at once
     assert w.counters.handed_back == 3 and w.counters.cancelled == 1
-    assert [r.id for r in store.list_jobs()] == ["c0"]
+    # the handed-back jobs are queued again, their delivery not counted against them
+    assert [(r.id, r.status, r.deliveries) for r in store.list_jobs()] == [("c0", JobStatus.CANCELLED, 1)] + [
+        (f"slow{i}", JobStatus.QUEUED, 0) for i in range(3)]
     c0 = store.get_job("c0")
     assert 0 < c0.usage.completion_tokens < 1500 and c0.error_code is ErrorCode.CANCELLED
     assert not all_committed(queue)
@@ -148,7 +150,10 @@ def test_a_dead_core_stops_the_worker_and_commits_nothing_unfinished(store):
         assert isinstance(w.failed_with, EngineCoreError) and "exited" in str(w.failed_with)
     finally:
         w.stop(drain=False)
-    assert store.list_jobs() == [] and queue.committed() == {}
+    # no result and nothing committed: the jobs are delivered again, and this delivery counts
+    # against them (ResultStore.admit): one that keeps killing workers is failed after a few
+    assert [(r.status, r.deliveries, r.text) for r in store.list_jobs()] == [(JobStatus.RUNNING, 1, None)] * 2
+    assert queue.committed() == {}
 
 
 def running(pid: int) -> bool:

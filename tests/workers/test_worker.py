@@ -131,7 +131,8 @@ def test_offsets_are_committed_only_after_the_rows_are_durable(engine, queue, st
         wait_until(
             lambda: w.counters.succeeded == 6 and flaky.failures >= 2, what="jobs done, writes failing"
         )
-        assert queue.committed() == {} and store.list_jobs() == []
+        # no result is durable (the jobs were admitted: running, one delivery each) and nothing committed
+        assert queue.committed() == {} and [r.status for r in store.list_jobs()] == [JobStatus.RUNNING] * 6
         assert not w.sink.store_ok and w.sink.buffered == 6
         flaky.down.clear()
         wait_until(lambda: all_committed(queue), what="commit after recovery")
@@ -187,7 +188,9 @@ def test_drain_hands_back_unfinished_jobs_uncommitted(engine, queue, store):
     wait_until(lambda: len(w._inflight) == 4, what="slow jobs admitted")
     w.stop(drain=True, timeout_s=0.0)  # the deadline has passed at once: hand them back
     assert w.counters.handed_back == 4
-    assert {r.id for r in store.list_jobs()} == {"quick0", "quick1", "quick2"}
+    assert {r.id for r in store.list_jobs() if r.status.terminal} == {"quick0", "quick1", "quick2"}
+    # the handed-back ones are queued again, that delivery not counted against them
+    assert {(r.id, r.deliveries) for r in store.list_jobs(status=JobStatus.QUEUED)} == {(f"slow{i}", 0) for i in range(4)}
     assert not all_committed(queue)
     # a new member of the group gets them again and finishes them
     w2 = start_worker(engine, queue, store)
@@ -201,7 +204,7 @@ def test_drain_hands_back_unfinished_jobs_uncommitted(engine, queue, store):
 
 def test_celery_cold_shutdown_hands_running_jobs_back_at_once(engine, queue, store, monkeypatch):
     """The bootstep's `terminate` (Celery's cold shutdown, SIGQUIT) stops the worker without the
-    drain a warm stop would do (60 s here): running jobs get no row and stay uncommitted."""
+    drain a warm stop would do (60 s here): running jobs get no result and stay uncommitted."""
     from workers import bootstep
 
     w = start_worker(engine, queue, store, drain_timeout_s=60)
@@ -218,7 +221,8 @@ def test_celery_cold_shutdown_hands_running_jobs_back_at_once(engine, queue, sto
         w.stop(drain=False, timeout_s=0.0)  # nothing to do once terminate stopped it
     assert bootstep.current_worker() is None and not w.intake._thread.is_alive()
     assert w.counters.handed_back == 4 and took < 10, (w.counters, took)
-    assert {r.id for r in store.list_jobs()} == {"quick0", "quick1", "quick2"}
+    assert {r.id for r in store.list_jobs() if r.status.terminal} == {"quick0", "quick1", "quick2"}
+    assert {r.id for r in store.list_jobs(status=JobStatus.QUEUED)} == {f"slow{i}" for i in range(4)}
     assert not all_committed(queue)
 
 
@@ -282,3 +286,66 @@ def test_paused_between_counts_the_overlap_with_each_pause():
     assert intake.paused_between(11.0, 15.5) == pytest.approx(1.0 + 0.5)
     assert intake.paused_between(0.0, 30.0) == pytest.approx(2.0 + 1.0 + 10.0)
     assert intake.paused_between(16.0, 21.0) == pytest.approx(1.0)
+
+
+class AcceleratorError(RuntimeError):
+    """What torch raises once a kernel has broken the device context: the engine cannot go on."""
+
+
+def engine_killed_by(poison: str):
+    """A tiny engine whose steps lose the device context whenever they compute `poison`."""
+    eng = make_engine_tiny()
+    real = eng.runner.execute
+
+    def execute(out, prev=None):
+        if any(e.request.request_id == poison for e in out.scheduled):
+            raise AcceleratorError("CUDA error: an illegal memory access was encountered")
+        return real(out, prev)
+
+    eng.runner.execute = execute
+    return eng
+
+
+def test_a_job_that_keeps_killing_workers_is_failed_and_dead_lettered_after_max_deliveries(queue, store):
+    """Each worker that runs the poison job stops (its engine is lost); its messages are delivered
+    again to the next. The jobs beside it die with it twice; delivered twice without a result,
+    each runs alone (one such job at a time), so the third death counts against the poison job
+    only. Its fourth delivery fails it with engine_error and copies its message to the
+    dead-letter topic; every other job succeeds."""
+    good = jobs(6, "good")
+    bad = jobs(1, "poison", max_tokens=8)[0]
+    queue.publish([*good[:3], bad, *good[3:]])
+    stopped = 0
+    for _ in range(6):
+        w = start_worker(engine_killed_by("poison0"), queue, store, max_deliveries=3)
+        try:
+            wait_until(lambda w=w: w.failed_with is not None or all_committed(queue), timeout_s=60,
+                       what="the worker to die or finish")
+        finally:
+            w.stop(drain=False)
+        if w.failed_with is None:
+            break
+        stopped += 1
+        assert "AcceleratorError" in str(w.failed_with) or "illegal memory" in str(w.failed_with)
+    assert stopped == 3 and all_committed(queue)
+    row = store.get_job("poison0")
+    assert row.status is JobStatus.FAILED and row.error_code is ErrorCode.ENGINE_ERROR
+    assert "3 times without a result" in row.error_message and row.deliveries == 3
+    assert w.counters.poisoned == 1
+    (letter,) = queue.dead_letters
+    assert JobRequest.model_validate_json(letter.value).id == bad.id  # the message as it was delivered
+    assert letter.headers[DLQ_ERROR_CODE] == b"engine_error"
+    for j in good:
+        assert store.get_job(j.id).status is JobStatus.SUCCEEDED, j.id
+
+
+def test_a_redelivered_job_already_written_is_skipped_not_run(engine, queue, store):
+    """A message delivered again after its result was written (a worker died between the row and
+    the commit) costs one lookup, not a second run."""
+    batch = jobs(4, "once")
+    run_all(engine, queue, store, batch)
+    before = {r.id: r.updated_at for r in store.list_jobs()}
+    queue.publish(batch)  # the same jobs again, as a redelivery would bring them
+    w = run_all(engine, queue, store, [])
+    assert w.counters.skipped == 4 and w.counters.admitted == 0 and w.counters.succeeded == 0
+    assert {r.id: r.updated_at for r in store.list_jobs()} == before
