@@ -111,6 +111,7 @@ def engine_scores(path: str, prompts: list[list[int]], **cfg) -> list[list]:
     while eng.has_unfinished():
         for f in eng.step().finished:
             done[f.request_id] = f.prompt_logprobs[1:]
+    eng.close()  # the next variant's engine sizes its KV cache from free memory
     return [done[f"q{i}"] for i in range(len(prompts))]
 
 

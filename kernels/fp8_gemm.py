@@ -139,7 +139,7 @@ def _fp8_gemm_rowwise_small_m_kernel(
     M, N, K,  # sizes
     stride_am, stride_bn, stride_cm,  # row strides (elements)
     HAS_BIAS: tl.constexpr,  # add bias before the store
-    BLOCK_M: tl.constexpr,  # >= M: every row of A in one tile (16: the smallest tensor-core tile)
+    BLOCK_M: tl.constexpr,  # >= M: every row of A in one tile (16, 32 or 64)
     BLOCK_N: tl.constexpr,  # columns of C per program
     BLOCK_K: tl.constexpr,  # K step
 ):
@@ -167,17 +167,34 @@ def _fp8_gemm_rowwise_small_m_kernel(
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-SMALL_M = 16  # rows up to which fp8_gemm_rowwise_small_m serves (one tensor-core tile of A)
+# rows up to which fp8_gemm_rowwise_small_m serves: A in one tile of 16, 32 or 64 rows. On the H200
+# torch._scaled_mm takes as long at 64 rows as at 1 on the 8B projections (e.g. down_proj 47.5 us at
+# M=1, 41.8 at 64) and reads the weight at 1.4-2.8 TB/s (bench/results/2026-12-01-fp8-decode-h200.md)
+SMALL_M = 64
+
+
+def small_m_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(block_n, block_k, num_warps, num_stages) for an [N, K] weight: the fastest of eight
+    configurations per Llama-3.1-8B projection at 1-16 rows on the H200 (bench_fp8_decode,
+    2026-12-01): down (K=14336) 29.7 us, gate_up (N=28672) 42.1, qkv (6144x4096) 16.2, o 12.8."""
+    if k >= 8192:
+        return 16, 512, 4, 4
+    if n >= 16384:
+        return 32, 512, 4, 3
+    if n > k:
+        return 32, 128, 4, 6
+    return 32, 256, 4, 4
 
 
 def fp8_gemm_rowwise_small_m(
     a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-    block_n: int = 32, block_k: int = 256, num_warps: int = 4, num_stages: int = 4,
+    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """`kernels.fp8_linear.fp8_gemm_ref` for at most SMALL_M rows with per-token ([M, 1]) and
     per-channel ([N, 1]) scales: a weight-streaming kernel for decode steps, where cuBLASLt's FP8
-    GEMM (torch._scaled_mm) tiles M to 64 or more."""
+    GEMM (torch._scaled_mm) tiles M to 64 or more. Tile sizes default to `small_m_config`."""
     check(a_q.dtype == FP8 and b_q.dtype == FP8, "fp8_gemm_small_m: A and B must be float8_e4m3fn")
     m, k = a_q.shape
     n, kb = b_q.shape
@@ -188,11 +205,15 @@ def fp8_gemm_rowwise_small_m(
     c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
     if m == 0 or n == 0:
         return c
+    cfg = small_m_config(n, k)
+    block_n, block_k = block_n or cfg[0], block_k or cfg[1]
+    num_warps, num_stages = num_warps or cfg[2], num_stages or cfg[3]
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     a_s = a_scale.reshape(m).float().contiguous()
     b_s = b_scale.reshape(n).float().contiguous()
     has_bias = bias is not None
     args = (a_q, a_s, b_q, b_s, bias if has_bias else b_s, c, m, n, k, a_q.stride(0), b_q.stride(0), c.stride(0))
-    consts = {"HAS_BIAS": has_bias, "BLOCK_M": SMALL_M, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
     _fp8_gemm_rowwise_small_m_kernel.launch((cdiv(n, block_n),), args, consts, num_warps, num_stages,
                                             a_q.device.type == "cuda")
     return c

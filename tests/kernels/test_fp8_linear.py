@@ -375,10 +375,10 @@ def test_grouped_gemm_tile_order_covers_every_tile(poison_empty, m, n, group_m, 
 
 @pytest.mark.parametrize(("m", "n", "k", "bias", "out_dtype"), [
     (1, 32, 16, False, torch.float32), (3, 96, 272, True, torch.float32), (16, 70, 100, False, torch.bfloat16),
-    (7, 33, 431, True, torch.float32),
+    (7, 33, 431, True, torch.float32), (40, 48, 128, True, torch.float32), (64, 16, 64, False, torch.bfloat16),
 ])
 def test_small_m_gemm_triton_against_reference(poison_empty, m, n, k, bias, out_dtype):
-    """The decode GEMM (per-token and per-channel scales, at most 16 rows) against the fp32
+    """The decode GEMM (per-token and per-channel scales, at most 64 rows) against the fp32
     reference of the same quantized operands, on ragged N and K (poisoned outputs: every element
     written)."""
     from kernels_testutil_tol import tol
@@ -399,7 +399,7 @@ def test_small_m_gemm_triton_against_reference(poison_empty, m, n, k, bias, out_
     swapped = fp8_gemm_rowwise_small_m(a_q, a_s, w_q, w_s.flip(0), b, out_dtype, block_n=16, block_k=64)
     assert not torch.allclose(swapped.float(), want.float(), **tol(out_dtype))  # the scales are per channel
     with pytest.raises(ValueError):
-        fp8_gemm_rowwise_small_m(torch.zeros(17, k).to(FP8), torch.ones(17, 1), w_q, w_s)
+        fp8_gemm_rowwise_small_m(torch.zeros(65, k).to(FP8), torch.ones(65, 1), w_q, w_s)
 
 
 @pytest.mark.parametrize(("t", "c", "group", "dtype"), [(1, 16, None, torch.float32), (5, 100, None, torch.bfloat16),

@@ -67,7 +67,8 @@ class Fp8Linear(nn.Module):
         self._gemm = gemm
         # rows up to which a decode step takes kernels/fp8_gemm.py's weight-streaming kernel instead
         # of _scaled_mm (0: never); FIRSTTOKEN_FP8_SMALL_M sets it for an experiment
-        self.small_m = min(int(os.environ.get("FIRSTTOKEN_FP8_SMALL_M", SMALL_M)), SMALL_M) if gemm is fp8_gemm_scaled_mm else 0
+        small = min(int(os.environ.get("FIRSTTOKEN_FP8_SMALL_M", SMALL_M)), SMALL_M)
+        self.small_m = small if gemm is fp8_gemm_scaled_mm else 0
         # activations that come unquantized (o_proj's): one Triton launch on CUDA, not torch's ~8
         self._quantize = quantize_triton if w.device.type == "cuda" else quantize
 
