@@ -129,7 +129,9 @@ def serve(
             out.finished.extend(step.finished)
             out.deltas.extend(step.deltas)
         now = time.monotonic()
-        if now - last_stats >= STATS_EVERY_S:
+        # stats ride with every output that ends requests (so that no reader sees a request
+        # finished and still counted running), and at most every STATS_EVERY_S besides
+        if out.finished or out.rejected or now - last_stats >= STATS_EVERY_S:
             out.stats = engine.stats()
             last_stats = now
         if out:

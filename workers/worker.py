@@ -90,6 +90,11 @@ class WorkerConfig:
     # against, not the jobs that happened to run beside it. None: no lookup (every job runs).
     max_deliveries: int | None = 3
     hold_from: int = 2
+    # How often the worker asks the store which of its running jobs were cancelled (by a user, a
+    # batch cancel, or a client that went away), and drops them from its engine: cancels reach
+    # every worker this way, the plain `firsttoken worker` too (Celery workers also hear them at
+    # once through the control plane). None: never.
+    cancel_poll_s: float | None = 0.5
     # Python's GIL switch interval for this process (default 5 ms): a thread woken by the network
     # waits up to that long for the GIL while another thread runs Python; None: unchanged
     gil_switch_interval_s: float | None = 0.0005
@@ -168,6 +173,7 @@ class Worker:
         self._admit_error: str | None = None  # why the last admission lookup failed (logged once)
         self._held: deque[Message] = deque()  # delivered too often: run one at a time (WorkerConfig.hold_from)
         self._held_running: str | None = None  # the held job in the engine now
+        self._next_cancel_poll = 0.0  # monotonic
         self.sink = ResultSink(store, self._on_durable, self.config.sink)
         self.intake = Intake(
             consumer,
@@ -176,7 +182,7 @@ class Worker:
             poll_timeout_s=self.config.poll_timeout_s,
             max_messages=self.config.max_poll_messages,
             commit_interval_s=self.config.commit_interval_s,
-            each_poll=self._release_held,
+            each_poll=self._each_poll,
         )
         self._thread = threading.Thread(target=self._results_loop, name="engine-results", daemon=True)
 
@@ -368,6 +374,29 @@ class Worker:
         if outcomes:
             self._finished(outcomes)
             self.sink.put(outcomes)
+
+    def _each_poll(self) -> None:
+        """On the intake thread, before each poll: the next held job, and (every cancel_poll_s)
+        the cancels recorded in the store."""
+        self._release_held()
+        every = self.config.cancel_poll_s
+        if every is None or not self._inflight:
+            return
+        now = time.monotonic()
+        if now < self._next_cancel_poll:
+            return
+        self._next_cancel_poll = now + every
+        with self._lock:
+            ids = [jid for jid in self._inflight if jid not in self._cancelled_ids]
+        if not ids:
+            return
+        try:
+            gone = self.store.cancelled_among(ids)
+        except Exception as exc:  # the store is away: the next poll asks again
+            log.debug("cancel poll failed: %s", type(exc).__name__)
+            return
+        if gone:
+            self.cancel(sorted(gone))
 
     def _release_held(self) -> None:
         """On the intake thread, before each poll: when no held job is in the engine, the next one

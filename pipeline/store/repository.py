@@ -393,6 +393,17 @@ class ResultStore:
                 out.running.update((r["id"], 1) for r in rows)
         return out
 
+    def cancelled_among(self, job_ids: Sequence[str]) -> set[str]:
+        """Which of these jobs are cancelled in the store (a user cancelled them, or their batch,
+        or the client that waited went away): what a worker running them should drop."""
+        ids = list(dict.fromkeys(job_ids))
+        out: set[str] = set()
+        with self.engine.connect() as conn:
+            for i in range(0, len(ids), 1000):
+                q = select(jobs.c.id).where(jobs.c.id.in_(ids[i : i + 1000]), jobs.c.status == JobStatus.CANCELLED.value)
+                out.update(r[0] for r in conn.execute(q))
+        return out
+
     def hand_back(self, job_ids: Sequence[str]) -> int:
         """Jobs a worker gave back unfinished (it stopped before they ended; their messages are
         delivered again): queued again, and that delivery not counted. Returns rows changed."""
