@@ -108,6 +108,11 @@ class Settings(BaseSettings):
         "flight ~half the time, and a job arriving then waited for kafka-python's next one",
     )
     max_poll_records: int = Field(default=256, ge=1)
+    max_partition_fetch_bytes: int = Field(
+        default=64 * 1024, ge=1024,
+        description="most bytes one fetch takes of a partition (kafka-python's default is 1 MiB): a "
+        "partition's backlog comes a slice at a time, beside the other partitions' slices",
+    )
     consumer_io_thread: bool = Field(
         default=False,
         description="run kafka-python's event loop on its own IO thread (its default) instead of on "
