@@ -320,8 +320,6 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_api(args: argparse.Namespace, out: TextIO) -> int:
     """Serve the HTTP API."""
-    import uvicorn
-
     from firsttoken.api import ConfigError, create_app
     from pipeline.settings import get_settings
 
@@ -341,7 +339,9 @@ def cmd_api(args: argparse.Namespace, out: TextIO) -> int:
     else:
         owners = sorted(set(settings.api_key_owners.values()))
         print(f"# API keys for {len(owners)} owner(s): {', '.join(owners)}", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    from firsttoken.api.server import serve  # limits and read deadlines (FIRSTTOKEN_API_MAX_CONNECTIONS, ...)
+
+    serve(app, settings, host=args.host, port=args.port)
     return 0
 
 

@@ -6,7 +6,7 @@ import hashlib
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
@@ -171,12 +171,40 @@ class Settings(BaseSettings):
         default=600.0, gt=0, description="how long a completion waits for its result before it is cancelled (504)"
     )
     api_max_unfinished_jobs: int = Field(
-        default=0, ge=0, description="per owner (API key): queued and running jobs at most; a submission that "
-        "would pass it is refused whole with 429 rate_limit_exceeded and Retry-After; 0: no limit"
+        default=10_000, ge=0, description="per owner (API key): queued and running jobs at most; a submission that "
+        "would pass it is refused whole with 429 rate_limit_exceeded and Retry-After (413 when it alone is more); "
+        "0: no limit"
     )
     api_max_live_completions: int = Field(
-        default=0, ge=0, description="per owner and API process: completions (plain or streamed) in flight at "
+        default=64, ge=0, description="per owner and API process: completions (plain or streamed) in flight at "
         "most; past it 429 rate_limit_exceeded; 0: no limit"
+    )
+    api_max_connections: int = Field(
+        default=2048, ge=1, description="connections and requests the API process serves at once (uvicorn's "
+        "limit_concurrency); past it 503"
+    )
+    api_header_timeout_s: float = Field(
+        default=10.0, gt=0, description="a connection that has not sent a request's whole header this long "
+        "after it opened (or after its last response) is closed"
+    )
+    api_body_timeout_s: float = Field(
+        default=120.0, gt=0, description="a request whose body has not all arrived this long after its header is "
+        "cut off (a 256 MiB upload needs 2.2 MB/s)"
+    )
+    api_max_header_bytes: int = Field(
+        default=64 * 1024, ge=4096, description="largest request header (h11's incomplete event size)"
+    )
+    api_metrics_key: SecretStr | None = Field(
+        default=None, description="when set, GET /metrics needs `Authorization: Bearer <this key>` (else it is "
+        "open, as Prometheus expects)"
+    )
+    api_metrics_max_age_s: float = Field(
+        default=5.0, gt=0, description="the backlog gauges of /metrics are read from the store at most once "
+        "this often, however often it is scraped"
+    )
+    reply_secret: SecretStr | None = Field(
+        default=None, description="the key of the HMAC that binds a Redis reply to its job (the API and the "
+        "workers must share it); unset: a key derived from the database URL's user, password, host and port"
     )
     api_retry_after_s: float = Field(default=5.0, gt=0, description="the Retry-After of a 429 for unfinished jobs")
     api_expire_every_s: float = Field(
@@ -235,6 +263,16 @@ class Settings(BaseSettings):
     def api_key_owners(self) -> dict[str, str]:
         """API key -> owner."""
         return parse_api_keys(self.api_keys)
+
+    @property
+    def reply_key(self) -> bytes:
+        """The HMAC key of replies on Redis: from reply_secret, or derived from the database
+        server's credentials (which the API and the workers share and Redis never sees)."""
+        if self.reply_secret is not None and self.reply_secret.get_secret_value():
+            return hashlib.sha256(b"firsttoken reply secret\0" + self.reply_secret.get_secret_value().encode()).digest()
+        url = make_url(self.database_url)
+        creds = f"{url.username or ''}\0{url.password or ''}\0{url.host or ''}\0{url.port or ''}"
+        return hashlib.sha256(b"firsttoken reply key of the database\0" + creds.encode()).digest()
 
     @property
     def kafka_bootstrap_servers(self) -> list[str]:

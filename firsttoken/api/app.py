@@ -11,7 +11,10 @@ Without keys the app refuses to start unless authentication is switched off expl
 OpenAI batches past their 24h window are expired by a sweep every api_expire_every_s (and on
 each read). Bodies are read up to a limit (413 past it) and parsed on a worker thread, never on the event
 loop. Errors are `{"error": {"code", "type", "message"}}`; a 422 names the field and the rule,
-never echoes the input; no input gives a 500.
+never echoes the input; no input gives a 500. A path, query or header holding a NUL (or not
+UTF-8 text) is refused at the edge (firsttoken.api.edge), before any route; an unexpected error
+is logged as its types and frames only (no message: it may quote SQL values or a prompt). A
+trailing slash is a 404, never a redirect built from the Host header.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.engine import make_url
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from firsttoken.api import batches, completions, files, jobs, metrics
 from firsttoken.api.deps import ApiError, ApiState, Canceller, ConfigError, authenticator, error_body
+from firsttoken.api.edge import EdgeGuard, describe_exception
 from pipeline.producer import JobCheck
 from pipeline.queue.base import JobQueue
 from pipeline.settings import Settings, get_settings
@@ -63,6 +68,13 @@ async def _expiry_sweep(state: ApiState) -> None:
             continue
         if n:
             log.info("expired %d batches past their completion window", n)
+
+
+class _App(FastAPI):
+    """FastAPI with the edge guard outside everything (Starlette's error middleware included)."""
+
+    def build_middleware_stack(self):  # type: ignore[no-untyped-def]
+        return EdgeGuard(super().build_middleware_stack())
 
 
 def create_app(
@@ -102,7 +114,11 @@ def create_app(
             state.queue = KafkaQueue(s)
             state.owned.append(state.queue)
         if replies is _DEFAULT:
-            state.replies = completions.ReplyWaiter(s.redis_url)
+            db = make_url(s.database_url)
+            if s.reply_secret is None and db.get_backend_name() == "postgresql" and not db.password:
+                log.warning("replies on Redis are signed with a key derived from a database URL without a "
+                            "password: set FIRSTTOKEN_REPLY_SECRET (the same for the API and the workers)")
+            state.replies = completions.ReplyWaiter(s.redis_url, key=s.reply_key)
         else:
             state.replies = replies
         if state.check is None and s.check_model:
@@ -122,9 +138,10 @@ def create_app(
             if replies is _DEFAULT and state.replies is not None:
                 await state.replies.close()
 
-    app = FastAPI(title="firsttoken", version="0.2", lifespan=lifespan)
+    app = _App(title="firsttoken", version="0.2", lifespan=lifespan, redirect_slashes=False)
     app.state.api = state
-    app.state.metrics = metrics.ApiMetrics(lambda: state.store, lambda: state.replies)
+    app.state.metrics = metrics.ApiMetrics(lambda: state.store, lambda: state.replies,
+                                           max_age_s=s.api_metrics_max_age_s)
     app.middleware("http")(app.state.metrics.middleware)
 
     @app.exception_handler(ApiError)
@@ -146,7 +163,9 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled %s in the API", type(exc).__name__, exc_info=exc)
+        log.error("unhandled %s", describe_exception(exc))  # no message, no traceback text: no values
+        with contextlib.suppress(Exception):
+            exc.firsttoken_logged = True  # type: ignore[attr-defined]  # (EdgeGuard sees it again)
         return JSONResponse(error_body(ErrorCode.INTERNAL_ERROR, "internal error"), 500)
 
     @app.get("/healthz")

@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from firsttoken.api.deps import MODEL_NOT_FOUND, ApiError, ApiState, Principal, State, Who, read_body
@@ -177,8 +177,9 @@ def _openai_request(raw: bytes) -> OpenAIBatchRequest | None:
         return None
     try:
         return OpenAIBatchRequest.model_validate(obj)
-    except Exception as exc:
-        raise ApiError(400, ErrorCode.INVALID_REQUEST, f"batch: {str(exc).splitlines()[0][:300]}") from None
+    except ValidationError as exc:  # the fields and rules, never the values
+        parts = [f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5]]
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, "batch: " + "; ".join(parts)) from None
 
 
 @router.post("/v1/batches", status_code=202, response_model=BatchSubmitted | BatchView)
@@ -262,7 +263,7 @@ def _create_openai_batch(state: ApiState, req: OpenAIBatchRequest, who: Principa
         raise ApiError(400, ErrorCode.INVALID_REQUEST, "completion_window: only '24h'")
     f = state.st.get_file(req.input_file_id)
     if f is None or not who.may_see(f.owner):
-        raise ApiError(404, "not_found", f"no file {req.input_file_id[:200]!r}")
+        raise ApiError(404, "not_found", "no such file")
     if f.purpose != "batch":
         raise ApiError(400, ErrorCode.INVALID_REQUEST, f"file {f.id!r} has purpose {f.purpose!r}, not 'batch'")
     content = state.st.file_content(f.id) or b""

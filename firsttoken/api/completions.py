@@ -5,7 +5,12 @@ A completion is a job like any other, through the same queue, workers and store:
 with `reply` set, and the worker that runs it publishes its text deltas (streaming) and its result
 to the job's Redis channel, which this process subscribed to before queueing it. The stored row
 stays the record: a waiter that hears nothing for a while reads it. Each response carries the
-job's id and timings (TTFT first) under `firsttoken`. A client that goes away cancels its job.
+job's id and timings (TTFT first) under `firsttoken`.
+
+A client that goes away cancels its job and releases its subscription at once (the disconnect
+is watched, not polled), from a task of its own that the request's cancellation cannot stop;
+the cancels of many clients gone together are one store update. Replies are taken only when
+signed for their job (pipeline.replies); a forged or malformed one is dropped and logged.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 
 from firsttoken.api.deps import RATE_LIMITED, ApiError, ApiState, Principal, State, Who, read_body
 from firsttoken.api.jobs import queue_one
-from pipeline.replies import parse_message, reply_channel
+from pipeline.replies import ReplyRejected, parse_message, reply_channel
 from schemas.batchfile import (
     LineError,
     LineFormat,
@@ -89,9 +94,11 @@ class ReplyWaiter:
     the waiters (POLL_STORE_S).
     """
 
-    def __init__(self, redis_url: str, *, confirm_timeout_s: float = 5.0) -> None:
+    def __init__(self, redis_url: str, *, key: bytes, confirm_timeout_s: float = 5.0) -> None:
         import redis.asyncio
 
+        self._key = key
+        self.rejected = 0  # messages dropped: not signed for their channel's job, or malformed
         self._redis = redis.asyncio.Redis.from_url(redis_url, socket_connect_timeout=2.0)
         self._pubsub = self._redis.pubsub()
         self._subs: dict[bytes, Subscription] = {}  # channel -> its waiter
@@ -116,7 +123,7 @@ class ReplyWaiter:
         if max_live and owner is not None and self._owners[owner] >= max_live:
             raise LiveLimitError(self._owners[owner], max_live)
         channel = reply_channel(job_id).encode()
-        sub = Subscription(self, channel, owner)
+        sub = Subscription(self, channel, job_id, owner)
         self._subs[channel] = sub
         if owner is not None:
             self._owners[owner] += 1
@@ -162,7 +169,11 @@ class ReplyWaiter:
             if msg["type"] == "subscribe":
                 sub.confirmed.set()
             elif msg["type"] == "message":
-                sub.queue.put_nowait(msg["data"])
+                try:
+                    sub.queue.put_nowait(parse_message(msg["data"], sub.job_id, self._key))
+                except ReplyRejected as exc:  # never served; the content is not logged
+                    self.rejected += 1
+                    log.warning("reply channel of job %s: dropped a message (%s)", sub.job_id, exc)
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -187,20 +198,20 @@ class LiveLimitError(Exception):
 class Subscription:
     """One job's replies, as the shared reader hands them over."""
 
-    def __init__(self, waiter: ReplyWaiter, channel: bytes, owner: str | None = None) -> None:
+    def __init__(self, waiter: ReplyWaiter, channel: bytes, job_id: str, owner: str | None = None) -> None:
         self._waiter = waiter
         self.channel = channel
+        self.job_id = job_id
         self.owner = owner
         self.confirmed = asyncio.Event()
-        self.queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
     async def next(self, timeout_s: float) -> dict[str, Any] | None:
-        """The next reply, or None after `timeout_s` without one."""
+        """The next reply (checked: signed for this job, well formed), or None after `timeout_s` without one."""
         try:
-            data = await asyncio.wait_for(self.queue.get(), timeout_s)
+            return await asyncio.wait_for(self.queue.get(), timeout_s)
         except TimeoutError:
             return None
-        return parse_message(data)
 
     async def close(self) -> None:
         await self._waiter.unsubscribe(self.channel)
@@ -266,14 +277,78 @@ async def _stored_result(state: ApiState, job_id: str) -> JobResult | None:
     return None if rec is None else rec.result()
 
 
-async def _abandon(state: ApiState, job_id: str) -> None:
-    """The client went away: cancel its job."""
-    n = await run_in_threadpool(lambda: state.st.cancel(job_ids=[job_id], reason="the client disconnected"))
-    if n:
-        state.cancel([job_id], None)
+_DETACHED: set[asyncio.Task[Any]] = set()  # clean-ups under way (held here: a task only weakly referenced may vanish)
 
 
-async def _final(state: ApiState, request: Request, job: JobRequest, sub: Subscription) -> JobResult:
+def _detach(coro: Any) -> None:
+    """Run `coro` as a task of its own: the cancellation of the request that started it (a client
+    gone) does not reach it."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _DETACHED.add(task)
+    task.add_done_callback(_DETACHED.discard)
+
+
+class Abandoner:
+    """Cancels the jobs of clients that went away: the ids that gather while one store update runs
+    go in the next one, so 200 clients gone at once cost a few updates, not 200."""
+
+    def __init__(self, state: ApiState) -> None:
+        self.state = state
+        self._pending: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, job_id: str) -> None:
+        self._pending.add(job_id)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self._pending:
+            ids = sorted(self._pending)
+            self._pending.clear()
+            try:
+                await run_in_threadpool(self._cancel, ids)
+            except Exception as exc:  # the store away: the worker finishes them, nobody reads them
+                log.warning("could not cancel %d jobs of clients gone: %s", len(ids), type(exc).__name__)
+
+    def _cancel(self, ids: list[str]) -> None:
+        if self.state.st.cancel(job_ids=ids, reason="the client disconnected"):
+            self.state.cancel(ids, None)
+
+
+def _abandoner(state: ApiState) -> Abandoner:
+    ab = getattr(state, "abandoner", None)
+    if ab is None:
+        ab = state.abandoner = Abandoner(state)  # type: ignore[attr-defined]
+    return ab
+
+
+class _Run:
+    """One completion's clean-up: its subscription closed and, unless it ended, its job cancelled;
+    once, whichever of the response, the generator or a disconnect gets there first."""
+
+    def __init__(self, state: ApiState, job: JobRequest, sub: Subscription) -> None:
+        self.state, self.job, self.sub = state, job, sub
+        self.ended = False  # the result was sent (or the job is terminal): nothing to cancel
+        self._cleaned = False
+
+    def clean_up(self) -> None:
+        """Start the clean-up (idempotent; never awaits, so no cancellation can cut it short)."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        if not self.ended:
+            _abandoner(self.state).add(self.job.id)
+        _detach(self.sub.close())
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _wait_final(state: ApiState, job: JobRequest, sub: Subscription) -> JobResult | None:
     deadline = time.monotonic() + state.settings.api_completion_timeout_s
     while time.monotonic() < deadline:
         msg = await sub.next(POLL_STORE_S)
@@ -283,11 +358,26 @@ async def _final(state: ApiState, request: Request, job: JobRequest, sub: Subscr
             stored = await _stored_result(state, job.id)
             if stored is not None:
                 return stored
-            if await request.is_disconnected():
-                await _abandon(state, job.id)
-                raise ApiError(499, ErrorCode.CANCELLED, "the client disconnected")
-    await _abandon(state, job.id)
-    raise ApiError(504, "timeout", f"no result within {state.settings.api_completion_timeout_s:.0f} s; the job was cancelled")
+    return None
+
+
+async def _final(state: ApiState, request: Request, run: _Run) -> JobResult:
+    result_task = asyncio.ensure_future(_wait_final(state, run.job, run.sub))
+    gone_task = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({result_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (result_task, gone_task):
+            if not t.done():
+                t.cancel()
+    if not result_task.done() or result_task.cancelled():
+        raise ApiError(499, ErrorCode.CANCELLED, "the client disconnected")
+    result = result_task.result()
+    if result is None:
+        raise ApiError(504, "timeout", f"no result within {state.settings.api_completion_timeout_s:.0f} s; "
+                       "the job was cancelled")
+    run.ended = True
+    return result
 
 
 def _chunk(job: JobRequest, fmt: LineFormat, model: str, created: int, text: str | None,
@@ -318,11 +408,10 @@ def stream_text(sent: str, msg: dict[str, Any]) -> str:
     return text[len(sent) - offset :] if offset + len(text) > len(sent) else ""
 
 
-async def _events(state: ApiState, job: JobRequest, fmt: LineFormat, include_usage: bool,
-                  sub: Subscription) -> AsyncIterator[bytes]:
-    # a client that goes away cancels the generator: its `finally` abandons the job
+async def _events(run: _Run, fmt: LineFormat, include_usage: bool) -> AsyncIterator[bytes]:
+    # a client that goes away stops the response: CompletionStream cleans up (_Run.clean_up)
+    state, job, sub = run.state, run.job, run.sub
     model, created, sent = state.model_name, int(time.time()), ""
-    done = False
     try:
         yield _sse(_chunk(job, fmt, model, created, "" if fmt is LineFormat.OPENAI_CHAT else None, None, role=True))
         deadline = time.monotonic() + state.settings.api_completion_timeout_s
@@ -340,8 +429,8 @@ async def _events(state: ApiState, job: JobRequest, fmt: LineFormat, include_usa
                     yield _sse(_chunk(job, fmt, model, created, new, None))
             elif msg["type"] == "final":
                 result = msg["result"]
-        if result is None:
-            await _abandon(state, job.id)  # nobody will read it now
+        run.ended = result is not None  # terminal (done, failed or run again): nothing to cancel
+        if result is None:  # nobody will read it now: the clean-up cancels it
             yield _sse({"error": {"code": "timeout", "type": "timeout", "message": "no result in time", "param": None}})
         elif result.error_code is not None:
             yield _sse(openai_response(result, fmt)[1])
@@ -363,22 +452,42 @@ async def _events(state: ApiState, job: JobRequest, fmt: LineFormat, include_usa
                 usage["usage"] = openai_usage(result)
                 yield _sse(usage)
         yield b"data: [DONE]\n\n"
-        done = True
     finally:
-        await sub.close()
-        if not done:  # the client went away mid-stream
-            await asyncio.shield(_abandon(state, job.id))
+        run.clean_up()
+
+
+class CompletionStream(StreamingResponse):
+    """The server-sent events of a streamed completion; however the response ends (finished, the
+    client gone, the server stopping), its run is cleaned up."""
+
+    def __init__(self, run: _Run, content: AsyncIterator[bytes], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.run = run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.clean_up()
+            # the generator may be parked at a yield: close it, from outside this (cancelled) task
+            _detach(_aclose(self.body_iterator))
+
+
+async def _aclose(gen: Any) -> None:
+    with contextlib.suppress(BaseException):
+        await gen.aclose()
 
 
 async def _complete(request: Request, who: Principal, state: ApiState, fmt: LineFormat) -> Any:
     job, stream, include_usage, sub = await _start(state, request, fmt, who)
+    run = _Run(state, job, sub)
     if stream:
-        return StreamingResponse(_events(state, job, fmt, include_usage, sub), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", "x-firsttoken-job-id": job.id})
+        return CompletionStream(run, _events(run, fmt, include_usage), media_type="text/event-stream",
+                                headers={"cache-control": "no-cache", "x-firsttoken-job-id": job.id})
     try:
-        result = await _final(state, request, job, sub)
+        result = await _final(state, request, run)
     finally:
-        await sub.close()
+        run.clean_up()
     status, body = openai_response(result, fmt, state.model_name)
     return JSONResponse(body, status_code=status)
 

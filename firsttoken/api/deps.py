@@ -7,7 +7,7 @@ from __future__ import annotations
 import hmac
 import logging
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -69,8 +69,10 @@ class ConfigError(RuntimeError):
 
 
 def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
-    """The error envelope; `type` repeats the code for OpenAI clients, which read it."""
-    return {"error": {"code": str(code), "type": str(code), "message": message, "param": None, **extra}}
+    """The error envelope; `type` repeats the code for OpenAI clients, which read it (OpenAI's
+    `invalid_request_error` for an invalid request)."""
+    kind = "invalid_request_error" if str(code) == ErrorCode.INVALID_REQUEST else str(code)
+    return {"error": {"code": str(code), "type": kind, "message": message, "param": None, **extra}}
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ class ApiState:
         raise ApiError(404, MODEL_NOT_FOUND, self.model_not_found_message(name), param=where)
 
     def model_not_found_message(self, name: str) -> str:
-        return f"the model {name[:200]!r} does not exist here: this server serves {self.model_name!r}"
+        return f"this model does not exist here: this server serves {self.model_name!r}"  # (never the input)
 
     def unserved_models(self, lines: Iterable[bytes | str], limit: int = 20) -> list[tuple[int, str]]:
         """(line number, model) of the first `limit` OpenAI batch lines whose `body.model` names a
@@ -180,14 +182,14 @@ class ApiState:
         if rec is None or not who.may_see(rec.owner):
             rec = self.st.get_job(job_id_of_owner(who.owner, job_id))
         if rec is None or not who.may_see(rec.owner):
-            raise ApiError(404, "not_found", f"no job {job_id[:200]!r}")
+            raise ApiError(404, "not_found", "no such job")
         return rec
 
     def find_batch(self, who: Principal, batch_id: str) -> BatchRecord:
         """The caller's batch; 404 otherwise."""
         b = self.st.get_batch(batch_id)
         if b is None or not who.may_see(b.owner):
-            raise ApiError(404, "not_found", f"no batch {batch_id[:200]!r}")
+            raise ApiError(404, "not_found", "no such batch")
         return b
 
 
@@ -238,15 +240,20 @@ def authenticator(settings: Settings) -> Callable[[Request], Principal]:
     return authenticate
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes `limit` bytes."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, ErrorCode.TOO_LARGE, f"the body is {length} bytes; the limit is {limit}")
-    chunks, size = [], 0
+async def limited_stream(request: Request, limit: int) -> AsyncIterator[bytes]:
+    """The request body's chunks as they arrive; 413 (and no more reading) once more than
+    `limit` bytes came, whatever Content-Length said (a chunked body has none)."""
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise ApiError(413, ErrorCode.TOO_LARGE, f"the body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        yield chunk
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `limit` bytes."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, ErrorCode.TOO_LARGE, f"the body is over the limit of {limit} bytes")
+    return b"".join([chunk async for chunk in limited_stream(request, limit)])

@@ -9,9 +9,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartParser
 
 from firsttoken.api.batches import ERRORS_PREFIX, OUTPUT_PREFIX
-from firsttoken.api.deps import ApiError, ApiState, Principal, State, Who
+from firsttoken.api.deps import ApiError, ApiState, Principal, State, Who, limited_stream
+from firsttoken.api.edge import clean_text
 from pipeline.batch_io import batch_format, result_lines
 from pipeline.store import BatchRecord, FileRecord
 from schemas.job import ErrorCode, JobStatus, new_job_id
@@ -37,28 +40,46 @@ def _view(f: FileRecord) -> FileView:
     return FileView(id=f.id, bytes=f.bytes, created_at=int(f.created_at), filename=f.filename, purpose=f.purpose)
 
 
+MULTIPART_OVERHEAD = 64 * 1024  # the form's other fields and part headers, beside the file itself
+
+
 @router.post("/v1/files", response_model=FileView)
 async def upload(request: Request, who: Who, state: State) -> FileView:
-    """Store an uploaded batch input (multipart: `file`, `purpose=batch`)."""
+    """Store an uploaded batch input (multipart: `file`, `purpose=batch`). The bytes received are
+    counted as they arrive, chunked or not: past the limit reading stops with 413."""
     limit = state.settings.api_max_batch_bytes
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit + 64 * 1024:
-        raise ApiError(413, ErrorCode.TOO_LARGE, f"the upload is {length} bytes; the limit is {limit}")
+    if length is not None and length.isdigit() and int(length) > limit + MULTIPART_OVERHEAD:
+        raise ApiError(413, ErrorCode.TOO_LARGE, f"the upload is over the limit of {limit} bytes")
+    parser = MultiPartParser(request.headers, limited_stream(request, limit + MULTIPART_OVERHEAD),
+                             max_files=1, max_fields=8)
     try:
-        form = await request.form(max_files=1, max_fields=8)
+        form = await parser.parse()
+    except ApiError:
+        raise
     except Exception as exc:
         raise ApiError(400, ErrorCode.INVALID_REQUEST, f"send a multipart form ({type(exc).__name__})") from None
+    try:
+        return await _store_upload(state, who, form, limit)
+    finally:
+        await form.close()
+
+
+async def _store_upload(state: ApiState, who: Principal, form: FormData, limit: int) -> FileView:
     purpose, upload_ = form.get("purpose"), form.get("file")
     if purpose != "batch":
         raise ApiError(400, ErrorCode.INVALID_REQUEST, "purpose: only 'batch' files are supported")
     if upload_ is None or isinstance(upload_, str):
         raise ApiError(400, ErrorCode.INVALID_REQUEST, "file: missing (a multipart file field)")
+    name = upload_.filename or "input.jsonl"
+    if not clean_text(name):
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, "file: its name holds a NUL or a lone surrogate")
     content = await upload_.read(limit + 1)
     if len(content) > limit:
         raise ApiError(413, ErrorCode.TOO_LARGE, f"the file is over the limit of {limit} bytes")
-    name = (upload_.filename or "input.jsonl")[:255]
     rec = await run_in_threadpool(
-        state.st.put_file, f"file-{new_job_id()}", owner=who.owner, purpose="batch", filename=name, content=content
+        state.st.put_file, f"file-{new_job_id()}", owner=who.owner, purpose="batch", filename=name[:255],
+        content=content
     )
     return _view(rec)
 
@@ -84,7 +105,7 @@ def get_file(file_id: str, who: Who, state: State) -> FileView:
                         filename=f"{file_id}.jsonl", purpose="batch_output")
     f = state.st.get_file(file_id)
     if f is None or not who.may_see(f.owner):
-        raise ApiError(404, "not_found", f"no file {file_id[:200]!r}")
+        raise ApiError(404, "not_found", "no such file")
     return _view(f)
 
 
@@ -98,5 +119,5 @@ def file_content(file_id: str, who: Who, state: State) -> Response:
         return StreamingResponse(lines, media_type="application/jsonl")
     f = state.st.get_file(file_id)
     if f is None or not who.may_see(f.owner):
-        raise ApiError(404, "not_found", f"no file {file_id[:200]!r}")
+        raise ApiError(404, "not_found", "no such file")
     return Response(state.st.file_content(f.id) or b"", media_type="application/jsonl")

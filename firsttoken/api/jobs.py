@@ -112,7 +112,7 @@ def queue_one(state: ApiState, job: JobRequest, custom_id: str | None) -> None:
     the queue is unreachable (the row is removed: the same id may be sent again)."""
     job.submitted_at = time.time()  # the server's clock, never the client's
     if not state.st.record_queued([job]):
-        raise ApiError(409, ErrorCode.DUPLICATE_ID, f"you already have a job with id {custom_id!r}", job_id=job.id)
+        raise ApiError(409, ErrorCode.DUPLICATE_ID, "you already have a job with this id", job_id=job.id)
     try:
         state.queue.publish([job])  # type: ignore[union-attr]
     except Exception as exc:
@@ -185,7 +185,8 @@ def latency(
     groups = [g for g in by.split(",") if g]
     bad = [m for m in ms if m not in LATENCY_METRICS] + [g for g in groups if g not in ("worker", "model")]
     if bad:
-        raise ApiError(400, ErrorCode.INVALID_REQUEST, f"unknown metric or grouping {bad[0][:50]!r}")
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, "metrics or by: an unknown name (metrics: "
+                       f"{', '.join(sorted(LATENCY_METRICS))}; by: worker, model)")
     if batch_id is not None:
         state.find_batch(who, batch_id)
     stats = state.st.latency_stats(since=since, until=until, metrics=ms, by=groups, owner=who.owner, batch_id=batch_id)

@@ -1,10 +1,14 @@
 """The API's Prometheus metrics at `GET /metrics`: its requests (count and duration by route and
-status) and, read from the store at each scrape, the backlog: jobs queued and running, and the
-age of the oldest queued job (`firsttoken:queue_lag_seconds`). The GPU workers serve their own
-(engine gauges, TTFT and the other job histograms: workers.metrics)."""
+status) and the backlog: jobs queued and running, and the age of the oldest queued job
+(`firsttoken:queue_lag_seconds`), read from the store at most once every api_metrics_max_age_s
+however often it is scraped (a scrape flood costs no database query). Open, as Prometheus
+expects, unless FIRSTTOKEN_API_METRICS_KEY is set: then it needs that key as a Bearer token. The
+GPU workers serve their own (engine gauges, TTFT and the other job histograms: workers.metrics)."""
 
 from __future__ import annotations
 
+import hmac
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -14,7 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 
-from firsttoken.api.deps import State
+from firsttoken.api.deps import ApiError, State
 from pipeline.metrics import PREFIX
 from schemas.job import JobStatus
 
@@ -22,16 +26,40 @@ router = APIRouter(tags=["metrics"])
 
 
 class BacklogCollector(Collector):
-    """Jobs queued and running, and the queue's lag, from the store."""
+    """Jobs queued and running, and the queue's lag, from the store: read again only when the
+    last reading is older than `max_age_s` (one scrape at a time reads; the others use it)."""
 
-    def __init__(self, store_of: Callable[[], object]) -> None:
+    def __init__(self, store_of: Callable[[], object], max_age_s: float = 5.0) -> None:
         self.store_of = store_of
+        self.max_age_s = max_age_s
+        self.reads = 0  # store queries made
+        self._lock = threading.Lock()
+        self._last: tuple[float, tuple[dict[JobStatus, int], float | None]] | None = None
+
+    def _backlog(self, store: object) -> tuple[dict[JobStatus, int], float | None] | None:
+        last = self._last
+        if last is not None and time.monotonic() - last[0] < self.max_age_s:
+            return last[1]
+        if not self._lock.acquire(blocking=last is None):  # another scrape is reading: its last value
+            return None if last is None else last[1]
+        try:
+            if self._last is not None and time.monotonic() - self._last[0] < self.max_age_s:
+                return self._last[1]
+            self.reads += 1
+            value = store.backlog()  # type: ignore[attr-defined]
+            self._last = (time.monotonic(), value)
+            return value
+        finally:
+            self._lock.release()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         store = self.store_of()
         if store is None:
             return
-        counts, oldest = store.backlog()  # type: ignore[attr-defined]
+        backlog = self._backlog(store)
+        if backlog is None:
+            return
+        counts, oldest = backlog
         jobs = GaugeMetricFamily(PREFIX + "jobs", "Jobs not finished yet, by status", labels=["status"])
         for status in (JobStatus.QUEUED, JobStatus.RUNNING):
             jobs.add_metric([status.value], counts.get(status, 0))
@@ -59,14 +87,16 @@ class ApiMetrics:
     """The API's registry: request counts and durations (a 429 is a refusal past an owner's
     limit), completions in flight, and the backlog collector."""
 
-    def __init__(self, store_of: Callable[[], object], replies_of: Callable[[], object] = lambda: None) -> None:
+    def __init__(self, store_of: Callable[[], object], replies_of: Callable[[], object] = lambda: None, *,
+                 max_age_s: float = 5.0) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(PREFIX + "api_requests", "HTTP requests by route, method and status",
                                 ["route", "method", "status"], registry=self.registry)
         self.duration = Histogram(PREFIX + "api_request_duration_seconds", "HTTP request duration by route",
                                   ["route", "method"], registry=self.registry,
                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.registry.register(BacklogCollector(store_of))
+        self.backlog = BacklogCollector(store_of, max_age_s)
+        self.registry.register(self.backlog)
         self.registry.register(CompletionsCollector(replies_of))
 
     async def middleware(self, request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -85,7 +115,14 @@ class ApiMetrics:
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request, state: State) -> Response:
-    """Prometheus text format (no key needed: counts and durations only, never prompts)."""
+    """Prometheus text format (counts and durations only, never prompts); behind
+    FIRSTTOKEN_API_METRICS_KEY when it is set."""
+    key = state.settings.api_metrics_key
+    if key is not None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode("utf-8", "replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.get_secret_value().encode()):
+            raise ApiError(401, "unauthorized", "/metrics needs the metrics key: Authorization: Bearer <key>")
     m: ApiMetrics = request.app.state.metrics
     body = await run_in_threadpool(generate_latest, m.registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -201,7 +201,7 @@ def test_a_model_not_served_here_is_model_not_found(client):
     for model in ("gpt-4o", "smollm2-135m"):  # another model than the one served (tiny here)
         with pytest.raises(openai.NotFoundError) as e:
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        assert e.value.status_code == 404 and e.value.code == "model_not_found" and repr(model) in e.value.message
+        assert e.value.status_code == 404 and e.value.code == "model_not_found" and "'tiny'" in e.value.message and model not in e.value.message
         with pytest.raises(openai.NotFoundError) as e:
             client.completions.create(model=model, prompt="hi", max_tokens=2)
         assert e.value.code == "model_not_found"

@@ -11,7 +11,13 @@ import uuid
 import redis
 
 from firsttoken.api.completions import ReplyWaiter
-from pipeline.replies import delta_message, reply_channel
+from pipeline.replies import delta_message, reply_channel, sign_message
+
+KEY = b"reply-channel-test-key-0123456789"  # the HMAC key the workers and this API share (Settings.reply_key)
+
+
+def _signed(job_id: str, message: bytes) -> bytes:
+    return sign_message(KEY, job_id, message)
 
 
 def _pubsub_clients(client: redis.Redis) -> int:
@@ -26,7 +32,7 @@ def test_many_completions_share_one_subscriber_connection(redis_url):
     jobs = [f"reply-{run}-{i}" for i in range(200)]
 
     async def main() -> None:
-        waiter = ReplyWaiter(redis_url)
+        waiter = ReplyWaiter(redis_url, key=KEY)
         subs = await asyncio.gather(*(waiter.subscribe(j) for j in jobs))
         assert waiter.live == len(jobs)
         # confirmed by Redis: a publish right after subscribe() returns reaches its subscriber
@@ -34,7 +40,7 @@ def test_many_completions_share_one_subscriber_connection(redis_url):
         assert all(n == 1 for _, n in counts), counts[:3]
         assert _pubsub_clients(client) == before + 1  # one connection for the 200
         for i, j in enumerate(jobs):
-            client.publish(reply_channel(j), delta_message(f"text {i}", 1, 0))
+            client.publish(reply_channel(j), _signed(j, delta_message(f"text {i}", 1, 0)))
         got = await asyncio.gather(*(s.next(5.0) for s in subs))
         assert [g["text"] for g in got] == [f"text {i}" for i in range(len(jobs))]  # each to its own job
         assert await subs[0].next(0.2) is None  # nothing more for it
@@ -43,13 +49,13 @@ def test_many_completions_share_one_subscriber_connection(redis_url):
         assert waiter.live == 100
         counts = dict(client.pubsub_numsub(*(reply_channel(j) for j in jobs)))
         assert counts[reply_channel(jobs[0]).encode()] == 0 and counts[reply_channel(jobs[150]).encode()] == 1
-        client.publish(reply_channel(jobs[150]), delta_message("late", 1, 0))
+        client.publish(reply_channel(jobs[150]), _signed(jobs[150], delta_message("late", 1, 0)))
         assert (await subs[150].next(5.0))["text"] == "late"
         await asyncio.gather(*(s.close() for s in subs[100:]))
         assert waiter.live == 0
         # the reader stops with nobody listening, and a new subscription starts it again
         sub = await waiter.subscribe(f"reply-{run}-again")
-        client.publish(reply_channel(f"reply-{run}-again"), delta_message("again", 1, 0))
+        client.publish(reply_channel(f"reply-{run}-again"), _signed(f"reply-{run}-again", delta_message("again", 1, 0)))
         assert (await sub.next(5.0))["text"] == "again"
         await waiter.close()
 
@@ -65,7 +71,7 @@ def test_completions_in_flight_are_counted_per_owner_and_released_once(redis_url
     run = uuid.uuid4().hex[:8]
 
     async def main() -> None:
-        waiter = ReplyWaiter(redis_url)
+        waiter = ReplyWaiter(redis_url, key=KEY)
         a1 = await waiter.subscribe(f"{run}-a1", "alice", 2)
         a2 = await waiter.subscribe(f"{run}-a2", "alice", 2)
         try:
@@ -100,7 +106,7 @@ def test_completions_in_flight_are_counted_per_owner_and_released_once(redis_url
 
 def test_an_unreachable_redis_fails_the_subscription_not_the_process():
     async def main() -> None:
-        waiter = ReplyWaiter("redis://127.0.0.1:1/0", confirm_timeout_s=1.0)  # nothing listens on port 1
+        waiter = ReplyWaiter("redis://127.0.0.1:1/0", key=KEY, confirm_timeout_s=1.0)  # nothing listens on port 1
         try:
             await waiter.subscribe("nobody")
         except (redis.RedisError, OSError, TimeoutError) as exc:
@@ -145,9 +151,9 @@ def test_a_restarted_redis_is_subscribed_again(tmp_path):
 
     async def main() -> None:
         nonlocal proc
-        waiter = ReplyWaiter(url)
+        waiter = ReplyWaiter(url, key=KEY)
         sub = await waiter.subscribe("restart-job")
-        redis.Redis.from_url(url).publish(reply_channel("restart-job"), delta_message("before", 1, 0))
+        redis.Redis.from_url(url).publish(reply_channel("restart-job"), _signed("restart-job", delta_message("before", 1, 0)))
         assert (await sub.next(5.0))["text"] == "before"
         proc.terminate()
         proc.wait(10)
@@ -158,7 +164,7 @@ def test_a_restarted_redis_is_subscribed_again(tmp_path):
         while client.pubsub_numsub(reply_channel("restart-job"))[0][1] == 0:  # subscribed again
             assert time.monotonic() < deadline, "the waiter did not subscribe again"
             await asyncio.sleep(0.1)
-        client.publish(reply_channel("restart-job"), delta_message("after", 2, 6))
+        client.publish(reply_channel("restart-job"), _signed("restart-job", delta_message("after", 2, 6)))
         got = await sub.next(5.0)
         assert got is not None and got["text"] == "after"
         await sub.close()

@@ -29,7 +29,8 @@ def queue():
 @pytest.fixture
 def client(store, queue):
     settings = Settings(
-        api_keys=f"alice:{KEY_A},bob:{KEY_B}", api_max_body_bytes=64 * 1024, api_max_batch_bytes=4 * 1024 * 1024
+        api_keys=f"alice:{KEY_A},bob:{KEY_B}", api_max_body_bytes=64 * 1024, api_max_batch_bytes=4 * 1024 * 1024,
+        api_max_unfinished_jobs=20_000,  # the big batch below is 12 000 jobs (the default limit is 10 000)
     )
     with TestClient(create_app(settings, store=store, queue=queue, canceller=None)) as c:
         yield c
@@ -166,12 +167,17 @@ def test_fuzz_no_malformed_input_gives_a_500(client, store, queue):
         else:
             assert x["status"] == "failed" and x["error_code"]
     # odd query strings and paths
-    for path in ["/v1/jobs/%00", "/v1/jobs/" + "x" * 5000, "/v1/batches/%ff%fe", "/v1/batches/%2e%2e"]:
+    for path in ["/v1/jobs/" + "x" * 5000, "/v1/batches/%2e%2e"]:
         assert client.get(path, headers=ALICE).status_code == 404
+    for path in ["/v1/jobs/%00", "/v1/batches/%ff%fe", "/v1/jobs/%ED%A0%80"]:  # NUL, not UTF-8, a lone surrogate
+        r = client.get(path, headers=ALICE)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, r.text)
     for params in [{"batch_id": ""}, {"batch_id": " x"}, {"batch_id": "x" * 300}, {"max_tokens": "0"},
-                   {"max_tokens": "1e9"}, {"batch_id": "a\u0000b"}]:
+                   {"max_tokens": "1e9"}]:
         r = client.post("/v1/batches", params=params, content='{"prompt": "x"}', headers=ALICE)
         assert r.status_code == 422, (params, r.text)
+    r = client.post("/v1/batches", params={"batch_id": "a\u0000b"}, content='{"prompt": "x"}', headers=ALICE)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     for body in [b"", b"   ", b"[]", b"[1", b"[" * 5000, b"[NaN]"]:
         r = client.post("/v1/batches", content=body, headers=ALICE)
         assert 400 <= r.status_code < 500, (body[:40], r.text)
@@ -336,7 +342,7 @@ def test_a_restarted_stream_sends_each_character_once():
     the API drop what the client has; a run whose text differs ends the stream with an error."""
     import asyncio
 
-    from firsttoken.api.completions import _events, stream_text
+    from firsttoken.api.completions import _events, _Run, stream_text
     from firsttoken.api.deps import ApiState
     from schemas.batchfile import LineFormat
     from schemas.job import FinishReason, JobRequest, JobResult
@@ -362,7 +368,8 @@ def test_a_restarted_stream_sends_each_character_once():
         job = JobRequest(id="j1", prompt="x")
 
         async def collect():
-            return [c async for c in _events(state, job, LineFormat.OPENAI_COMPLETIONS, False, Script(msgs))]
+            run = _Run(state, job, Script(msgs))
+            return [c async for c in _events(run, LineFormat.OPENAI_COMPLETIONS, False)]
 
         chunks = asyncio.run(collect())
         out = [json.loads(c[6:]) for c in chunks if c.startswith(b"data: {")]
@@ -440,7 +447,7 @@ def test_the_api_serves_its_model_by_its_names_and_another_is_model_not_found(st
             assert r.status_code == 404, r.text
             err = r.json()["error"]
             assert err["code"] == err["type"] == "model_not_found" and err["param"] == "model"
-            assert "'gpt-4o'" in err["message"] and "'smollm2-135m'" in err["message"]
+            assert "gpt-4o" not in err["message"] and "'smollm2-135m'" in err["message"]  # the input never echoed
             assert c.post(path, json={**body, "model": "tiny"}, headers=ALICE).status_code == 404  # a preset too
             assert c.post(path, json={**body, "model": 5}, headers=ALICE).status_code == 400
             for name in ("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"):
