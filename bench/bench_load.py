@@ -230,7 +230,7 @@ def main() -> None:
     ap.add_argument("--tpot-targets", default="none",
                     help="comma-separated engine TPOT targets (ms) to run in turn, 'none' for no target: the trade-off curve")
     ap.add_argument("--goodput", action="store_true", help="search max_rate_interactive and max_rate_server instead")
-    ap.add_argument("--goodput-targets", default="25,none",
+    ap.add_argument("--goodput-targets", default="none,none",
                     help="the engine's TPOT target (ms or none) for the interactive search, then the server search")
     ap.add_argument("--search-rates", default=None, help="the ladder (req/s); default 16,24,...,64 / 24,32,...,96")
     ap.add_argument("--search-steps", type=int, default=2, help="bisections after the ladder's first miss")

