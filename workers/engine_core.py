@@ -181,6 +181,7 @@ class InThreadCore(_OutputQueue):
         super().__init__()
         self.engine = engine
         self.model_name = str(getattr(engine, "model_name", "unknown"))
+        self.max_num_seqs: int = engine.config.max_num_seqs
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
 
@@ -239,6 +240,7 @@ class ProcessCore(_OutputQueue):
         start_timeout_s: float = 900.0,
     ) -> None:
         super().__init__()
+        self.max_num_seqs = (config or EngineConfig()).max_num_seqs
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
         self._send_lock = threading.Lock()

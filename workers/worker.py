@@ -95,6 +95,12 @@ class WorkerConfig:
     # every worker this way, the plain `firsttoken worker` too (Celery workers also hear them at
     # once through the control plane). None: never.
     cancel_poll_s: float | None = 0.5
+    # Per partition, at most this many offsets from the lowest job still in flight to the last
+    # handed out: a job that waits (low priority, a long generation) holds its partition back
+    # instead of letting the committed offset trail ever more finished jobs (all of them delivered
+    # again after a crash, each a lookup to skip). None: the worker's in-flight
+    # window, max_waiting + the engine's max_num_seqs.
+    commit_span: int | None = None
     # Python's GIL switch interval for this process (default 5 ms): a thread woken by the network
     # waits up to that long for the GIL while another thread runs Python; None: unchanged
     gil_switch_interval_s: float | None = 0.0005
@@ -170,6 +176,8 @@ class Worker:
         self._running = 0
         self._kv_used = 0.0
         self.store = store
+        consumer.max_span = self.config.commit_span or (
+            self.config.max_waiting + int(getattr(self.core, "max_num_seqs", 0) or self.config.max_waiting))
         self._admit_error: str | None = None  # why the last admission lookup failed (logged once)
         self._held: deque[Message] = deque()  # delivered too often: run one at a time (WorkerConfig.hold_from)
         self._held_running: str | None = None  # the held job in the engine now

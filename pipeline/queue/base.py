@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -104,6 +105,18 @@ class JobConsumer(ABC):
         self.async_commit_timeout_s = 30.0
         self.commit_error: str | None = None  # why the last asynchronous commit failed
         self.dead_lettered = 0
+        # Fetched messages not handed out yet, per partition: `poll` hands them out round-robin,
+        # one partition's message after another's, so that one partition's backlog (a client's
+        # fetch can hold all of it, drained partition by partition) never keeps the others
+        # waiting behind it. At most `buffer_messages` are held; paused partitions are skipped.
+        self._buffers: dict[int, deque[RawMessage]] = {}
+        self._buffered = 0
+        self._rr = 0
+        self.buffer_messages = 8192
+        # A partition whose delivered span (highest offset handed out - lowest still in flight)
+        # reaches this is skipped until its lowest job is done: the committed offset never
+        # trails the written results by more than this (None: no bound).
+        self.max_span: int | None = None
 
     # --- what implementations provide ---
 
@@ -145,12 +158,50 @@ class JobConsumer(ABC):
 
     # --- the shared behaviour ---
 
+    def _drop_buffered(self, partitions: Iterable[int] | None = None) -> None:
+        """Forget fetched messages not handed out (partitions revoked, or a new client): their
+        next owner (or the new client) reads them again from the committed offset."""
+        for p in list(self._buffers) if partitions is None else partitions:
+            self._buffered -= len(self._buffers.pop(p, ()))
+
+    def _take_round_robin(self, max_messages: int) -> list[RawMessage]:
+        """Up to max_messages buffered messages, one partition's after another's, in offset order
+        within each; paused partitions and those at their span bound are left."""
+        skip = self.paused()
+        if self.max_span is not None:
+            skip |= self._tracker.spans_at_least(self.max_span)
+        parts = [p for p, b in self._buffers.items() if b and p not in skip]
+        out: list[RawMessage] = []
+        if not parts:
+            return out
+        parts.sort()
+        start = self._rr % len(parts)
+        parts = parts[start:] + parts[:start]
+        self._rr += 1
+        while len(out) < max_messages and parts:
+            for p in list(parts):
+                b = self._buffers[p]
+                out.append(b.popleft())
+                if not b or len(out) >= max_messages:
+                    parts.remove(p)
+                    if len(out) >= max_messages:
+                        break
+        self._buffered -= len(out)
+        return out
+
     def poll(self, timeout_s: float = 0.1, max_messages: int = 256) -> list[Message]:
-        """The next batch of jobs (possibly empty after `timeout_s`)."""
+        """The next batch of jobs (possibly empty after `timeout_s`), taken round-robin from the
+        partitions' fetched messages."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("consumer is closed")
-            raws = self._fetch(timeout_s, max_messages)
+            room = self.buffer_messages - self._buffered
+            if room > 0:
+                ready = self._buffered > 0
+                for raw in self._fetch(0.0 if ready else timeout_s, room):
+                    self._buffers.setdefault(raw.partition, deque()).append(raw)
+                    self._buffered += 1
+            raws = self._take_round_robin(max_messages)
             out: list[Message] = []
             for raw in raws:
                 self._tracker.delivered(raw.partition, raw.offset)

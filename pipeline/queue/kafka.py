@@ -337,6 +337,9 @@ class KafkaJobConsumer(JobConsumer):
             "fetch_max_wait_ms": s.fetch_max_wait_ms,
             "fetch_min_bytes": 1,
             "max_poll_records": s.max_poll_records,
+            # a bounded fetch per partition (a record batch larger than this still comes whole):
+            # the partitions' messages arrive side by side, and poll hands them out round-robin
+            "max_partition_fetch_bytes": s.max_partition_fetch_bytes,
             "session_timeout_ms": s.session_timeout_ms,
             "heartbeat_interval_ms": max(500, s.session_timeout_ms // 5),
             "max_poll_interval_ms": s.max_poll_interval_ms,
@@ -391,6 +394,7 @@ class KafkaJobConsumer(JobConsumer):
         )
         for p in list(self._tracker.partitions()):
             self._tracker.revoke(p)
+        self._drop_buffered()
         self._want_paused.clear()
         self._async_commit_sent_at = None  # its answer would come to the old client
         with contextlib.suppress(Exception):
@@ -432,6 +436,7 @@ class KafkaJobConsumer(JobConsumer):
 
     def _forget(self, partitions: set[int]) -> None:
         self._revoked_at = time.monotonic()
+        self._drop_buffered(partitions)
         for p in partitions:
             self._tracker.revoke(p)
             self._want_paused.discard(p)

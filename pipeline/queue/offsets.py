@@ -46,6 +46,16 @@ class OffsetTracker:
         """Tracked partitions."""
         return set(self._parts)
 
+    def spans_at_least(self, limit: int) -> set[int]:
+        """Partitions whose offsets from the lowest in flight to the highest delivered number
+        `limit` or more: what their commit trails their done jobs by, at most."""
+        out = set()
+        for p, part in self._parts.items():
+            low = part.lowest_in_flight()
+            if low is not None and part.next_offset is not None and part.next_offset - low >= limit:
+                out.add(p)
+        return out
+
     def delivered(self, partition: int, offset: int) -> None:
         """An offset handed to the caller (auto-assigns an untracked partition)."""
         part = self._parts.get(partition)

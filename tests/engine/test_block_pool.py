@@ -151,3 +151,30 @@ def test_manager_hashes_equal_hash_block_chain():
         parent = hash_block(parent, toks[4 * i : 4 * i + 4])
         want.append(parent)
     assert req.block_hashes == want
+
+
+def test_priority_ages_past_the_bound_so_low_priority_is_late_not_starved():
+    from workers.engine.scheduler import WaitingQueue
+
+    now = [100.0]
+    q = WaitingQueue(max_wait_s=30.0, clock=lambda: now[0])
+    low = make_request([1], priority=-2)
+    low.times.arrival = 100.0
+    q.push(low)
+    highs = []
+    for i in range(3):
+        r = make_request([2 + i], priority=5)
+        r.times.arrival = 101.0 + i
+        q.push(r)
+        highs.append(r)
+    assert q.peek() is highs[0]  # strict priority while nobody has waited too long
+    now[0] = 129.9
+    assert q.pop() is highs[0]
+    now[0] = 130.0  # the low-priority request has waited 30 s: it goes next
+    assert q.peek() is low and q.pop() is low
+    assert [q.pop() for _ in range(2)] == highs[1:] and len(q) == 0 and q.peek() is None
+    # without a bound, priority is strict however long it waits
+    strict = WaitingQueue(clock=lambda: 1e9)
+    strict.push(low)
+    strict.push(highs[2])
+    assert strict.pop() is highs[2]

@@ -77,6 +77,23 @@ def run(core_or_engine, store, batch) -> dict:
     return {r.id: r for r in store.list_jobs()}
 
 
+def assert_logprobs_close(got, want, what: str) -> None:
+    """Same tokens and alternatives; log-probabilities equal up to float32 rounding. The two runs
+    batch the jobs as they happen to arrive, and a row's logits move in the last bits with the
+    step's other rows (1e-7 seen); a wrong row, position or token moves them by far more."""
+    assert (got is None) == (want is None), what
+    if got is None:
+        return
+    assert len(got) == len(want), what
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None), what
+        if a is None:
+            continue
+        assert (a.id, a.token, [t.id for t in a.top]) == (b.id, b.token, [t.id for t in b.top]), what
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4), what
+        assert [t.logprob for t in a.top] == pytest.approx([t.logprob for t in b.top], abs=1e-4), what
+
+
 def test_process_core_gives_the_in_thread_results(core, store, tmp_path):
     from pipeline.store import ResultStore, migrate
 
@@ -90,11 +107,11 @@ def test_process_core_gives_the_in_thread_results(core, store, tmp_path):
     for jid, r in got.items():
         assert r.status is ref[jid].status and r.error_code is ref[jid].error_code, jid
         assert r.text == ref[jid].text and r.usage == ref[jid].usage, jid
-        assert r.result().logprobs == ref[jid].result().logprobs, jid  # type: ignore[union-attr]
+        assert_logprobs_close(r.result().logprobs, ref[jid].result().logprobs, jid)  # type: ignore[union-attr]
     scored = got["scored"].result()
     assert scored is not None and len(scored.logprobs) == 4 and all(len(lp.top) == 2 for lp in scored.logprobs)
     assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == scored.usage.prompt_tokens
-    assert scored.prompt_logprobs == ref["scored"].result().prompt_logprobs
+    assert_logprobs_close(scored.prompt_logprobs, ref["scored"].result().prompt_logprobs, "scored")
     assert got["long"].error_code is ErrorCode.PROMPT_TOO_LONG and "tokens" in got["long"].error_message
     assert got["ctx"].error_code is ErrorCode.PROMPT_TOO_LONG and "max_tokens" in got["ctx"].error_message
     for jid in ("m0", "seeded", "chat"):

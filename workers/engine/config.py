@@ -173,6 +173,10 @@ class EngineConfig:
     # with a full batch, admit waiting requests only once this many slots are free
     # (None: max_num_seqs // 8); 1 admits each request as soon as a slot frees
     admission_batch: int | None = None
+    # priority ages: a request that has waited this long (seconds since it arrived) is admitted
+    # next whatever its priority, oldest first, so that low-priority work is late, never starved
+    # (and never pins its queue partition's commit). None: strict priority.
+    priority_max_wait_s: float | None = 30.0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     kernel_backend: str | None = None  # "triton" | "torch"; None: triton on CUDA, torch elsewhere

@@ -43,31 +43,51 @@ class SchedulerOutput:
 class WaitingQueue:
     """Waiting requests, highest priority first, then first come first served; O(log n) push/pop.
 
+    Priorities age: with `max_wait_s`, a request that arrived that long ago comes first whatever
+    its priority (the oldest such first), so a low-priority request is late, never starved.
     Removal is lazy: a heap entry counts only while its request is still the live one for its id.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_wait_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._heap: list[tuple[tuple[int, int], int, Request]] = []
+        self._fifo: list[tuple[tuple[float, int], int, Request]] = []  # by arrival: the aged come from here
         self._live: dict[str, Request] = {}
         self._pushes = 0
+        self.max_wait_s = max_wait_s
+        self._clock = clock
 
     def push(self, req: Request) -> None:
         self._pushes += 1
         heapq.heappush(self._heap, (req.sort_key(), self._pushes, req))
+        if self.max_wait_s is not None:
+            heapq.heappush(self._fifo, ((req.times.arrival, req.arrival_index), self._pushes, req))
         self._live[req.request_id] = req
 
     def _drop_stale(self) -> None:
         while self._heap and self._live.get(self._heap[0][2].request_id) is not self._heap[0][2]:
             heapq.heappop(self._heap)
+        while self._fifo and self._live.get(self._fifo[0][2].request_id) is not self._fifo[0][2]:
+            heapq.heappop(self._fifo)
+
+    def _aged(self) -> Request | None:
+        if not self._fifo:
+            return None
+        oldest = self._fifo[0][2]
+        return oldest if self._clock() - oldest.times.arrival >= self.max_wait_s else None  # type: ignore[operator]
 
     def peek(self) -> Request | None:
         self._drop_stale()
+        aged = self._aged()
+        if aged is not None:
+            return aged
         return self._heap[0][2] if self._heap else None
 
     def pop(self) -> Request:
+        req = self.peek()
+        if req is None:
+            raise IndexError("pop from an empty waiting queue")
+        del self._live[req.request_id]  # its heap entries are stale now
         self._drop_stale()
-        req = heapq.heappop(self._heap)[2]
-        del self._live[req.request_id]
         return req
 
     def remove(self, req: Request) -> bool:
@@ -100,6 +120,7 @@ class Scheduler:
         max_model_len: int,
         admission_batch: int = 1,
         budget_fn: Callable[[int], int] | None = None,
+        priority_max_wait_s: float | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -109,7 +130,7 @@ class Scheduler:
         # the step's token budget from the number of decodes running (an SLO policy, e.g.
         # workers.engine.slo.SloBudget); None: always max_num_batched_tokens
         self.budget_fn = budget_fn
-        self.waiting = WaitingQueue()
+        self.waiting = WaitingQueue(priority_max_wait_s)
         self.running: list[Request] = []
         self.num_preemptions = 0
         # while a failed step's requests are retried apart (LLMEngine.step), only this group's
