@@ -55,6 +55,7 @@ def _ticker(sock: socket.socket, every_s: float, seconds: float) -> None:
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     cfg = EngineConfig(device=args.device, max_num_seqs=max(args.running, 1))
+    engine = None  # the in-thread core's engine: closed after the run, so the next mode gets its memory
     if mode == "process":
         core = ProcessCore(args.model, cfg, torch_threads=args.torch_threads)
     else:
@@ -62,7 +63,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             import torch
 
             torch.set_num_threads(args.torch_threads)
-        core = InThreadCore(LLMEngine(args.model, cfg))
+        engine = LLMEngine(args.model, cfg)
+        core = InThreadCore(engine)
     core.start()
     prompt = "the quick brown fox jumps over the lazy dog " * (args.prompt_len // 44 + 1)
     n = 0
@@ -131,6 +133,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     t_stop = time.monotonic()
     core.stop()
     stop_s = time.monotonic() - t_stop
+    if engine is not None:
+        engine.close()
     return {
         "mode": mode,
         "wake_ms": {"p50": pct(delays, 0.5), "p90": pct(delays, 0.9), "p99": pct(delays, 0.99), "max": max(delays)},

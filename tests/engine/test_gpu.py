@@ -472,3 +472,30 @@ def test_cuda_close_gives_the_memory_back():
         assert held < 40 << 20, held
         assert left < 512 << 20, left  # and the memory is the driver's again (CUDA/cuBLAS/Triton state aside)
     assert blocks[1] >= 0.99 * blocks[0], blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_step_device_seconds_under_async_scheduling():
+    """Each launched step's CUDA-event time (what the SLO cost model should learn from): positive,
+    and all of them together within the wall time of the run that launched them."""
+    import time
+
+    eng = LLMEngine("tiny", EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton", num_blocks=512,
+                                         max_model_len=1024))
+    assert eng.async_scheduling
+    launched = []
+    execute = eng.runner.execute
+
+    def spy(out, prev=None):
+        launched.append(execute(out, prev))
+        return launched[-1]
+
+    eng.runner.execute = spy
+    t0 = time.perf_counter()
+    run_prompts(eng, prompt_set(8, vocab=eng.model_config.vocab_size, max_len=300),
+                SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    secs = [s.device_seconds() for s in launched]
+    eng.close()
+    assert len(secs) > 24 and all(s is not None and s > 0 for s in secs), secs
+    assert sum(secs) <= wall, (sum(secs), wall)

@@ -56,3 +56,20 @@ def test_close_with_fp8_projections_drops_the_quantized_weights(llama_dir):
     eng.close()
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_step_device_time_is_none_on_a_cpu(llama_dir):
+    """SampledTokens.device_seconds() comes from CUDA events; a CPU step has none (the GPU side:
+    tests/engine/test_gpu.py)."""
+    eng = LLMEngine(str(llama_dir), _config())
+    launched = []
+    execute = eng.runner.execute
+
+    def spy(out, prev=None):
+        launched.append(execute(out, prev))
+        return launched[-1]
+
+    eng.runner.execute = spy
+    run_prompts(eng, prompt_set(2), SP)
+    assert launched and all(s.device_seconds() is None for s in launched)
+    eng.close()
