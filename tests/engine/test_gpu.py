@@ -497,5 +497,5 @@ def test_cuda_step_device_seconds_under_async_scheduling():
     wall = time.perf_counter() - t0
     secs = [s.device_seconds() for s in launched]
     eng.close()
-    assert len(secs) > 24 and all(s is not None and s > 0 for s in secs), secs
+    assert len(secs) >= 24 and all(s is not None and s > 0 for s in secs), secs  # a prefill step, 23 decodes
     assert sum(secs) <= wall, (sum(secs), wall)
