@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.engine import make_url
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from firsttoken.api import batches, completions, files, jobs, metrics
 from firsttoken.api.deps import ApiError, ApiState, Canceller, ConfigError, authenticator, error_body
@@ -160,6 +161,10 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body("http_error", str(exc.detail)[:500]), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_request: Request, _exc: ClientDisconnect) -> JSONResponse:  # nobody reads it; nothing to log
+        return JSONResponse(error_body(ErrorCode.CANCELLED, "the client disconnected"), 499)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:

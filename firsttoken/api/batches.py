@@ -170,11 +170,16 @@ def _openai_request(raw: bytes) -> OpenAIBatchRequest | None:
     if head != b"{" or len(raw) > 64 * 1024 or b"input_file_id" not in raw:
         return None
     try:
-        obj = loads_strict(raw)
+        obj = loads_strict(raw, check_text=False)
     except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or "input_file_id" not in obj:
         return None
+    try:  # a batch creation: a NUL or a lone surrogate in any of its strings is a 400
+        loads_strict(raw)
+    except ValueError:
+        raise ApiError(400, ErrorCode.INVALID_REQUEST,
+                       "batch: a string holds a NUL or an unpaired surrogate") from None
     try:
         return OpenAIBatchRequest.model_validate(obj)
     except ValidationError as exc:  # the fields and rules, never the values

@@ -22,6 +22,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
 
 POLL_STORE_S = 1.0  # with no reply for this long, look at the stored row
+POLL_STORE_MAX_S = 8.0  # and again after twice as long each time, up to this: 200 queued streams are not 200 reads a second
 
 
 class ModelCard(BaseModel):
@@ -296,6 +298,8 @@ class Abandoner:
         self.state = state
         self._pending: set[str] = set()
         self._task: asyncio.Task[None] | None = None
+        # a thread of its own: the cancels never wait behind the shared pool's reads
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="firsttoken-abandon")
 
     def add(self, job_id: str) -> None:
         self._pending.add(job_id)
@@ -307,7 +311,7 @@ class Abandoner:
             ids = sorted(self._pending)
             self._pending.clear()
             try:
-                await run_in_threadpool(self._cancel, ids)
+                await asyncio.get_running_loop().run_in_executor(self._thread, self._cancel, ids)
             except Exception as exc:  # the store away: the worker finishes them, nobody reads them
                 log.warning("could not cancel %d jobs of clients gone: %s", len(ids), type(exc).__name__)
 
@@ -350,14 +354,16 @@ async def _disconnected(request: Request) -> None:
 
 async def _wait_final(state: ApiState, job: JobRequest, sub: Subscription) -> JobResult | None:
     deadline = time.monotonic() + state.settings.api_completion_timeout_s
+    wait = POLL_STORE_S
     while time.monotonic() < deadline:
-        msg = await sub.next(POLL_STORE_S)
+        msg = await sub.next(min(wait, max(0.01, deadline - time.monotonic())))
         if msg is not None and msg["type"] == "final":
             return msg["result"]
         if msg is None:
             stored = await _stored_result(state, job.id)
             if stored is not None:
                 return stored
+            wait = min(wait * 2, POLL_STORE_MAX_S)
     return None
 
 
@@ -416,13 +422,17 @@ async def _events(run: _Run, fmt: LineFormat, include_usage: bool) -> AsyncItera
         yield _sse(_chunk(job, fmt, model, created, "" if fmt is LineFormat.OPENAI_CHAT else None, None, role=True))
         deadline = time.monotonic() + state.settings.api_completion_timeout_s
         result: JobResult | None = None
+        wait = POLL_STORE_S
         while result is None:
             if time.monotonic() > deadline:
                 break
-            msg = await sub.next(POLL_STORE_S)
+            msg = await sub.next(min(wait, max(0.01, deadline - time.monotonic())))
             if msg is None:
                 result = await _stored_result(state, job.id)
-            elif msg["type"] == "delta":
+                wait = min(wait * 2, POLL_STORE_MAX_S)
+                continue
+            wait = POLL_STORE_S
+            if msg["type"] == "delta":
                 new = stream_text(sent, msg)
                 if new:
                     sent += new

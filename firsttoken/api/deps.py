@@ -68,10 +68,15 @@ class ConfigError(RuntimeError):
     """The API cannot start with these settings (e.g. no API keys and auth not switched off)."""
 
 
+# what OpenAI calls an invalid_request_error (its `type`); the code says which rule
+_INVALID_REQUEST_CODES = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.UNDECODABLE, ErrorCode.INVALID_SAMPLING,
+                                    ErrorCode.PROMPT_TOO_LONG, ErrorCode.TOO_LARGE})
+
+
 def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
     """The error envelope; `type` repeats the code for OpenAI clients, which read it (OpenAI's
     `invalid_request_error` for an invalid request)."""
-    kind = "invalid_request_error" if str(code) == ErrorCode.INVALID_REQUEST else str(code)
+    kind = "invalid_request_error" if str(code) in _INVALID_REQUEST_CODES else str(code)
     return {"error": {"code": str(code), "type": kind, "message": message, "param": None, **extra}}
 
 
@@ -246,8 +251,9 @@ async def limited_stream(request: Request, limit: int) -> AsyncIterator[bytes]:
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise ApiError(413, ErrorCode.TOO_LARGE, f"the body is over the limit of {limit} bytes")
+        if size > limit:  # the rest is not read: the connection closes after the answer
+            raise ApiError(413, ErrorCode.TOO_LARGE, f"the body is over the limit of {limit} bytes",
+                           headers={"Connection": "close"})
         yield chunk
 
 
@@ -255,5 +261,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it passes `limit` bytes."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, ErrorCode.TOO_LARGE, f"the body is over the limit of {limit} bytes")
+        raise ApiError(413, ErrorCode.TOO_LARGE, f"the body is over the limit of {limit} bytes",
+                       headers={"Connection": "close"})
     return b"".join([chunk async for chunk in limited_stream(request, limit)])

@@ -50,7 +50,8 @@ async def upload(request: Request, who: Who, state: State) -> FileView:
     limit = state.settings.api_max_batch_bytes
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit + MULTIPART_OVERHEAD:
-        raise ApiError(413, ErrorCode.TOO_LARGE, f"the upload is over the limit of {limit} bytes")
+        raise ApiError(413, ErrorCode.TOO_LARGE, f"the upload is over the limit of {limit} bytes",
+                       headers={"Connection": "close"})
     parser = MultiPartParser(request.headers, limited_stream(request, limit + MULTIPART_OVERHEAD),
                              max_files=1, max_fields=8)
     try:

@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from firsttoken.api.deps import ApiError, ApiState, Principal, State, Who, read_body
 from pipeline.store import JobRecord
 from pipeline.store.tables import LATENCY_METRICS
-from schemas.batchfile import BatchLineError, LineFormat, parse_line
+from schemas.batchfile import BatchLineError, LineError, LineFormat, parse_json_object, parse_line
 from schemas.job import ErrorCode, JobRequest, JobTimings, Usage, job_id_of_owner, new_job_id
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,11 @@ async def submit_job(request: Request, who: Who, state: State) -> JobAccepted:
 
 
 def _submit_job(state: ApiState, raw: bytes, who: Principal) -> JobAccepted:
+    if raw.strip():  # not JSON text any store can keep (bad bytes, a NUL, a lone surrogate, 1e400): 400
+        try:
+            parse_json_object(raw, max_bytes=state.settings.api_max_body_bytes)
+        except LineError as exc:
+            raise ApiError(_CODE_STATUS.get(exc.code, 400), exc.code, exc.message) from None
     item = parse_line(raw, 1)
     if item is None:
         raise ApiError(422, ErrorCode.INVALID_REQUEST, "the body is empty: send one job as a JSON object")

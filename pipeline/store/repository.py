@@ -756,8 +756,11 @@ class ResultStore:
         if owner is not None:
             q = q.where(batches.c.owner == owner)
         with self.engine.connect() as conn:
-            if after is not None:
-                last = conn.execute(select(batches.c.created_at).where(batches.c.id == after)).scalar()
+            if after is not None:  # a cursor of the same owner's only: another's id is as a missing one
+                cursor = select(batches.c.created_at).where(batches.c.id == after)
+                if owner is not None:
+                    cursor = cursor.where(batches.c.owner == owner)
+                last = conn.execute(cursor).scalar()
                 if last is None:
                     return []
                 q = q.where(
