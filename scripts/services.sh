@@ -14,6 +14,12 @@
 #   FIRSTTOKEN_SERVICES_DIR (.services)  FIRSTTOKEN_KAFKA_HEAP (-Xms512m -Xmx512m -Xmn160m)
 #   FIRSTTOKEN_KAFKA_GC (-XX:+UseParallelGC)
 #   FIRSTTOKEN_PG_BIN (directory holding pg_ctl; found by itself otherwise)
+# Credentials: Redis starts with a password (requirepass) and a new PostgreSQL data directory
+# with password authentication (scram-sha-256, no trust); the passwords are drawn once into
+# .services/credentials (mode 600; FIRSTTOKEN_REDIS_PASSWORD / FIRSTTOKEN_PG_PASSWORD override)
+# and `env` puts them in the URLs. A service started before credentials existed (no auth marker:
+# .services/redis/auth.conf, <postgres dir>/password) keeps running as it is, and `env` gives its
+# URL without a password until it is restarted.
 # Kafka's jars come from Maven Central through scripts/kafka/pom.xml (cached in ~/.m2 and under
 # .services/); PostgreSQL and Redis come from Debian packages, installed when missing and root.
 set -euo pipefail
@@ -37,6 +43,7 @@ KAFKA_VERSION=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$ROOT
 KAFKA_DIR=$SERVICES_DIR/kafka
 KAFKA_JARS=$SERVICES_DIR/kafka-jars-$KAFKA_VERSION
 REDIS_DIR=$SERVICES_DIR/redis
+CREDENTIALS=$SERVICES_DIR/credentials
 
 say() { echo "services: $*" >&2; }
 die() { say "error: $*"; exit 1; }
@@ -72,6 +79,19 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${@:2}" >&2 || {
     [ "$made_policy" = 1 ] && rm -f "$policy"; die "apt-get install ${*:2} failed"; }
   if [ "$made_policy" = 1 ]; then rm -f "$policy"; fi
+}
+
+# credential NAME: the password NAME (REDIS or PG) from FIRSTTOKEN_<NAME>_PASSWORD, else from
+# .services/credentials, where one is drawn the first time (hex: no quoting needed anywhere).
+credential() {
+  local var=FIRSTTOKEN_$1_PASSWORD
+  if [ -n "${!var:-}" ]; then echo "${!var}"; return; fi
+  mkdir -p "$SERVICES_DIR"
+  if ! grep -q "^$var=" "$CREDENTIALS" 2>/dev/null; then
+    (umask 077; echo "$var=$(python3 -c 'import secrets; print(secrets.token_hex(24))')" >> "$CREDENTIALS")
+  fi
+  chmod 600 "$CREDENTIALS"
+  sed -n "s/^$var=//p" "$CREDENTIALS" | tail -n 1
 }
 
 # --- Kafka ---------------------------------------------------------------------------------------
@@ -251,6 +271,13 @@ pg_dir() {
 
 pg_ready() { "$(pg_bin)/pg_isready" -q -h "$HOST" -p "$PG_PORT" -d "$PG_DB" -U "$PG_USER"; }
 
+# The password of a data directory made with password authentication (empty for an older one made
+# with trust); psql and createdb get it through PGPASSWORD.
+pg_password() {  # (without pg_dir's side effects: `env` creates nothing)
+  cat "$SERVICES_DIR/postgres/password" 2>/dev/null \
+    || cat "/tmp/firsttoken-postgres-$(echo "$ROOT" | sha256sum | cut -c1-12)/password" 2>/dev/null || true
+}
+
 pg_start() {
   pg_install
   local bin dir; bin=$(pg_bin); dir=$(pg_dir)
@@ -260,9 +287,15 @@ pg_start() {
   fi
   if port_busy "$PG_PORT"; then die "port $PG_PORT is taken by another process; set FIRSTTOKEN_PG_PORT"; fi
   if [ ! -f "$dir/data/PG_VERSION" ]; then
-    say "initdb PostgreSQL data in $dir/data"
-    pg_as "$bin/initdb" -D "$dir/data" -U "$PG_USER" --auth=trust -E UTF8 --no-locale \
-      > "$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; die "initdb failed"; }
+    say "initdb PostgreSQL data in $dir/data (password authentication)"
+    local pw pwfile=$dir/initdb.pw
+    pw=$(credential PG)
+    (umask 077; echo "$pw" > "$pwfile")
+    if [ "$(id -u)" = 0 ]; then chown postgres "$pwfile"; fi
+    pg_as "$bin/initdb" -D "$dir/data" -U "$PG_USER" --auth=scram-sha-256 --pwfile="$pwfile" -E UTF8 --no-locale \
+      > "$dir/initdb.log" 2>&1 || { rm -f "$pwfile"; cat "$dir/initdb.log" >&2; die "initdb failed"; }
+    rm -f "$pwfile"
+    (umask 077; echo "$pw" > "$dir/password")
     cat >> "$dir/data/postgresql.conf" <<'EOF'
 # scripts/services.sh: a throwaway test database; durability across an OS crash is not needed.
 fsync = off
@@ -277,9 +310,9 @@ EOF
     -o "-p $PG_PORT -c listen_addresses=$HOST -c unix_socket_directories=''" start >/dev/null \
     || { tail -n 20 "$dir/postgres.log" >&2; die "PostgreSQL did not start (log: $dir/postgres.log)"; }
   wait_for 30 postgres bash -c "'$bin/pg_isready' -q -h $HOST -p $PG_PORT" || die "PostgreSQL does not answer pg_isready"
-  if ! "$bin/psql" -h "$HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -tAc \
+  if ! PGPASSWORD=$(pg_password) "$bin/psql" -h "$HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -tAc \
       "SELECT 1 FROM pg_database WHERE datname = '$PG_DB'" | grep -q 1; then
-    "$bin/createdb" -h "$HOST" -p "$PG_PORT" -U "$PG_USER" "$PG_DB"
+    PGPASSWORD=$(pg_password) "$bin/createdb" -h "$HOST" -p "$PG_PORT" -U "$PG_USER" "$PG_DB"
   fi
   say "PostgreSQL ready on $HOST:$PG_PORT (database $PG_DB)"
 }
@@ -300,15 +333,20 @@ pg_status() {
 
 # --- Redis ---------------------------------------------------------------------------------------
 
-redis_ping() { [ "$(redis-cli -h "$HOST" -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; }
+# The password of the Redis started here (empty for one started before credentials existed).
+redis_password() { sed -n 's/^requirepass //p' "$REDIS_DIR/auth.conf" 2>/dev/null || true; }
+
+redis_ping() { [ "$(REDISCLI_AUTH=$(redis_password) redis-cli -h "$HOST" -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; }
 
 redis_start() {
   command -v redis-server >/dev/null && command -v redis-cli >/dev/null || apt_install Redis redis-server
   if pid_alive "$REDIS_DIR/redis.pid" && redis_ping; then return; fi
   if port_busy "$REDIS_PORT"; then die "port $REDIS_PORT is taken by another process; set FIRSTTOKEN_REDIS_PORT"; fi
   mkdir -p "$REDIS_DIR"
-  say "starting Redis on $HOST:$REDIS_PORT"
-  redis-server --bind "$HOST" --port "$REDIS_PORT" --dir "$REDIS_DIR" --daemonize yes \
+  # the password in a file of mode 600, not on the command line (ps shows that to every user)
+  (umask 077; echo "requirepass $(credential REDIS)" > "$REDIS_DIR/auth.conf")
+  say "starting Redis on $HOST:$REDIS_PORT (password required)"
+  redis-server "$REDIS_DIR/auth.conf" --bind "$HOST" --port "$REDIS_PORT" --dir "$REDIS_DIR" --daemonize yes \
     --pidfile "$REDIS_DIR/redis.pid" --logfile "$REDIS_DIR/redis.log" --save '' --appendonly no \
     || die "redis-server did not start (log: $REDIS_DIR/redis.log)"
   wait_for 20 redis redis_ping || die "Redis does not answer PING (log: $REDIS_DIR/redis.log)"
@@ -320,7 +358,7 @@ redis_stop() {
   local pid; pid=$(cat "$REDIS_DIR/redis.pid")
   kill -TERM "$pid" 2>/dev/null || true
   wait_for 10 "redis exit" bash -c "! kill -0 $pid" || kill -KILL "$pid" 2>/dev/null || true
-  rm -f "$REDIS_DIR/redis.pid"
+  rm -f "$REDIS_DIR/redis.pid" "$REDIS_DIR/auth.conf"
   say "Redis stopped"
 }
 
@@ -331,9 +369,11 @@ redis_status() {
 # --- commands ------------------------------------------------------------------------------------
 
 print_env() {
+  local pg_pw redis_pw
+  pg_pw=$(pg_password); redis_pw=$(redis_password)
   echo "export FIRSTTOKEN_KAFKA_BOOTSTRAP=$HOST:$KAFKA_PORT"
-  echo "export FIRSTTOKEN_DATABASE_URL=postgresql+psycopg://$PG_USER@$HOST:$PG_PORT/$PG_DB"
-  echo "export FIRSTTOKEN_REDIS_URL=redis://$HOST:$REDIS_PORT/0"
+  echo "export FIRSTTOKEN_DATABASE_URL=postgresql+psycopg://$PG_USER${pg_pw:+:$pg_pw}@$HOST:$PG_PORT/$PG_DB"
+  echo "export FIRSTTOKEN_REDIS_URL=redis://${redis_pw:+:$redis_pw@}$HOST:$REDIS_PORT/0"
 }
 
 services_of() {

@@ -142,5 +142,6 @@ def redis_url() -> str:
     try:
         redis.Redis.from_url(url, socket_connect_timeout=5).ping()
     except redis.RedisError as exc:
-        pytest.fail(f"Redis at {url} does not answer PING: {exc}; {HINT}", pytrace=False)
+        where = url.split("@", 1)[-1]  # never the password (scripts/services.sh starts Redis with one)
+        pytest.fail(f"Redis at {where} does not answer PING: {type(exc).__name__}; {HINT}", pytrace=False)
     return url
