@@ -315,9 +315,14 @@ class LLMEngine:
         """Wait for a launched step's tokens; put them in place, report first tokens, check stops."""
         tokens = step.sampled.tolist()
         now = time.monotonic()
-        if self.slo is not None:  # the step ran from its launch, or from when the one before it ended
-            self.slo.model.observe(step.num_tokens - step.num_decodes, now - max(step.launched_at, self._last_done),  # type: ignore[union-attr]
-                                   step.num_decodes)
+        if self.slo is not None:
+            # the step's time on the device (CUDA events: exact under async scheduling); on a CPU,
+            # from its launch or from when the one before it ended. The host's read-back times
+            # mispredicted steps by 54-680% on the H200 (bench/results/2026-12-01-*-h200.*)
+            sec = step.sampled.device_seconds()
+            if sec is None:
+                sec = now - max(step.launched_at, self._last_done)
+            self.slo.model.observe(step.num_tokens - step.num_decodes, sec, step.num_decodes)  # type: ignore[union-attr]
             self._last_done = now
         logprobs = step.sampled.logprobs()  # None unless a request of the step asked
         for req, start, rows in step.sampled.prompt_logprobs():  # by position: a recomputed chunk rewrites its own
