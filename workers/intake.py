@@ -57,11 +57,15 @@ class Intake:
         commit_interval_s: float = 0.05,
         name: str = "intake",
         each_poll: Callable[[], None] = lambda: None,
+        room: Callable[[], int] | None = None,
     ) -> None:
         self.consumer = consumer
         self._deliver = deliver
         self._overloaded = overloaded
         self._each_poll = each_poll  # on this thread before every poll (work the worker holds back)
+        # how many jobs the worker can take now: a poll takes no more, so what waits in the
+        # consumer (round-robin over its partitions) is handed out as room frees, not all at once
+        self._room = room
         self.poll_timeout_s = poll_timeout_s
         self.max_messages = max_messages
         self.commit_interval_s = commit_interval_s
@@ -133,7 +137,8 @@ class Intake:
                 if self._taking:
                     self._each_poll()
                 self._apply_backpressure()
-                messages = self.consumer.poll(self.poll_timeout_s, self.max_messages)
+                n = self.max_messages if self._room is None else max(1, min(self.max_messages, self._room()))
+                messages = self.consumer.poll(self.poll_timeout_s, n)
             except Exception as exc:  # broker down, rebalance failure: keep going, the client reconnects
                 self.errors += 1
                 log.warning("intake: %s: %s", type(exc).__name__, exc)

@@ -191,6 +191,7 @@ class Worker:
             max_messages=self.config.max_poll_messages,
             commit_interval_s=self.config.commit_interval_s,
             each_poll=self._each_poll,
+            room=self._room,
         )
         self._thread = threading.Thread(target=self._results_loop, name="engine-results", daemon=True)
 
@@ -443,6 +444,11 @@ class Worker:
                           job.submitted_at if job.submitted_at is not None else self._wall())
             for job, msg in poison
         ]
+
+    def _room(self) -> int:
+        """Jobs the engine can take before the backlog bound (max_waiting beyond those running)."""
+        backlog = len(self._inflight) - self._running + len(self._held)
+        return self.config.max_waiting - backlog
 
     def _overloaded(self) -> bool:
         if self.sink.full:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 # kafka-python's default (1 MiB) refused a 2 MB prompt that the line limit allows.
 MAX_BATCH_BYTES = 10 * 1024 * 1024
 assert MAX_BATCH_BYTES >= MAX_MESSAGE_BYTES + BATCH_HEADER_BYTES + 1024
+RECONNECT_BACKOFF_MAX_MS = 1000
 
 
 def ensure_topics(
@@ -268,6 +270,7 @@ def make_producer(settings: Settings, *, client_id: str, **overrides: Any) -> Ka
         "max_in_flight_requests_per_connection": 5,
         "allow_auto_create_topics": False,
         "max_request_size": MAX_BATCH_BYTES,
+        "reconnect_backoff_max_ms": RECONNECT_BACKOFF_MAX_MS,
         # kafka-python's client metrics (sensors updated on every request and record) are read by
         # nothing here and cost CPU, and GIL time, on every batch
         "metrics_enabled": False,
@@ -350,6 +353,9 @@ class KafkaJobConsumer(JobConsumer):
             # A lost SyncGroup/Heartbeat/Fetch is retried after this, not after the 30 s default
             # (JoinGroup, which the broker may hold for the rebalance timeout, is exempt).
             "request_timeout_ms": 10_000,
+            # after a broker restart, reconnect within a second (kafka-python's backoff grows to
+            # 30 s: a 10 s outage cost ~21 s more before the client tried again)
+            "reconnect_backoff_max_ms": RECONNECT_BACKOFF_MAX_MS,
             "metrics_enabled": False,  # see make_producer
         }
         if not s.consumer_io_thread:
@@ -363,6 +369,8 @@ class KafkaJobConsumer(JobConsumer):
         # dropped us by then), or a revocation got no assignment, the client is rebuilt.
         self.stuck_after_s = s.session_timeout_ms / 1000.0 + 5.0
         self._revoked_at: float | None = None
+        self._broker_down_at = 0.0  # monotonic: when a probe last found no broker
+        self._last_probe = 0.0
         self.recreated = 0
         self._consumer = self._new_client()
         self._dlq = make_producer(s, client_id=f"firsttoken-dlq-{group}", linger_ms=0)
@@ -384,9 +392,21 @@ class KafkaJobConsumer(JobConsumer):
         upsert keeps one row per job."""
         now = time.monotonic()
         hb = getattr(getattr(self._consumer, "_coordinator", None), "heartbeat", None)
-        silent = now - max(hb.last_receive, hb.last_reset) if hb is not None else 0.0
-        unassigned = 0.0 if self._revoked_at is None else now - self._revoked_at
+        # silence counts from the last heartbeat answer, or from when the broker was last seen
+        # down: a client gets the whole bound to find a broker that is back
+        heard = max(hb.last_receive, hb.last_reset) if hb is not None else now
+        silent = now - max(heard, self._broker_down_at)
+        unassigned = 0.0 if self._revoked_at is None else now - max(self._revoked_at, self._broker_down_at)
         if max(silent, unassigned) < self.stuck_after_s:
+            return
+        if now - self._last_probe < 1.0:
+            return
+        self._last_probe = now
+        if not self._broker_reachable():
+            # the broker is down, not the client stuck: the client reconnects by itself once the
+            # broker is back (within reconnect_backoff_max_ms) and keeps its member id, so the
+            # group takes it back without a rebalance. A new client would wait out a rejoin.
+            self._broker_down_at = now
             return
         log.warning(
             "consumer of %s is out of its group (%.0f s without a heartbeat answer, %.0f s revoked "
@@ -401,6 +421,17 @@ class KafkaJobConsumer(JobConsumer):
             self._consumer.close(autocommit=False)
         self._new_client()
         self.recreated += 1
+
+    def _broker_reachable(self, timeout_s: float = 0.5) -> bool:
+        """Whether some bootstrap server accepts a TCP connection now."""
+        for server in self._config["bootstrap_servers"]:
+            host, _, port = str(server).rpartition(":")
+            try:
+                with socket.create_connection((host.strip("[]") or "localhost", int(port)), timeout=timeout_s):
+                    return True
+            except (OSError, ValueError):
+                continue
+        return False
 
     def _await_topic_metadata(self, timeout_s: float) -> None:
         # kafka-python can run the group's partition assignment before the subscribed topic's
