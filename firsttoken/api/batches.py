@@ -224,10 +224,11 @@ def _submit(
             owner=who.owner,
             check=check,
         )
-    except BatchConflict as exc:
+    except BatchConflict as exc:  # (messages without the id: the caller has it)
         if exc.reason == "owner":
-            raise ApiError(403, "forbidden", f"batch id {bid!r} is taken; choose another") from None
-        raise ApiError(409, "conflict", str(exc)) from None
+            raise ApiError(403, "forbidden", "this batch id cannot be used; choose another") from None
+        raise ApiError(409, "conflict", "this batch id already holds another input; submit this one under "
+                       "another batch id") from None
 
 
 def _submit_lines(
@@ -244,10 +245,10 @@ def _submit_lines(
         raise ApiError(404, MODEL_NOT_FOUND, f"line {line_no}: {state.model_not_found_message(name)}",
                        param="body.model")
     new = sum(1 for line in lines if line.strip())
+    bid = f"batch_{new_job_id()}" if batch_id is None else state.batch_id_for(who, batch_id)
     if batch_id is not None:  # resuming a batch: its lines already recorded are not new jobs
-        new -= state.st.batch_progress(batch_id).recorded
+        new -= state.st.batch_progress(bid).recorded
     state.admit(who, new)  # a batch is taken whole or not at all
-    bid = batch_id or f"batch_{new_job_id()}"
     summary = _submit(state, lines, bid=bid, digest=bytes_digest(raw), max_tokens=max_tokens, who=who, check=state.check)
     return BatchSubmitted(
         batch_id=bid,

@@ -297,27 +297,37 @@ class Abandoner:
     def __init__(self, state: ApiState) -> None:
         self.state = state
         self._pending: set[str] = set()
+        self._since = 0.0  # when the oldest pending id came
         self._task: asyncio.Task[None] | None = None
-        # a thread of its own: the cancels never wait behind the shared pool's reads
+        # threads of their own: the store's cancels never wait behind the shared pool's reads, nor
+        # behind the GPU workers' broadcast (a Celery round trip; the workers also read the store)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="firsttoken-abandon")
+        self._broadcast = ThreadPoolExecutor(1, thread_name_prefix="firsttoken-abandon-broadcast")
 
     def add(self, job_id: str) -> None:
+        if not self._pending:
+            self._since = time.monotonic()
         self._pending.add(job_id)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._flush())
 
     async def _flush(self) -> None:
         while self._pending:
-            ids = sorted(self._pending)
+            ids, since = sorted(self._pending), self._since
             self._pending.clear()
+            loop = asyncio.get_running_loop()
             try:
-                await asyncio.get_running_loop().run_in_executor(self._thread, self._cancel, ids)
+                n = await loop.run_in_executor(self._thread, self._cancel, ids)
+                if n:
+                    loop.run_in_executor(self._broadcast, self.state.cancel, ids, None)  # (it logs its own failure)
             except Exception as exc:  # the store away: the worker finishes them, nobody reads them
                 log.warning("could not cancel %d jobs of clients gone: %s", len(ids), type(exc).__name__)
+            else:
+                log.info("cancelled %d of %d jobs whose clients went away (%.0f ms after the first left)",
+                         n, len(ids), 1000 * (time.monotonic() - since))
 
-    def _cancel(self, ids: list[str]) -> None:
-        if self.state.st.cancel(job_ids=ids, reason="the client disconnected"):
-            self.state.cancel(ids, None)
+    def _cancel(self, ids: list[str]) -> int:
+        return self.state.st.cancel(job_ids=ids, reason="the client disconnected")
 
 
 def _abandoner(state: ApiState) -> Abandoner:
@@ -475,8 +485,14 @@ class CompletionStream(StreamingResponse):
         self.run = run
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def watched() -> Any:  # the disconnect starts the clean-up at once: the stream's task may be
+            message = await receive()  # waiting on a store read in a thread, which no cancel interrupts
+            if message["type"] == "http.disconnect":
+                self.run.clean_up()
+            return message
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, watched, send)
         finally:
             self.run.clean_up()
             # the generator may be parked at a yield: close it, from outside this (cancelled) task

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import re
@@ -190,12 +191,31 @@ class ApiState:
             raise ApiError(404, "not_found", "no such job")
         return rec
 
+    def batch_id_for(self, who: Principal, given: str) -> str:
+        """The stored id of the batch a caller names `given`: that id itself when it is a batch of
+        the caller's (or there is no owner: no authentication), else the caller's own id for that
+        name (batch_id_of_owner). Another owner's batch id is so as a name never used: the caller
+        neither reads nor adds to it, nor learns that it exists."""
+        if who.owner is None:
+            return given
+        b = self.st.get_batch(given)
+        if b is not None and b.owner == who.owner:
+            return given
+        return batch_id_of_owner(who.owner, given)
+
     def find_batch(self, who: Principal, batch_id: str) -> BatchRecord:
-        """The caller's batch; 404 otherwise."""
-        b = self.st.get_batch(batch_id)
+        """The caller's batch by its id or by the name the caller gave it; 404 otherwise."""
+        b = self.st.get_batch(self.batch_id_for(who, batch_id))
         if b is None or not who.may_see(b.owner):
             raise ApiError(404, "not_found", "no such batch")
         return b
+
+
+def batch_id_of_owner(owner: str, name: str) -> str:
+    """The id of the batch `owner` named `name` (POST /v1/batches?batch_id=name): its own, apart
+    from every other owner's batch of that name."""
+    return "batch_" + hashlib.blake2b(f"batch of owner\0{owner}\0{name}".encode("utf-8", "surrogatepass"),
+                                      digest_size=12).hexdigest()
 
 
 def api_state(request: Request) -> ApiState:

@@ -193,6 +193,6 @@ def latency(
         raise ApiError(400, ErrorCode.INVALID_REQUEST, "metrics or by: an unknown name (metrics: "
                        f"{', '.join(sorted(LATENCY_METRICS))}; by: worker, model)")
     if batch_id is not None:
-        state.find_batch(who, batch_id)
+        batch_id = state.find_batch(who, batch_id).id
     stats = state.st.latency_stats(since=since, until=until, metrics=ms, by=groups, owner=who.owner, batch_id=batch_id)
     return Latency(since=since, until=until, stats=[LatencyRow(**x.__dict__) for x in stats])

@@ -90,6 +90,19 @@ def protocol_with_deadlines(header_timeout_s: float, body_timeout_s: float) -> t
                 {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})
 
 
+def log_config() -> dict[str, Any]:
+    """uvicorn's logging, and firsttoken's own loggers (firsttoken.*, pipeline.*) at INFO on the
+    same handler (else only their warnings reach stderr)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    for name in ("firsttoken", "pipeline"):
+        cfg["loggers"][name] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return cfg
+
+
 def server_config(app: Any, settings: Settings, *, host: str, port: int) -> Any:
     """uvicorn's Config for the API app with the settings' limits and deadlines."""
     import uvicorn
@@ -99,6 +112,7 @@ def server_config(app: Any, settings: Settings, *, host: str, port: int) -> Any:
         host=host,
         port=port,
         log_level="info",
+        log_config=log_config(),
         http=protocol_with_deadlines(settings.api_header_timeout_s, settings.api_body_timeout_s),
         limit_concurrency=settings.api_max_connections,
         h11_max_incomplete_event_size=settings.api_max_header_bytes,

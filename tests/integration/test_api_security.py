@@ -486,6 +486,13 @@ def test_no_leaks_between_owners_no_echo_no_host_redirect(lonely):
             r = c.get("/v1/batches", params={"after": after}, headers=ALICE)
             assert r.status_code == 200 and r.json()["data"] == [] and not r.json()["has_more"]
         assert c.get(f"/v1/batches/{bob_batch}", headers=ALICE).status_code == 404
+        # a batch name of bob's given by alice: her own batch of that name, as if bob's did not exist
+        name = "shared-" + uuid.uuid4().hex[:8]
+        bobs = c.post("/v1/batches", params={"batch_id": name}, headers=BOB, content=b'{"prompt": "x"}\n').json()
+        hers = c.post("/v1/batches", params={"batch_id": name}, headers=ALICE, content=b'{"prompt": "y"}\n')
+        assert hers.status_code == 202 and not hers.json()["resumed"] and hers.json()["batch_id"] != bobs["batch_id"]
+        assert c.get(f"/v1/batches/{name}", headers=BOB).json()["id"] == bobs["batch_id"]
+        assert c.get(f"/v1/batches/{name}", headers=ALICE).json()["id"] == hers.json()["batch_id"]
         # no redirect from a trailing slash, so none to the Host a client names
         r = c.get("/v1/jobs/", headers={**ALICE, "host": "evil.example"})
         assert r.status_code == 404 and "location" not in r.headers
@@ -562,6 +569,8 @@ def test_200_dropped_streams_cancel_their_jobs_and_release_their_channels(stack,
     lag = sorted(x.updated_at - t_drop for x in cancelled)
     print(f"cancelled {len(cancelled)}/200; seconds from the drop to the cancel: median {lag[len(lag) // 2]:.3f}, "
           f"max {lag[-1]:.3f}")
+    log = next(p for p in LOGS if p.name == "stack.log")
+    print("\n".join(x for x in log.read_text().splitlines() if "went away" in x or "disconnect" in x))
     assert lag[-1] < 1.0, lag[-10:]
     channels = [reply_channel(j) for j in jobs]
     wait_until(lambda: all(n == 0 for _c, n in r.pubsub_numsub(*channels)), 10, "the reply channels to be released")

@@ -65,9 +65,10 @@ def test_api_jobs_batches_results_cancel_latency(kafka_settings, postgres_url):
         )
         assert r.status_code == 202, r.text
         assert r.json()["submitted"] == 5 and r.json()["invalid"] == 3
-        # bob may neither read alice's batch nor add to it
+        # bob may neither read alice's batch nor add to it: the name is his own batch's
         assert client.get(f"/v1/batches/B-{t}", headers=bob).status_code == 404
-        assert client.post("/v1/batches", params={"batch_id": f"B-{t}"}, content=lines[0], headers=bob).status_code == 403
+        theirs = client.post("/v1/batches", params={"batch_id": f"B-{t}"}, content=lines[0], headers=bob)
+        assert theirs.status_code == 202 and theirs.json()["batch_id"] != r.json()["batch_id"]
         assert client.get(f"/v1/jobs/{job_id}", headers=alice).json()["status"] == "queued"
 
         worker = in_process_worker(s, LLMEngine("tiny", EngineConfig(device="cpu")), "w-api").start()
@@ -78,6 +79,7 @@ def test_api_jobs_batches_results_cancel_latency(kafka_settings, postgres_url):
             wait_until(
                 lambda: client.get(f"/v1/jobs/{job_id}", headers=alice).json()["status"] == "succeeded", 60, "the job"
             )
+            wait_until(lambda: client.get(f"/v1/batches/B-{t}", headers=bob).json()["complete"], 60, "bob's batch")
             wait_until(lambda: sum(worker.intake.consumer.in_flight().values()) == 0, 60, "commits")
         finally:
             worker.stop()
@@ -98,9 +100,9 @@ def test_api_jobs_batches_results_cancel_latency(kafka_settings, postgres_url):
         lat = client.get("/v1/latency", params={"since": time.time() - 600, "by": "worker"}, headers=alice).json()
         ttft = [x for x in lat["stats"] if x["metric"] == "ttft_ms" and x["worker"] == "w-api"]
         assert ttft and ttft[0]["count"] >= 6 and ttft[0]["p50"] <= ttft[0]["p99"]
-        # bob's latency covers only his jobs: his one job
+        # bob's latency covers only his jobs: his one job and the line of his own batch named B-<t>
         lat_b = client.get("/v1/latency", params={"since": time.time() - 600, "metrics": "ttft_ms"}, headers=bob)
-        assert lat_b.json()["stats"][0]["count"] == 1
+        assert lat_b.json()["stats"][0]["count"] == 2
         by_batch = client.get("/v1/latency", params={"batch_id": f"B-{t}", "metrics": "ttft_ms"}, headers=alice)
         assert by_batch.json()["stats"][0]["count"] == 5
         assert client.get("/v1/latency", params={"metrics": "nope"}, headers=alice).status_code == 400

@@ -92,12 +92,19 @@ def test_owners_see_only_their_own(client, queue):
 
     r = client.post("/v1/batches", params={"batch_id": "shared-name"}, content='{"prompt": "x"}', headers=ALICE)
     assert r.status_code == 202
+    alice_batch = r.json()["batch_id"]
     assert client.get("/v1/batches/shared-name", headers=BOB).status_code == 404
     assert client.get("/v1/batches/shared-name/results", headers=BOB).status_code == 404
     assert client.delete("/v1/batches/shared-name", headers=BOB).status_code == 404
-    add = client.post("/v1/batches", params={"batch_id": "shared-name"}, content='{"prompt": "x"}', headers=BOB)
-    assert add.status_code == 403
+    assert client.get(f"/v1/batches/{alice_batch}", headers=BOB).status_code == 404
     assert client.get("/v1/latency", params={"batch_id": "shared-name"}, headers=BOB).status_code == 404
+    # another owner's batch name is as a name never used: bob's own batch, apart from alice's
+    add = client.post("/v1/batches", params={"batch_id": "shared-name"}, content='{"prompt": "x"}', headers=BOB)
+    assert add.status_code == 202 and add.json()["batch_id"] != alice_batch and not add.json()["resumed"]
+    add = client.post("/v1/batches", params={"batch_id": alice_batch}, content='{"prompt": "x"}', headers=BOB)
+    assert add.status_code == 202 and add.json()["batch_id"] != alice_batch  # alice's id too
+    assert client.get(f"/v1/batches/{alice_batch}", headers=BOB).json()["id"] == add.json()["batch_id"]  # his
+    assert client.get("/v1/batches/shared-name", headers=ALICE).json()["recorded"] == 1  # hers, untouched
     # alice re-sending the same body resumes it (nothing twice); another body under the id is refused
     n = _published(queue)
     again = client.post("/v1/batches", params={"batch_id": "shared-name"}, content='{"prompt": "x"}', headers=ALICE)
@@ -157,7 +164,7 @@ def test_fuzz_no_malformed_input_gives_a_500(client, store, queue):
     r = client.post("/v1/batches", params={"batch_id": "fuzz"}, content=b"\n".join(lines), headers=ALICE)
     assert r.status_code == 202, r.text
     assert r.json()["submitted"] == len(good) and r.json()["invalid"] == len(bad)
-    b = store.get_batch("fuzz")
+    b = store.get_batch(r.json()["batch_id"])
     assert b is not None and b.progress.counts == {JobStatus.QUEUED: len(good), JobStatus.FAILED: len(bad)}
     res = [json.loads(x) for x in client.get("/v1/batches/fuzz/results", headers=ALICE).text.splitlines()]
     assert len(res) == len(bad)
