@@ -116,10 +116,10 @@ def lonely(kafka_bootstrap, postgres_url, redis_url, log_dir):
 def deaf(kafka_bootstrap, redis_url, log_dir):
     """An API whose database is a closed port."""
     s = _settings(kafka_bootstrap, f"postgresql+psycopg://firsttoken:x@127.0.0.1:{_free_port()}/none", redis_url)
-    proc, base, _port = _start_api(s, log_dir, "deaf")
+    proc, base, port = _start_api(s, log_dir, "deaf", FIRSTTOKEN_API_MAX_CONNECTIONS="8")
     try:
         assert httpx.get(base + "/healthz").status_code == 503  # it has no database indeed
-        yield base
+        yield {"base": base, "port": port}
     finally:
         _stop(proc)
         from pipeline.queue.kafka import delete_topics
@@ -238,7 +238,22 @@ def _check_refused(results: list[tuple[str, int, str]]) -> None:
 def test_hostile_values_are_refused_before_any_database_call(deaf):
     """Against an API with no database: each hostile request is a 400 invalid_request_error (a
     database call would have been a 500 or 503)."""
-    _check_refused(_barrage(deaf))
+    _check_refused(_barrage(deaf["base"]))
+
+
+def test_connections_past_the_limit_are_503(deaf):
+    """FIRSTTOKEN_API_MAX_CONNECTIONS=8 on this server: with 8 connections open, a request on a
+    9th is answered 503 at once; once they closed, there is room again."""
+    held = [socket.create_connection(("127.0.0.1", deaf["port"]), timeout=10) for _ in range(8)]
+    try:
+        time.sleep(0.2)  # (the server has accepted them)
+        with socket.create_connection(("127.0.0.1", deaf["port"]), timeout=10) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: a\r\n\r\n")
+            assert sock.recv(100).startswith(b"HTTP/1.1 503")
+    finally:
+        for sock in held:
+            sock.close()
+    wait_until(lambda: httpx.get(deaf["base"] + "/v1/models", headers=ALICE).status_code == 200, 10, "room again")
 
 
 def test_hostile_values_are_refused_on_a_live_api(lonely):
