@@ -331,10 +331,9 @@ class Abandoner:
 
 
 def _abandoner(state: ApiState) -> Abandoner:
-    ab = getattr(state, "abandoner", None)
-    if ab is None:
-        ab = state.abandoner = Abandoner(state)  # type: ignore[attr-defined]
-    return ab
+    if state.abandoner is None:
+        state.abandoner = Abandoner(state)
+    return state.abandoner
 
 
 class _Run:

@@ -105,6 +105,7 @@ class ApiState:
     replies: Any = None  # firsttoken.api.replies.ReplyWaiter, when Redis is configured
     model_name: str = "smollm2-135m"  # the served model's id (GET /v1/models, `model` of responses)
     owned: list[Any] = field(default_factory=list)  # closed at shutdown
+    abandoner: Any = None  # firsttoken.api.completions.Abandoner: cancels the jobs of clients gone
     model_ids: frozenset[str] = field(init=False)  # the names a request may give for it (served_model_ids)
 
     def __post_init__(self) -> None:
