@@ -372,6 +372,8 @@ class KafkaJobConsumer(JobConsumer):
         self._broker_down_at = 0.0  # monotonic: when a probe last found no broker
         self._last_probe = 0.0
         self.recreated = 0
+        self._seek_pending: set[int] = set()  # assigned again, to be rewound to _dropped_from
+        self._dropped_from: dict[int, int] = {}  # first offset fetched and dropped at a revocation
         self._consumer = self._new_client()
         self._dlq = make_producer(s, client_id=f"firsttoken-dlq-{group}", linger_ms=0)
         self._dlq_futures: list[Any] = []
@@ -415,6 +417,7 @@ class KafkaJobConsumer(JobConsumer):
         for p in list(self._tracker.partitions()):
             self._tracker.revoke(p)
         self._drop_buffered()
+        self._dropped_from.clear()  # a new client starts from the committed offsets
         self._want_paused.clear()
         self._async_commit_sent_at = None  # its answer would come to the old client
         with contextlib.suppress(Exception):
@@ -474,6 +477,12 @@ class KafkaJobConsumer(JobConsumer):
 
     def _on_assigned(self, partitions: set[int]) -> None:
         self._revoked_at = None
+        # a partition this member held before the rebalance comes back at the position
+        # kafka-python kept: past the messages this consumer had fetched and not handed out when
+        # it was revoked (dropped then, as another member could get it). Read those again.
+        self._seek_pending |= partitions & set(self._dropped_from)
+        for p in set(self._dropped_from) - partitions:  # another member's now: it reads them
+            del self._dropped_from[p]
         for p in partitions:
             if p not in self._tracker.partitions():
                 self._tracker.assign(p)
@@ -485,13 +494,35 @@ class KafkaJobConsumer(JobConsumer):
 
     # --- JobConsumer ---
 
+    def _rewind_dropped(self) -> None:
+        """Partitions assigned again since the last fetch: back to the first message dropped at
+        their revocation, when kafka-python's position is past it (outside its event loop: the
+        position lookup may block)."""
+        pending, self._seek_pending = self._seek_pending & self.assignment(), set()
+        for p in sorted(pending):
+            first = self._dropped_from.pop(p)
+            tp = TopicPartition(self.topic, p)
+            if self._consumer.position(tp) > first:
+                self._consumer.seek(tp, first)
+
+    def _drop_buffered(self, partitions: Iterable[int] | None = None) -> None:
+        for p in list(self._buffers) if partitions is None else partitions:
+            b = self._buffers.get(p)
+            if b:
+                self._dropped_from[p] = min(b[0].offset, self._dropped_from.get(p, b[0].offset))
+        super()._drop_buffered(partitions)
+
     def _fetch(self, timeout_s: float, max_messages: int) -> list[RawMessage]:
         self._recreate_if_stuck()
+        if self._seek_pending:
+            self._rewind_dropped()
         records = self._consumer.poll(
             timeout_ms=int(timeout_s * 1000), max_records=max_messages, update_offsets=True
         )
         out = []
         for tp, msgs in records.items():
+            if tp.partition in self._seek_pending:
+                continue  # assigned again during this poll: read from the first dropped message next
             for r in msgs:
                 out.append(RawMessage(tp.topic, tp.partition, r.offset, r.key, r.value, r.timestamp))
         return out

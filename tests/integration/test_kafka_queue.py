@@ -265,3 +265,41 @@ def test_rebalance_commits_finished_work_of_revoked_partitions(kafka_settings: S
         a.close()
     finally:
         q.close()
+
+
+def test_messages_fetched_and_not_handed_out_survive_a_rebalance(kafka_settings: Settings):
+    """The consumer holds fetched messages to hand them out round-robin. A rebalance drops them
+    (a partition may go to another member); a partition that comes back to this member is read
+    again from the first dropped message (kafka-python's kept position is past them). Every job
+    of the topic reaches one of the two members: none is skipped."""
+    q = KafkaQueue(kafka_settings.model_copy(update={"jobs_partitions": 4}))
+    try:
+        q.publish(JobRequest(id=f"r{i}", prompt="x", prefix_key=f"k{i}") for i in range(400))
+        a = q.consumer()
+        got: set[str] = set()
+        # poll a few at a time until a holds more than it handed out
+        deadline = time.monotonic() + 30
+        while a._buffered == 0:
+            assert time.monotonic() < deadline, "the consumer never held fetched messages"
+            got |= {m.job.id for m in a.poll(timeout_s=0.2, max_messages=4)}
+        assert a._buffered > 0 and len(got) < 400
+        b = q.consumer()
+        deadline = time.monotonic() + 60
+        while not (len(a.assignment()) == 2 and len(b.assignment()) == 2):  # one job a poll meanwhile
+            assert time.monotonic() < deadline, "the group did not rebalance"
+            for c in (a, b):
+                batch = c.poll(timeout_s=0.1, max_messages=1)
+                got |= {m.job.id for m in batch}
+                c.commit(batch)
+        assert len(got) < 400, "everything was handed out before the rebalance: nothing tested"
+        deadline = time.monotonic() + 60
+        while len(got) < 400:
+            assert time.monotonic() < deadline, f"{400 - len(got)} jobs never came"
+            for c in (a, b):
+                batch = c.poll(timeout_s=0.1, max_messages=64)
+                got |= {m.job.id for m in batch}
+                c.commit(batch)
+        b.close()
+        a.close()
+    finally:
+        q.close()
