@@ -182,6 +182,7 @@ class Worker:
         self._held: deque[Message] = deque()  # delivered too often: run one at a time (WorkerConfig.hold_from)
         self._held_running: str | None = None  # the held job in the engine now
         self._next_cancel_poll = 0.0  # monotonic
+        self._redo: list[Message] = []  # delivered while their job finished here: looked up again
         self.sink = ResultSink(store, self._on_durable, self.config.sink)
         self.intake = Intake(
             consumer,
@@ -306,6 +307,7 @@ class Worker:
             return Admission()
         try:
             got = self.store.admit(fresh, worker=self.name, admitted_at=wall, hold_from=self.config.hold_from)
+            got.looked_up = {j.id for j in fresh}
         except Exception as exc:
             if self._admit_error is None:
                 log.warning("admission lookup failed (%s); running the jobs unchecked", type(exc).__name__)
@@ -339,6 +341,11 @@ class Worker:
                     self.counters.duplicates += 1
                     continue
                 if admitted is not None and job.id not in admitted.running:
+                    if job.id not in admitted.looked_up:
+                        # it ran here when the lookup was made and has finished since: its row
+                        # may not be durable yet, so look it up again at the next poll
+                        self._redo.append(msg)
+                        continue
                     deliveries = admitted.held.get(job.id)
                     if deliveries is None:  # terminal already (or it just finished here): nothing to run
                         skipped.append(msg)
@@ -388,6 +395,9 @@ class Worker:
         """On the intake thread, before each poll: the next held job, and (every cancel_poll_s)
         the cancels recorded in the store."""
         self._release_held()
+        if self._redo:
+            redo, self._redo = self._redo, []
+            self._deliver(redo)
         every = self.config.cancel_poll_s
         if every is None or not self._inflight:
             return
