@@ -109,9 +109,12 @@ class Settings(BaseSettings):
     )
     max_poll_records: int = Field(default=256, ge=1)
     max_partition_fetch_bytes: int = Field(
-        default=64 * 1024, ge=1024,
-        description="most bytes one fetch takes of a partition (kafka-python's default is 1 MiB): a "
-        "partition's backlog comes a slice at a time, beside the other partitions' slices",
+        default=1024 * 1024, ge=1024,
+        description="most bytes one fetch takes of a partition. The consumer hands out what it "
+        "fetched round-robin over the partitions, so a fetch that brings every partition's backlog "
+        "is what it wants: a record batch over this limit comes only for the first partition of a "
+        "fetch (KIP-74), and at 64 KiB a bulk submission's batches (up to 256 KiB) then came one "
+        "partition per fetch: one partition served whole before the next (bench/bench_fairness.py)",
     )
     consumer_io_thread: bool = Field(
         default=False,
