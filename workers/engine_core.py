@@ -64,6 +64,7 @@ class AddRequest:
     priority: int = 0
     arrival_time: float | None = None  # monotonic; None: when the core adds it
     stream: bool = False  # report its text deltas (CoreOutputs.deltas)
+    fair_rank: int = 0  # LLMEngine.add_request's fair_rank
 
 
 @dataclass(slots=True)
@@ -94,6 +95,7 @@ def _add(engine: LLMEngine, req: AddRequest, rejected: list[tuple[str, str, str]
             priority=req.priority,
             arrival_time=req.arrival_time,
             stream=req.stream,
+            fair_rank=req.fair_rank,
         )
     except InvalidRequestError as exc:
         rejected.append((req.request_id, exc.code, exc.message))

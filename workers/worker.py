@@ -115,6 +115,7 @@ class _InFlight:
     admitted_mono: float
     first_token_mono: float | None = None
     paused_s: float = 0.0  # of submitted -> admitted, the time this worker held off (back-pressure)
+    fair_rank: int = 0  # its place in the round-robin over the partitions (Worker._fair_rank)
 
 
 @dataclass
@@ -183,6 +184,8 @@ class Worker:
         self._held_running: str | None = None  # the held job in the engine now
         self._next_cancel_poll = 0.0  # monotonic
         self._redo: list[Message] = []  # delivered while their job finished here: looked up again
+        self._fair_next: dict[int, int] = {}  # per partition, the fair rank of its next job
+        self._fair_top = 0
         self.sink = ResultSink(store, self._on_durable, self.config.sink)
         self.intake = Intake(
             consumer,
@@ -333,6 +336,8 @@ class Worker:
         with self._lock:
             if self._draining.is_set() or self._engine_error is not None:
                 return  # never admitted: left uncommitted, delivered again
+            waiting = [e.fair_rank for e in self._inflight.values() if e.first_token_mono is None]
+            floor = min(waiting) if waiting else self._fair_top
             for msg in messages:
                 job = msg.job
                 running = self._inflight.get(job.id)
@@ -376,10 +381,11 @@ class Worker:
                         # the engine's clock: submission time moved onto the monotonic clock
                         mono - max(0.0, wall - submitted),
                         stream=job.reply == "stream",
+                        fair_rank=(rank := self._fair_rank(msg.partition, floor)),
                     )
                 )
                 paused = self.intake.paused_between(submitted, wall)
-                self._inflight[job.id] = _InFlight(job, [msg], submitted, wall, mono, paused_s=paused)
+                self._inflight[job.id] = _InFlight(job, [msg], submitted, wall, mono, paused_s=paused, fair_rank=rank)
                 self.counters.admitted += 1
             if adds:
                 self.core.submit(adds)  # under the lock: a cancel's abort always follows the add
@@ -416,6 +422,17 @@ class Worker:
             return
         if gone:
             self.cancel(sorted(gone))
+
+    def _fair_rank(self, partition: int, floor: int) -> int:
+        """A job's rank in the engine's queue among equal priorities: the k-th job of a partition
+        beside the other partitions' k-th (counted from the lowest rank still waiting, so a
+        partition that was idle starts level with the others, not ahead). However the fetches
+        brought them in (a partition's whole backlog first), the engine serves the partitions
+        in turn (bench/bench_fairness.py)."""
+        rank = max(self._fair_next.get(partition, 0), floor)
+        self._fair_next[partition] = rank + 1
+        self._fair_top = max(self._fair_top, rank + 1)
+        return rank
 
     def _release_held(self) -> None:
         """On the intake thread, before each poll: when no held job is in the engine, the next one

@@ -140,13 +140,14 @@ def worker_env(settings: Settings, name: str) -> dict[str, str]:
     return env
 
 
-def start_worker_process(settings: Settings, name: str, log_dir: Path) -> subprocess.Popen:
-    """`firsttoken worker` in a subprocess (its own session, so the test can kill it alone)."""
+def start_worker_process(settings: Settings, name: str, log_dir: Path, **env: str) -> subprocess.Popen:
+    """`firsttoken worker` in a subprocess (its own session, so the test can kill it alone);
+    `env`: more FIRSTTOKEN_* variables."""
     log = (log_dir / f"{name}.log").open("wb")
     return subprocess.Popen(
         [sys.executable, "-m", "firsttoken.cli", "worker"],
         cwd=ROOT,
-        env=worker_env(settings, name),
+        env={**worker_env(settings, name), **env},
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -59,7 +59,8 @@ def test_kill_9_a_worker_and_start_another(kafka_settings, postgres_url, store, 
     store.create_batch(batch)
     Producer(queue, store).submit(make_jobs(300, batch, batch_id=batch, max_tokens=24))
     queue.close()
-    first = start_worker_process(s, "victim", tmp_path)
+    # an in-flight window of max_num_seqs 16 + backlog 16: what may run again after the kill
+    first = start_worker_process(s, "victim", tmp_path, FIRSTTOKEN_MAX_NUM_SEQS="16", FIRSTTOKEN_MAX_WAITING="16")
     second = None
     try:
         wait_until(lambda: terminal_count(store, batch) >= 30, 120, "the first worker to make progress")
@@ -76,6 +77,14 @@ def test_kill_9_a_worker_and_start_another(kafka_settings, postgres_url, store, 
                 p.wait(60)
     assert_exactly_once(store, batch, 300)
     assert {r.worker for r in rows_of(store, batch)} == {"victim", "rescuer"}
+    # run again: only what the killed worker had in flight (jobs whose rows were written are
+    # skipped by the admission lookup, however far the committed offset trailed): at most its
+    # window (16 running + 16 waiting) and the results its sink had not written yet (at most a
+    # step's worth: 16), and only jobs with no result when it died
+    rows = rows_of(store, batch)
+    again = sum(r.deliveries for r in rows) - len(rows)
+    assert 0 <= again <= min(16 + 16 + 16, 300 - done_at_kill), (again, done_at_kill)
+    assert all(r.deliveries == 1 for r in rows if r.worker == "victim")  # finished by the victim: run once
 
 
 def test_kafka_restart_and_postgres_outage(kafka_settings, postgres_url, store, engines_one):

@@ -349,3 +349,29 @@ def test_a_redelivered_job_already_written_is_skipped_not_run(engine, queue, sto
     w = run_all(engine, queue, store, [])
     assert w.counters.skipped == 4 and w.counters.admitted == 0 and w.counters.succeeded == 0
     assert {r.id: r.updated_at for r in store.list_jobs()} == before
+
+
+def test_partitions_are_served_in_turn_whatever_order_they_arrive(queue, store):
+    """A partition's backlog handed to the engine first does not make the others wait behind it
+    all: jobs of equal priority take fair ranks (a partition's k-th job beside the other
+    partitions' k-th), so a partition that arrives later is served beside the first one."""
+    from tests.pipeline.test_queue_local import _on
+
+    eng = make_engine_tiny(max_num_seqs=2)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = [j.model_copy(update={"sampling": sp}) for j in _on(queue, 0, 40, "a")]
+    later = [j.model_copy(update={"sampling": sp}) for j in _on(queue, 1, 10, "b")]
+    w = start_worker(eng, queue, store, max_waiting=64)
+    try:
+        queue.publish(first)
+        wait_until(lambda: len(w._inflight) == 40, what="the first partition's backlog in the engine")
+        queue.publish(later)
+        wait_until(lambda: all_committed(queue), timeout_s=120, what="every job")
+    finally:
+        w.stop()
+    rows = {r.id: r for r in store.list_jobs(limit=100)}
+    order = sorted(rows.values(), key=lambda r: r.timings.first_token_at)
+    pos = {r.id: i for i, r in enumerate(order)}
+    # without fair ranks the later partition's jobs would all come after the first's 40 (positions 40-49)
+    assert max(pos[j.id] for j in later) < 40, sorted(pos[j.id] for j in later)
+    assert all(r.status is JobStatus.SUCCEEDED for r in rows.values())

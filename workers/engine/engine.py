@@ -108,10 +108,13 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         stream: bool = False,
+        fair_rank: int = 0,
     ) -> None:
         """Queue a request. Raises InvalidRequestError (with a code) for this request only.
 
-        `stream`: report its text as it grows (StepOutput.deltas)."""
+        `stream`: report its text as it grows (StepOutput.deltas). `fair_rank`: among requests of
+        equal priority, lower ranks are admitted first (the worker's round-robin over its queue
+        partitions), then first come first served."""
         if request_id in self.requests:
             raise InvalidRequestError("duplicate_request_id", f"request {request_id!r} is already in the engine")
         sp = self._validate_sampling(sampling)
@@ -161,6 +164,7 @@ class LLMEngine:
             eos_token_ids=frozenset() if sp.ignore_eos else self.eos_token_ids,
         )
         req.stream = stream
+        req.fair_rank = int(fair_rank)
         req.logprobs = None if sp.logprobs is None else []
         req.prompt_logprobs = None if sp.prompt_logprobs is None else [None] * n
         req.stop_holdback = max((len(s) for s in sp.stop), default=1) - 1

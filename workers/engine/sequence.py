@@ -55,6 +55,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why it failed (finish_reason "error")
+    fair_rank: int = 0  # among equal priorities, lower first (LLMEngine.add_request's fair_rank)
     stop_reason: int | str | None = None  # the token id or stop string that ended it
     text: str = ""  # output text so far (kept only when stop strings or streaming need it)
     stream: bool = False  # report text deltas as tokens arrive (StepOutput.deltas)
@@ -98,6 +99,8 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def sort_key(self) -> tuple[int, int]:
-        """Waiting-queue order: highest priority first, then earliest arrival."""
-        return (-self.priority, self.arrival_index)
+    def sort_key(self) -> tuple[int, int, int]:
+        """Waiting-queue order: highest priority first, then lowest fair rank (the caller's
+        round-robin over its sources: a queue partition's k-th job beside the others' k-th), then
+        earliest arrival."""
+        return (-self.priority, self.fair_rank, self.arrival_index)
