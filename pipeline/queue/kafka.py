@@ -340,8 +340,8 @@ class KafkaJobConsumer(JobConsumer):
             "fetch_max_wait_ms": s.fetch_max_wait_ms,
             "fetch_min_bytes": 1,
             "max_poll_records": s.max_poll_records,
-            # a bounded fetch per partition (a record batch larger than this still comes whole):
-            # the partitions' messages arrive side by side, and poll hands them out round-robin
+            # per partition, most bytes a fetch brings (see Settings.max_partition_fetch_bytes):
+            # every partition's messages arrive side by side, and poll hands them out round-robin
             "max_partition_fetch_bytes": s.max_partition_fetch_bytes,
             "session_timeout_ms": s.session_timeout_ms,
             "heartbeat_interval_ms": max(500, s.session_timeout_ms // 5),
