@@ -110,6 +110,7 @@ class JobConsumer(ABC):
         # fetch can hold all of it, drained partition by partition) never keeps the others
         # waiting behind it. At most `buffer_messages` are held; paused partitions are skipped.
         self._buffers: dict[int, deque[RawMessage]] = {}
+        self._handed_next: dict[int, int] = {}  # per partition, one past the last offset handed out
         self._buffered = 0
         self._rr = 0
         self.buffer_messages = 8192
@@ -205,6 +206,8 @@ class JobConsumer(ABC):
             out: list[Message] = []
             for raw in raws:
                 self._tracker.delivered(raw.partition, raw.offset)
+                if raw.offset >= self._handed_next.get(raw.partition, 0):
+                    self._handed_next[raw.partition] = raw.offset + 1
                 parsed = parse_message(raw)
                 if isinstance(parsed, PoisonReport):
                     log.warning(

@@ -418,6 +418,7 @@ class KafkaJobConsumer(JobConsumer):
             self._tracker.revoke(p)
         self._drop_buffered()
         self._dropped_from.clear()  # a new client starts from the committed offsets
+        self._handed_next.clear()
         self._want_paused.clear()
         self._async_commit_sent_at = None  # its answer would come to the old client
         with contextlib.suppress(Exception):
@@ -483,6 +484,8 @@ class KafkaJobConsumer(JobConsumer):
         self._seek_pending |= partitions & set(self._dropped_from)
         for p in set(self._dropped_from) - partitions:  # another member's now: it reads them
             del self._dropped_from[p]
+        for p in set(self._handed_next) - partitions:
+            del self._handed_next[p]
         for p in partitions:
             if p not in self._tracker.partitions():
                 self._tracker.assign(p)
@@ -500,7 +503,9 @@ class KafkaJobConsumer(JobConsumer):
         position lookup may block)."""
         pending, self._seek_pending = self._seek_pending & self.assignment(), set()
         for p in sorted(pending):
-            first = self._dropped_from.pop(p)
+            # never before what this consumer has handed out already (a drop recorded at an
+            # earlier rebalance may be older than what was read since)
+            first = max(self._dropped_from.pop(p), self._handed_next.get(p, 0))
             tp = TopicPartition(self.topic, p)
             if self._consumer.position(tp) > first:
                 self._consumer.seek(tp, first)
