@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -12,7 +13,7 @@ from store_contract import StoreContract, check_upgrade_from_0001, ok
 
 from pipeline.store import ResultStore, make_engine, migrate
 from pipeline.store.tables import metadata
-from schemas.job import JobStatus
+from schemas.job import ErrorCode, JobStatus
 
 pytestmark = pytest.mark.integration
 
@@ -151,3 +152,31 @@ def test_upgrade_from_0001_on_postgres(postgres_server_url: str):
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def test_a_line_the_database_refuses_fails_alone_and_the_rest_of_its_chunk_is_queued(store: ResultStore):
+    """Whatever the database refuses in one line of a bulk submission (here a constraint this test
+    adds: a CHECK violation, as a refused value would be) costs that line only: the chunk is
+    recorded again line by line, the refused line gets a failed row saying so (no value quoted),
+    and every other line is queued and published."""
+    from pipeline.producer import Producer
+    from pipeline.queue import LocalQueue
+
+    with store.engine.begin() as conn:
+        conn.execute(text("ALTER TABLE jobs ADD CONSTRAINT test_refuse CHECK (prompt IS NULL OR prompt <> 'refused here')"))
+    try:
+        queue = LocalQueue(partitions=2)
+        lines = [json.dumps({"id": f"ok{i}", "prompt": f"fine {i}"}) for i in range(5)]
+        lines.insert(2, json.dumps({"id": "bad", "prompt": "refused here"}))
+        summary = Producer(queue, store).submit_batch(lines, batch_id="refuse-batch")
+        assert summary.submitted == 5 and summary.invalid == 1
+        rows = {r.custom_id: r for r in store.list_jobs(batch_id="refuse-batch")}
+        assert {cid: r.status for cid, r in rows.items() if cid != "bad"} == {f"ok{i}": JobStatus.QUEUED for i in range(5)}
+        assert sum(queue.end_offsets().values()) == 5
+        failed = [r for r in store.list_jobs(batch_id="refuse-batch") if r.status is JobStatus.FAILED]
+        assert len(failed) == 1 and failed[0].line_no == 3 and failed[0].error_code is ErrorCode.INVALID_REQUEST
+        assert "the store refused this line" in failed[0].error_message
+        assert "refused here" not in failed[0].error_message
+    finally:
+        with store.engine.begin() as conn:
+            conn.execute(text("ALTER TABLE jobs DROP CONSTRAINT test_refuse"))
