@@ -159,6 +159,16 @@ class JobConsumer(ABC):
 
     # --- the shared behaviour ---
 
+    def _fill(self, timeout_s: float, *, wait: bool = False) -> None:
+        """Fetch into the buffers, up to their bound (with `wait`, block for the timeout even
+        when they are full)."""
+        room = self.buffer_messages - self._buffered
+        if room <= 0 and not wait:
+            return
+        for raw in self._fetch(timeout_s, max(1, room)):
+            self._buffers.setdefault(raw.partition, deque()).append(raw)
+            self._buffered += 1
+
     def _drop_buffered(self, partitions: Iterable[int] | None = None) -> None:
         """Forget fetched messages not handed out (partitions revoked, or a new client): their
         next owner (or the new client) reads them again from the committed offset."""
@@ -196,13 +206,14 @@ class JobConsumer(ABC):
         with self._lock:
             if self._closed:
                 raise RuntimeError("consumer is closed")
-            room = self.buffer_messages - self._buffered
-            if room > 0:
-                ready = self._buffered > 0
-                for raw in self._fetch(0.0 if ready else timeout_s, room):
-                    self._buffers.setdefault(raw.partition, deque()).append(raw)
-                    self._buffered += 1
+            ready = self._buffered > 0
+            self._fill(0.0 if ready else timeout_s)
             raws = self._take_round_robin(max_messages)
+            if not raws and ready:
+                # what is held cannot go now (paused, or at its span bound): wait in the client
+                # for the timeout as an empty poll would, instead of spinning on the held messages
+                self._fill(timeout_s, wait=True)
+                raws = self._take_round_robin(max_messages)
             out: list[Message] = []
             for raw in raws:
                 self._tracker.delivered(raw.partition, raw.offset)
