@@ -93,8 +93,10 @@ class WorkerConfig:
     # How often the worker asks the store which of its running jobs were cancelled (by a user, a
     # batch cancel, or a client that went away), and drops them from its engine: cancels reach
     # every worker this way, the plain `firsttoken worker` too (Celery workers also hear them at
-    # once through the control plane). None: never.
-    cancel_poll_s: float | None = 0.5
+    # once through the control plane). A quarter second keeps a cancel's way into the engine
+    # (this poll, then the next step boundary) well inside a second; the query is one indexed
+    # lookup of the worker's in-flight ids. None: never.
+    cancel_poll_s: float | None = 0.25
     # Per partition, at most this many offsets from the lowest job still in flight to the last
     # handed out: a job that waits (low priority, a long generation) holds its partition back
     # instead of letting the committed offset trail ever more finished jobs (all of them delivered

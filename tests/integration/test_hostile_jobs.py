@@ -107,7 +107,7 @@ def test_a_poison_pair_among_200_jobs_on_2_workers_fails_alone(kafka_settings, p
 
 def test_a_cancel_reaches_a_plain_worker_and_its_engine_drops_the_work(kafka_settings, postgres_url, store, tmp_path):
     """`firsttoken worker` (no Celery control plane): jobs show `running` once its engine has them;
-    a batch cancelled in the store (as the API's cancel does) leaves its engine within seconds
+    a batch cancelled in the store (as the API's cancel does) leaves its engine within a second
     (num_requests_running falls to 0 long before the jobs could have finished), and its shutdown
     log counts them."""
     s = settings_for(kafka_settings, postgres_url)
@@ -138,7 +138,9 @@ def test_a_cancel_reaches_a_plain_worker_and_its_engine_drops_the_work(kafka_set
         wait_until(lambda: gauge("num_requests_running") == 0, 30, "the engine to drop the cancelled jobs", 0.05)
         dropped_s = time.monotonic() - t0
         # 1500 tokens each on the CPU take minutes: they were aborted, not finished
-        assert dropped_s < 10, dropped_s
+        # the worker asks the store every 0.25 s and aborts at its engine's next step boundary
+        # (a few ms for the tiny model): a second is the issue's bound, with room for a busy box
+        assert dropped_s < 1.0, dropped_s
         rows = store.list_jobs(batch_id=batch, limit=100)
         assert {r.status for r in rows} == {JobStatus.CANCELLED}
         assert all(r.usage.completion_tokens is None or r.usage.completion_tokens < 1500 for r in rows)
