@@ -13,33 +13,41 @@ the first miss, then bisection; a probe stops early (and fails) once more than 1
 requests have waited past the TTFT limit. Prints and records max_rate_interactive and
 max_rate_server (req/s).
 
-Step timing (--step-timing device, the default on CUDA): the cost model learns from each step's
-CUDA-event time (SampledTokens.device_seconds) instead of the engine's host read-back time,
-which async scheduling distorts (the host sees a step only when it reads it back, often while it
-was busy elsewhere); the model fed the host's times runs beside it for comparison.
+Step timing: the engine's cost model learns from each step's CUDA-event time on a GPU
+(SampledTokens.device_seconds; the host's read-back time, which async scheduling distorts,
+mispredicted steps by 54-680% on the H200), from the host's clock on a CPU. With $OUT set, every
+step the model saw (shape, device time, prediction) goes to bench_load_*_steps.json.
+
+--core process drives the engine the worker runs: one engine core in a process of its own
+(workers.engine_core.ProcessCore), requests submitted and outputs read over its pipe, as the
+worker's intake and results threads do (the cost model lives in that process: no model_err).
 
     python3 bench/bench_load.py --preset llama3-8b --rates 8,16,24,32 --duration 15 --tpot-targets none,15,20,30
     python3 bench/bench_load.py --preset llama3-8b --goodput --duration 20
+    python3 bench/bench_load.py --preset llama3-8b --goodput --duration 12 --core process
     python3 bench/bench_load.py --preset tiny --rates 4 --duration 3 --device cpu       # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import json
+import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import header, md_table, write_report
 from schemas.sampling import SamplingParams
 from workers.engine import EngineConfig, LLMEngine
-from workers.engine.slo import StepCostModel
+from workers.engine.presets import PRESETS
+from workers.engine.slo import StepShape
+from workers.engine_core import AddRequest, ProcessCore
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -83,32 +91,27 @@ def warm_up(engine: LLMEngine, vocab: int, max_prompt: int) -> None:
         engine.step()
 
 
-class DeviceTiming:
-    """The engine's cost model fed each step's CUDA-event time: every launched step is read back
-    once, in launch order, and each read-back calls the model's observe once; this keeps the
-    launched steps' SampledTokens in order and swaps the host's seconds for the device's. A second
-    model takes the host's seconds, for comparison."""
+class StepTrace:
+    """Every step the engine's cost model observes: its shape, its device time (CUDA events; the
+    engine feeds the model those) and what the model predicted for it just before, so a model can
+    be judged again offline (bench/fit_cost_model.py) on the steps the H200 ran."""
+
+    PATHS: ClassVar[dict[str, int]] = {"decode_graph": 0, "prefill_graph": 1, "eager": 2}
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.launched: collections.deque = collections.deque()
-        self.host_model = StepCostModel()
-        runner, model = engine.runner, engine.slo.model  # type: ignore[union-attr]
-        execute, observe = runner.execute, model.observe
+        self.rows: list[list] = []  # per step: probe, path, prompt tokens, decodes, context, pairs, us, predicted us
+        self.probe = 0
+        model = engine.slo.model  # type: ignore[union-attr]
+        observe = model.observe_shape
 
-        def timed_execute(out, prev=None):
-            sampled = execute(out, prev)
-            self.launched.append(sampled)
-            return sampled
+        def traced(shape: StepShape, seconds: float) -> None:
+            if shape.prefill_tokens + shape.decodes > 0 and seconds > 0:
+                self.rows.append([self.probe, self.PATHS.get(shape.path, 2), shape.prefill_tokens, shape.decodes,
+                                  shape.decode_context, shape.prefill_pairs, round(seconds * 1e6, 1),
+                                  round(model.predict_shape(shape) * 1e6, 1)])
+            observe(shape, seconds)
 
-        def device_observe(prefill_tokens, seconds, decodes=0):
-            self.host_model.observe(prefill_tokens, seconds, decodes)
-            sampled = self.launched.popleft() if self.launched else None
-            dev = sampled.device_seconds() if sampled is not None else None
-            observe(prefill_tokens, dev if dev is not None else seconds, decodes)
-
-        runner.execute = timed_execute  # type: ignore[method-assign]
-        model.observe = device_observe  # type: ignore[method-assign]
+        model.observe_shape = traced  # type: ignore[method-assign]
 
 
 def set_target(engine: LLMEngine, target_ms: float | None) -> None:
@@ -168,10 +171,74 @@ def run_rate(engine: LLMEngine, reqs: list[tuple[float, list[int], int]], give_u
     cost = None
     if model is not None:
         n = model._rel_err_n - err0[1]  # type: ignore[index]
-        cost = {"fixed_ms": model.fixed_s * 1e3, "per_token_us": model.per_token_s * 1e6,
-                "per_decode_us": model.per_decode_s * 1e6, "steps": n,
+        cost = {**model.coefficients(), "steps": n,
                 "mean_rel_error": (model._rel_err_sum - err0[0]) / n if n else None}  # type: ignore[index]
     return {"requests": len(reqs), "wall_s": wall, "gave_up": gave_up, "cost_model": cost, "ttft_ms": ttft,
+            "tpot_ms": tpot, "output_tokens": sum(n for _, n in done.values()),
+            "per_request": {r: ((first[r] - arrival[r]) * 1e3, (done[r][0] - first[r]) * 1e3 / max(1, done[r][1] - 1))
+                            for r in done if r in first}}
+
+
+def _text(ids: list[int]) -> str:
+    """A preset's byte-level tokenizer reads a printable byte as its one token."""
+    return bytes(32 + i % 95 for i in ids).decode("ascii")
+
+
+def core_warm_up(core: ProcessCore, max_prompt: int) -> None:
+    rng = random.Random(12345)
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = {f"warm{i}" for i in range(4)}
+    core.submit([AddRequest(f"warm{i}", _text([rng.randrange(95) for _ in range(n)]), None, sp)
+                 for i, n in enumerate((max_prompt // 2, max_prompt, 64, 64))])
+    while want:
+        out = core.get(1.0)
+        if out is not None:
+            want -= {f.request_id for f in out.finished}
+
+
+def run_rate_core(core: ProcessCore, reqs: list[tuple[float, list[int], int]], give_up_ttft_ms: float | None = None,
+                  tag: str = "r") -> dict[str, Any]:
+    """run_rate through an engine core in its own process: each request is submitted at its
+    arrival (with that arrival time), first tokens and finished requests are read off its pipe."""
+    texts = [_text(ids) for _, ids, _ in reqs]  # before the clock starts
+    start = time.monotonic() + 0.05
+    arrival: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: dict[str, tuple[float, int]] = {}
+    i, gave_up, late_allowed = 0, False, len(reqs) // 100
+    while i < len(reqs) or len(done) < len(arrival):
+        now = time.monotonic()
+        batch = []
+        while i < len(reqs) and start + reqs[i][0] <= now:
+            at, _, out = reqs[i]
+            rid = f"{tag}{i}"
+            arrival[rid] = start + at
+            batch.append(AddRequest(rid, texts[i], None, SamplingParams(max_tokens=out, temperature=0.0,
+                                                                        ignore_eos=True), arrival_time=start + at))
+            i += 1
+        if batch:
+            core.submit(batch)
+        if give_up_ttft_ms is not None and not gave_up:
+            limit = give_up_ttft_ms / 1e3
+            late = sum(1 for r, t in arrival.items() if (first.get(r, now) - t) > limit)
+            if late > late_allowed:
+                gave_up = True
+                i = len(reqs)
+                core.abort([r for r in arrival if r not in done])
+        wait = 0.002 if i >= len(reqs) else max(0.0, min(0.002, start + reqs[i][0] - time.monotonic()))
+        out = core.get(wait)
+        if out is None:
+            continue
+        for rid, t in out.first_tokens:
+            first[rid] = t
+        for f in out.finished:
+            done[f.request_id] = (f.timings.finished or time.monotonic(), len(f.output_token_ids))
+        for rid, _, _ in out.rejected:
+            done[rid] = (time.monotonic(), 0)
+    wall = time.monotonic() - start
+    ttft = [(first[r] - arrival[r]) * 1e3 for r in first]
+    tpot = [(done[r][0] - first[r]) * 1e3 / (done[r][1] - 1) for r in done if r in first and done[r][1] > 1]
+    return {"requests": len(reqs), "wall_s": wall, "gave_up": gave_up, "cost_model": None, "ttft_ms": ttft,
             "tpot_ms": tpot, "output_tokens": sum(n for _, n in done.values()),
             "per_request": {r: ((first[r] - arrival[r]) * 1e3, (done[r][0] - first[r]) * 1e3 / max(1, done[r][1] - 1))
                             for r in done if r in first}}
@@ -237,41 +304,62 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=2048)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)
-    ap.add_argument("--step-timing", default=None, choices=["device", "host"],
-                    help="what the cost model learns from (default: device on CUDA)")
+    ap.add_argument("--core", default="inline", choices=["inline", "process"],
+                    help="process: through the worker's engine core in its own process (one TPOT target only)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     lo = min(256, args.max_prompt // 2)
     extra = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
                                ("max_num_seqs", args.max_num_seqs)) if v is not None}
+    targets = (args.goodput_targets if args.goodput else args.tpot_targets).split(",")
+    core_target = None if targets[0] == "none" else float(targets[0])
+    if args.core == "process" and len(set(targets)) > 1:
+        ap.error("--core process serves one TPOT target (its engine is built with it)")
     cfg = EngineConfig(device=args.device, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                       max_model_len=args.max_prompt + 512, tpot_target_ms=30.0, **extra)
-    engine = LLMEngine(args.preset, cfg)
-    cuda = engine.runner.device.type == "cuda"
-    timing = args.step_timing or ("device" if cuda else "host")
-    dev_timing = DeviceTiming(engine) if timing == "device" and cuda else None
-    vocab = engine.model_config.vocab_size
+                       max_model_len=args.max_prompt + 512,
+                       tpot_target_ms=30.0 if args.core == "inline" else core_target, **extra)
+    engine: LLMEngine | None = None
+    core: ProcessCore | None = None
+    trace: StepTrace | None = None
+    if args.core == "process":
+        if args.preset not in PRESETS:
+            ap.error("--core process takes a preset (random weights, byte-level prompts)")
+        core = ProcessCore(args.preset, cfg)
+        vocab = PRESETS[args.preset].vocab_size  # the same workload as inline; each id sent as one printable byte
+        device = core.info.get("device", "?")
+    else:
+        engine = LLMEngine(args.preset, cfg)
+        vocab = engine.model_config.vocab_size
+        device = str(engine.runner.device)
+        trace = StepTrace(engine)
+    cuda = device.startswith("cuda")
     data: dict[str, Any] = {**header(), "bench": "load", "preset": args.preset, "quantization": args.quantization,
-                            "kv_cache_dtype": args.kv_cache_dtype, "step_timing": timing, "engine_config": {
+                            "kv_cache_dtype": args.kv_cache_dtype, "core": args.core,
+                            "step_timing": "device (CUDA events)" if cuda else "host", "engine_config": {
                                 "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs},
                             "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}, "rates": []}
-    warm_up(engine, vocab, args.max_prompt)
+    if core is not None:
+        core_warm_up(core, args.max_prompt)
+    else:
+        warm_up(engine, vocab, args.max_prompt)  # type: ignore[arg-type]
     n_probe = [0]
 
     def probe(rate: float, slo: tuple[float, float], target: str, give_up: float | None = None) -> dict[str, Any]:
-        set_target(engine, None if target == "none" else float(target))
-        host0 = (dev_timing.host_model._rel_err_sum, dev_timing.host_model._rel_err_n) if dev_timing else None
         reqs = workload(rate, args.duration, vocab, args.seed, prefix_len=min(512, lo),
                         prompt_range=(lo, args.max_prompt), out_range=(64, 256))
         n_probe[0] += 1
-        row = summarize(run_rate(engine, reqs, give_up, tag=f"p{n_probe[0]}-"), target, rate, slo)
-        if dev_timing is not None:
-            hm = dev_timing.host_model
-            n = hm._rel_err_n - host0[1]  # type: ignore[index]
-            row["model_err_host_timing"] = (hm._rel_err_sum - host0[0]) / n if n else None  # type: ignore[index]
+        tag = f"p{n_probe[0]}-"
+        if core is not None:
+            r = run_rate_core(core, reqs, give_up, tag=tag)
+        else:
+            set_target(engine, None if target == "none" else float(target))  # type: ignore[arg-type]
+            trace.probe = n_probe[0]  # type: ignore[union-attr]
+            r = run_rate(engine, reqs, give_up, tag=tag)  # type: ignore[arg-type]
+        row = summarize(r, target, rate, slo)
+        row["probe"] = n_probe[0]
         print(f"# {row['tpot_target']} @ {rate} req/s: ttft p50/p99 {row['ttft_p50']}/{row['ttft_p99']} ms, "
               f"tpot p50/p99 {row['tpot_p50']}/{row['tpot_p99']} ms, gave_up {row['gave_up']}, "
-              f"model err {row['model_err']} (host timing {row.get('model_err_host_timing')})", flush=True)
+              f"model err {row['model_err']}", flush=True)
         return row
 
     rows: list[dict[str, Any]] = []
@@ -296,18 +384,28 @@ def main() -> None:
             for rate in (float(r) for r in args.rates.split(",")):
                 rows.append(probe(rate, (args.ttft_slo_ms, args.tpot_slo_ms), target))
     data["rates"] = rows
-    engine.close()
+    if core is not None:
+        core.stop()
+    else:
+        engine.close()  # type: ignore[union-attr]
     cols = ["tpot_target", "rate", "requests", "gave_up", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99",
-            "out_tok_s", "goodput_rps", "slo_met", "model_err", "model_err_host_timing"]
+            "out_tok_s", "goodput_rps", "slo_met", "model_err"]
     if args.goodput:
         cols.insert(0, "limits")
     md = md_table(rows, cols)
     if args.goodput:
         md = (f"max_rate_interactive {data['max_rate_interactive']} req/s, max_rate_server "
               f"{data['max_rate_server']} req/s\n\n") + md
-    name = f"bench_load_{args.preset}{'_' + args.quantization if args.quantization else ''}"
-    write_report(name + ("_goodput" if args.goodput else ""), data,
-                 f"TTFT under load, {args.preset}, quantization {args.quantization}, step timing {timing}, "
+    name = (f"bench_load_{args.preset}{'_' + args.quantization if args.quantization else ''}"
+            f"{'_core' if core is not None else ''}{'_goodput' if args.goodput else ''}")
+    if trace is not None and os.environ.get("OUT"):
+        cols_t = ["probe", "path (0 decode graph, 1 prefill graph, 2 eager)", "prefill_tokens", "decodes",
+                  "decode_context", "prefill_pairs", "device_us", "predicted_us"]
+        Path(os.environ["OUT"], f"{name}_steps.json").write_text(
+            json.dumps({"commit": data.get("commit"), "columns": cols_t, "steps": trace.rows}))
+    write_report(name, data,
+                 f"TTFT under load, {args.preset}, quantization {args.quantization}, core {args.core}, "
+                 f"step timing {data['step_timing']}, "
                  f"times in ms\n\n{md}")
 
 

@@ -75,7 +75,20 @@ def test_bench_load_runs_a_tpot_target_on_cpu(tmp_path):
     # the step-cost model is fitted beside every row (one engine for all of them), with a target or not
     for r in rows:
         cm = r["cost_model"]
-        assert cm["steps"] > 0 and cm["per_token_us"] > 0 and cm["mean_rel_error"] is not None, r
+        assert cm["steps"] > 0 and cm["mean_rel_error"] is not None, r
+    # every step the model saw, with its shape, time and the prediction before it, for an offline fit
+    steps = json.loads((tmp_path / "bench_load_tiny_steps.json").read_text())
+    assert len(steps["steps"]) >= sum(r["cost_model"]["steps"] for r in rows)
+    assert {s[0] for s in steps["steps"]} == {0, 1, 2} and all(s[6] > 0 for s in steps["steps"])  # 0: warm-up
+
+
+def test_bench_load_goodput_through_the_engine_core_process_on_cpu(tmp_path):
+    _run(["bench/bench_load.py", "--device", "cpu", "--preset", "tiny", "--goodput", "--duration", "2",
+          "--max-prompt", "256", "--search-rates", "2,4", "--search-steps", "0", "--core", "process"], tmp_path)
+    data = json.loads((tmp_path / "bench_load_tiny_core_goodput.json").read_text())
+    assert data["core"] == "process" and data["max_rate_server"] >= data["max_rate_interactive"] >= 0
+    for r in data["rates"]:
+        assert r["requests"] > 0 and r["ttft_p50"] > 0 and r["tpot_p50"] > 0 and r["model_err"] is None, r
 
 
 def test_the_one_command_gpu_run_script_on_cpu(tmp_path):

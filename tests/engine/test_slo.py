@@ -11,7 +11,8 @@ import pytest
 from schemas.sampling import SamplingParams
 from tests.engine.conftest import run_prompts
 from workers.engine import EngineConfig, LLMEngine
-from workers.engine.slo import SloBudget, StepCostModel
+from workers.engine.scheduler import ScheduledRequest
+from workers.engine.slo import SloBudget, StepCostModel, StepShape
 
 
 def test_cost_model_recovers_the_plane_and_follows_a_change():
@@ -25,7 +26,7 @@ def test_cost_model_recovers_the_plane_and_follows_a_change():
     assert m.per_token_s == pytest.approx(2e-6, rel=0.05) and m.per_decode_s == pytest.approx(30e-6, rel=0.05)
     # its own record of how well it predicts: noise of 0.1 ms on 8-24 ms steps, plus learning at the start
     assert 0.002 < m.mean_rel_error < 0.05, m.mean_rel_error
-    for _ in range(400):  # the device got twice as slow per prompt token: old steps are forgotten
+    for _ in range(600):  # the device got twice as slow per prompt token: old steps are forgotten
         t, d = rng.randint(0, 4096), rng.randint(0, 256)
         m.observe(t, 0.008 + 4e-6 * t + 30e-6 * d, d)
     assert m.per_token_s == pytest.approx(4e-6, rel=0.05) and m.per_decode_s == pytest.approx(30e-6, rel=0.05)
@@ -44,6 +45,73 @@ def test_one_slope_for_all_tokens_mispredicts_mixed_steps():
         one.observe(t + d, s)  # the old model: every token alike
     assert both.mean_rel_error < 0.01 and one.mean_rel_error > 5 * both.mean_rel_error, (both.mean_rel_error,
                                                                                          one.mean_rel_error)
+
+
+def _h200_like_step(rng: random.Random, decodes: int) -> tuple[StepShape, float]:
+    """A step of a load like bench_load's on an H200-like device: decode steps replay a graph
+    (3 ms + 20 us a decode + 30 ns a KV token read); a step with prompt tokens is eager and its
+    launches cost the host 10 ms more, then 20 us a prompt token and 1 ns a query-key pair
+    (32 layers x 32 heads x 4 x 128 FLOP at ~500 TFLOP/s)."""
+    ctx = sum(rng.randint(256, 2300) for _ in range(decodes))
+    if rng.random() < 0.7:
+        shape = StepShape(0, decodes, ctx, 0, "decode_graph")
+    else:
+        n = rng.choice((64, 200, 1000, 2048, 8192 - decodes))
+        start = rng.choice((0, 512, 1024))
+        shape = StepShape(n, decodes, ctx, n * start + n * (n + 1) // 2, "eager")
+    s = 3e-3 + 20e-6 * decodes + 30e-9 * ctx
+    if shape.path == "eager":
+        s += 10e-3 + 20e-6 * shape.prefill_tokens + 1e-9 * shape.prefill_pairs
+    return shape, s * rng.uniform(0.98, 1.02)
+
+
+def test_paths_and_context_are_what_a_plane_misses():
+    """On steps shaped like the H200's (graph decodes beside eager mixed steps, contexts of
+    256-2300 tokens), the model with paths and context predicts within a few percent; fed only
+    prompt tokens and decodes (the old plane's features) it is off by far more, and it takes the
+    eager launch cost for a huge per-token cost, which starves the budget."""
+    rng = random.Random(3)
+    full, plane = StepCostModel(), StepCostModel()
+    for _ in range(1500):
+        shape, s = _h200_like_step(rng, rng.randint(1, 160))
+        full.observe_shape(shape, s)
+        plane.observe(shape.prefill_tokens, s, shape.decodes)
+    assert full.mean_rel_error < 0.03, full.mean_rel_error
+    assert plane.mean_rel_error > 3 * full.mean_rel_error, (plane.mean_rel_error, full.mean_rel_error)
+    assert full.fixed_cost("decode_graph") == pytest.approx(3e-3, rel=0.1)
+    assert full.fixed_cost("eager") == pytest.approx(13e-3, rel=0.1)
+    assert full.per_context_token_s == pytest.approx(30e-9, rel=0.1)
+    b = SloBudget(tpot_target_s=0.030, max_tokens=8192, model=full)
+    got = b(64, 64 * 1200)  # eager: 13 ms + 64 * 20 us + 76800 * 30 ns = 16.6 ms, 13.4 ms left at ~20 us a token
+    assert 450 < got - 64 < 700, got
+    assert full.predict(got - 64, 64, decode_context=64 * 1200, prefill_pairs=(got - 64) * 512) <= 0.0305
+
+
+def test_step_shape_counts_context_and_attention_pairs():
+    def entry(n, computed):
+        return ScheduledRequest(None, n, computed)  # type: ignore[arg-type]
+
+    # two decodes at contexts 10 and 20 (9 and 19 tokens computed), a chunk of 4 after 6, a fresh prompt of 3
+    s = StepShape.of([entry(1, 9), entry(1, 19), entry(4, 6), entry(3, 0)], 2, "eager")
+    assert (s.prefill_tokens, s.decodes, s.decode_context) == (7, 2, 30)
+    assert s.prefill_pairs == (4 * 6 + 10) + 6  # each query sees the keys before it and itself
+    assert StepShape.of([entry(1, 5)], 1, "gpu?").path == "eager"
+
+
+def test_budget_takes_the_prefill_graph_where_it_fits():
+    """A mixed step small enough for a prefill graph skips the eager launch cost: the budget
+    gives it what fits on that path, up to the graph's tokens."""
+    m = StepCostModel()
+    rng = random.Random(4)
+    for _ in range(300):
+        d, n = rng.randint(1, 12), rng.randint(16, 1000)
+        path = rng.choice(("prefill_graph", "eager"))
+        m.observe(n, 0.004 + (0.010 if path == "eager" else 0.001) + 20e-6 * n + 30e-6 * d, d, path=path)
+    eager_only = SloBudget(tpot_target_s=0.012, max_tokens=8192, model=m)
+    graphs = SloBudget(tpot_target_s=0.012, max_tokens=8192, model=m, prefill_graph=(1024, 16))
+    assert eager_only(8) == 8 + 64  # eager: 14 ms fixed, over the target; the minimum prefill
+    assert graphs(8) - 8 == pytest.approx((0.012 - 0.005 - 8 * 30e-6) / 20e-6, abs=5)  # ~338 on the graph
+    assert graphs(40) == 40 + 64  # 41 sequences: no graph holds them
 
 
 def test_budget_keeps_decoding_steps_under_the_target():
@@ -112,7 +180,8 @@ def test_a_target_never_starves_admission():
         model.observe(g - 64, model.predict(g - 64, 64), 64)
         grants.append((now[0], g))
         now[0] += 0.020
-    assert all(g == 64 + share for t, g in grants if t <= 0.25)  # the target holds for max_starve_s
+    # the target holds for max_starve_s (the refit moves the share by a token at most)
+    assert all(abs(g - 64 - share) <= 1 for t, g in grants if t <= 0.25)
     assert any(g > 64 + 4 * share for t, g in grants if 0.25 < t < 0.5)  # then prefill gets more
     assert grants[-1][1] == 8192  # and after twice as long, the whole budget: TPOT gives way
     assert b.starving
@@ -127,8 +196,8 @@ def test_a_long_prompt_alone_is_not_starvation():
     b = SloBudget(tpot_target_s=0.012, max_tokens=8192, model=model, clock=lambda: now[0])
     share = b(64) - 64
     for _ in range(5):
-        assert b(64) == 64 + share
+        assert abs(b(64) - 64 - share) <= 1  # the refit moves the share by a token at most
         model.observe(share, model.predict(share, 64), 64)
         now[0] += 0.012
     model.observe(0, model.predict(0, 64), 64)
-    assert b(64) == 64 + share and not b.starving
+    assert abs(b(64) - 64 - share) <= 1 and not b.starving

@@ -30,7 +30,7 @@ from workers.engine.outputs import (
 from workers.engine.prompts import load_tokenizer
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.sequence import PENDING_TOKEN, Request, RequestStatus, RequestTimes
-from workers.engine.slo import SloBudget
+from workers.engine.slo import SloBudget, StepShape
 from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class InFlightStep:
     launched_at: float = 0.0  # monotonic
     num_tokens: int = 0  # tokens the step computed
     num_decodes: int = 0  # of them, decoding sequences' one token each
+    shape: StepShape | None = None  # what it computes, for the SLO cost model (with a target)
 
 
 def _token_logprob(token_id: int, row: tuple[float, list[int], list[float]], k: int) -> TokenLogprob:
@@ -75,7 +76,8 @@ class LLMEngine:
         c = self.config
         # a TPOT target sizes each step from a cost model of measured steps (workers/engine/slo.py)
         self.slo = (
-            None if c.tpot_target_ms is None else SloBudget(c.tpot_target_ms / 1e3, c.max_num_batched_tokens)
+            None if c.tpot_target_ms is None else SloBudget(c.tpot_target_ms / 1e3, c.max_num_batched_tokens,
+                                                            prefill_graph=self.runner.prefill_graph_limits)
         )
         self._last_done = 0.0
         self.scheduler = Scheduler(
@@ -313,7 +315,8 @@ class LLMEngine:
         self._history.append((now, prompt_tokens, len(rows)))
         while self._history and now - self._history[0][0] > STATS_WINDOW_S:
             self._history.popleft()
-        return InFlightStep(sampled, rows, first, t_launch, out.num_batched_tokens, out.num_decodes)
+        shape = StepShape.of(out.scheduled, out.num_decodes, self.runner.last_path) if self.slo is not None else None
+        return InFlightStep(sampled, rows, first, t_launch, out.num_batched_tokens, out.num_decodes, shape)
 
     def _read_back(self, step: InFlightStep, result: StepOutput) -> None:
         """Wait for a launched step's tokens; put them in place, report first tokens, check stops."""
@@ -326,7 +329,7 @@ class LLMEngine:
             sec = step.sampled.device_seconds()
             if sec is None:
                 sec = now - max(step.launched_at, self._last_done)
-            self.slo.model.observe(step.num_tokens - step.num_decodes, sec, step.num_decodes)  # type: ignore[union-attr]
+            self.slo.model.observe_shape(step.shape, sec)  # type: ignore[union-attr,arg-type]
             self._last_done = now
         logprobs = step.sampled.logprobs()  # None unless a request of the step asked
         for req, start, rows in step.sampled.prompt_logprobs():  # by position: a recomputed chunk rewrites its own

@@ -377,6 +377,12 @@ class ModelRunner:
         """Forget per-request state (its RNG) once it has finished."""
         self._generators.pop(request_id, None)
 
+    @property
+    def prefill_graph_limits(self) -> tuple[int, int] | None:
+        """(tokens, sequences) up to which a mixed step replays a prefill graph; None: no graphs."""
+        pg = self.prefill_graphs
+        return None if pg is None else (pg.buckets[-1], pg.max_seqs)
+
     def pending_inputs(self, out: SchedulerOutput, prev: SampledTokens | None) -> PendingInputs | None:
         """Decode inputs that are tokens the previous step sampled but the host has not read yet."""
         if prev is None:

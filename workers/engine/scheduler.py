@@ -119,7 +119,7 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         admission_batch: int = 1,
-        budget_fn: Callable[[int], int] | None = None,
+        budget_fn: Callable[[int, int], int] | None = None,
         priority_max_wait_s: float | None = None,
     ) -> None:
         self.kv = kv
@@ -127,8 +127,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.admission_batch = max(1, admission_batch)
-        # the step's token budget from the number of decodes running (an SLO policy, e.g.
-        # workers.engine.slo.SloBudget); None: always max_num_batched_tokens
+        # the step's token budget from the number of decodes running and the KV tokens they read
+        # (an SLO policy, e.g. workers.engine.slo.SloBudget); None: always max_num_batched_tokens
         self.budget_fn = budget_fn
         self.waiting = WaitingQueue(priority_max_wait_s)
         self.running: list[Request] = []
@@ -192,8 +192,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         if self.budget_fn is not None:
-            decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
-            budget = max(1, min(budget, self.budget_fn(decoding)))
+            decoding = [r.num_computed_tokens for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+            budget = max(1, min(budget, self.budget_fn(len(decoding), sum(decoding) + len(decoding))))
         full = budget
         entries: list[ScheduledRequest] = []
         preempted: list[Request] = []

@@ -1,15 +1,23 @@
 """SLO-aware step sizing: how many tokens the next step may compute so that the requests already
 decoding keep their time per output token (TPOT) under a target.
 
-A step's time is about `a + b * prefill_tokens + c * decodes`: a fixed part (launch, weights read
-once), a compute cost per prompt token, and a cost per decoding sequence (its one token plus
-reading its KV context). The two per-item costs differ (on an H200, ~24 us per prefill token
-against ~12 us per decode at batch 256; on a CPU the ratio is another), so one slope over all
-tokens mispredicts steps that mix them. `StepCostModel` fits a, b and c online from the steps the
-engine measures (recursive least squares, older steps forgotten geometrically), and `SloBudget`
-turns a TPOT target into the step's token budget: with decodes running, the prefill chunks get
-what fits in `target - a - c * decodes`; with none running, the whole budget goes to first tokens.
-Picked once when the engine is built: without a target the scheduler uses its fixed budget.
+A step's time (`StepCostModel`) is linear in what it computes and how it runs: a fixed part per
+path (a replayed decode graph, a replayed prefill graph, or an eager step, whose ~500 kernel
+launches cost the host ~10 ms on an H200 whatever the step's size), a cost per prompt token (the
+projections), a cost per decoding sequence and per KV token the decodes read (a decode at context
+1500 reads ~190 MiB of bf16 KV: ~45 us on an H200, more than its share of the projections), and a
+cost per query-key pair of the prompt chunks' attention. The one-plane model (fixed + prompt
+tokens + decodes) this replaces learned a prompt token at 0.5-1.5 ms on the H200 under a target
+(its mixed steps were eager, its decode steps graphs: the launch cost went to the few prompt
+tokens) and mispredicted steps by 16-31% under load (bench/results/2026-12-01-load-h200.md).
+The fit is weighted least squares on relative error (what the bench reports) over exponentially
+forgotten steps, with a small pull toward the last fit so that a feature no recent step had
+keeps its value.
+
+`SloBudget` turns a TPOT target into the step's token budget: with decodes running, the prefill
+chunks get what fits in `target - cost(decodes, their context, path)`; with none running, the
+whole budget goes to first tokens. Picked once when the engine is built: without a target the
+scheduler uses its fixed budget.
 
 A target never starves admission: when the steps keep using all of the prefill share the target
 leaves (prompts are waiting) for longer than `max_starve_s`, the share grows to the whole budget
@@ -24,67 +32,132 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-_N = 3  # features: 1, prefill tokens, decodes
+import numpy as np
+
+PATHS = ("decode_graph", "prefill_graph", "eager")  # how the runner runs a step (ModelRunner.last_path)
+# features, each scaled to be of order 1 on an 8B model's steps: 1, prompt tokens / 1e3, decodes / 1e2,
+# KV tokens the decodes read / 1e5, query-key pairs of the prompt chunks / 1e7, prefill graph, eager
+_N = 7
+_SCALE = (1.0, 1e-3, 1e-2, 1e-5, 1e-7)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes, as the cost model sees it."""
+
+    prefill_tokens: int = 0  # prompt tokens computed (chunks, prefix-hit remainders)
+    decodes: int = 0  # decoding sequences, one token each
+    decode_context: int = 0  # KV tokens the decodes attend to (the sum of their contexts)
+    prefill_pairs: int = 0  # query-key pairs of the prompt chunks' causal attention
+    path: str = "eager"  # decode_graph, prefill_graph or eager
+
+    @classmethod
+    def of(cls, scheduled: list, num_decodes: int, path: str) -> StepShape:
+        """The shape of a scheduled step (`SchedulerOutput.scheduled`: decodes first)."""
+        ctx = sum(e.num_computed_tokens + 1 for e in scheduled[:num_decodes])
+        tokens = pairs = 0
+        for e in scheduled[num_decodes:]:
+            n = e.num_new_tokens
+            tokens += n
+            pairs += n * e.num_computed_tokens + n * (n + 1) // 2
+        return cls(tokens, num_decodes, ctx, pairs, path if path in PATHS else "eager")
+
+    def features(self) -> np.ndarray:
+        return np.array((1.0, self.prefill_tokens * _SCALE[1], self.decodes * _SCALE[2],
+                         self.decode_context * _SCALE[3], self.prefill_pairs * _SCALE[4],
+                         float(self.path == "prefill_graph"), float(self.path == "eager")))
 
 
 class StepCostModel:
-    """seconds ~= a + b * prefill_tokens + c * decodes, fitted online (recursive least squares
-    with forgetting)."""
+    """Seconds of a step, linear in its `StepShape.features()`, fitted online: least squares on
+    relative error (each step weighted by 1 / its time squared) over steps forgotten by `forget`
+    per step, pulled toward the last fit by `ridge` (relative to the data's weight)."""
 
-    def __init__(self, forget: float = 0.98, prior: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
+    def __init__(self, forget: float = 0.99, ridge: float = 1e-6) -> None:
         self.forget = forget
-        self.theta = list(prior)
-        self._p = [[1e3 if i == j else 0.0 for j in range(_N)] for i in range(_N)]  # the prior gives way at once
+        self.ridge = ridge
+        self.theta = np.zeros(_N)  # ms per unit of each feature
+        self._a = np.zeros((_N, _N))
+        self._b = np.zeros(_N)
         self.observed = 0
         # the last step observed: its prompt tokens and decodes (SloBudget's sign of waiting prompts)
         self.last_prefill_tokens = 0
         self.last_decodes = 0
+        # query-key pairs per prompt token of recent steps (SloBudget's cost of one more prompt token)
+        self.pairs_per_token = 0.0
         # how well it predicts: |predicted - measured| / measured, summed over steps after the 8th
         self._rel_err_sum = 0.0
         self._rel_err_n = 0
 
-    def observe(self, prefill_tokens: int, seconds: float, decodes: int = 0) -> None:
-        """One measured step: `prefill_tokens` prompt tokens and `decodes` decoding sequences."""
-        if prefill_tokens + decodes <= 0 or seconds <= 0:
+    def observe_shape(self, shape: StepShape, seconds: float) -> None:
+        """One measured step."""
+        if shape.prefill_tokens + shape.decodes <= 0 or seconds <= 0:
             return
-        self.last_prefill_tokens, self.last_decodes = prefill_tokens, decodes
-        x = (1.0, float(prefill_tokens), float(decodes))
-        p, th = self._p, self.theta
-        px = [sum(p[i][j] * x[j] for j in range(_N)) for i in range(_N)]
-        denom = self.forget + sum(x[i] * px[i] for i in range(_N))
-        k = [v / denom for v in px]
-        err = seconds - sum(th[i] * x[i] for i in range(_N))
+        self.last_prefill_tokens, self.last_decodes = shape.prefill_tokens, shape.decodes
+        if shape.prefill_tokens:
+            ppt = shape.prefill_pairs / shape.prefill_tokens
+            self.pairs_per_token = ppt if self.observed == 0 else 0.9 * self.pairs_per_token + 0.1 * ppt
+        x, y = shape.features(), seconds * 1e3
         if self.observed >= 8:
-            self._rel_err_sum += abs(err) / seconds
+            self._rel_err_sum += abs(y - float(self.theta @ x)) / y
             self._rel_err_n += 1
-        self.theta = [th[i] + k[i] * err for i in range(_N)]
-        xp = [sum(x[i] * p[i][j] for i in range(_N)) for j in range(_N)]  # x^T P (P is symmetric)
-        self._p = [[(p[i][j] - k[i] * xp[j]) / self.forget for j in range(_N)] for i in range(_N)]
+        w = 1.0 / (y * y)
+        self._a = self.forget * self._a + w * np.outer(x, x)
+        self._b = self.forget * self._b + w * y * x
+        r = self.ridge * max(float(np.trace(self._a)) / _N, 1e-12)
+        self.theta = np.linalg.solve(self._a + r * np.eye(_N), self._b + r * self.theta)
         self.observed += 1
+
+    def observe(self, prefill_tokens: int, seconds: float, decodes: int = 0, **shape: object) -> None:
+        """One measured step: `prefill_tokens` prompt tokens and `decodes` decoding sequences
+        (the rest of StepShape's fields by name)."""
+        self.observe_shape(StepShape(prefill_tokens, decodes, **shape), seconds)  # type: ignore[arg-type]
 
     @property
     def mean_rel_error(self) -> float | None:
         """Mean |predicted - measured| / measured of the steps predicted so far (after 8 to learn on)."""
         return self._rel_err_sum / self._rel_err_n if self._rel_err_n else None
 
-    def predict(self, prefill_tokens: int, decodes: int = 0) -> float:
+    def predict_shape(self, shape: StepShape) -> float:
         """Predicted seconds of a step."""
-        return self.theta[0] + self.theta[1] * prefill_tokens + self.theta[2] * decodes
+        return float(self.theta @ shape.features()) / 1e3
+
+    def predict(self, prefill_tokens: int, decodes: int = 0, **shape: object) -> float:
+        """Predicted seconds of a step (StepShape's fields)."""
+        return self.predict_shape(StepShape(prefill_tokens, decodes, **shape))  # type: ignore[arg-type]
+
+    def fixed_cost(self, path: str = "eager") -> float:
+        """The per-step cost on `path` that does not depend on the work, never below 0."""
+        extra = {"prefill_graph": self.theta[5], "eager": self.theta[6]}.get(path, 0.0)
+        return max(0.0, float(self.theta[0] + extra) / 1e3)
 
     @property
     def fixed_s(self) -> float:
-        """The per-step cost that does not depend on the work (a), never below 0."""
-        return max(0.0, self.theta[0])
+        """The fixed cost of an eager step."""
+        return self.fixed_cost("eager")
 
     @property
     def per_token_s(self) -> float:
-        """The cost of one more prompt token (b), never below a nanosecond."""
-        return max(1e-9, self.theta[1])
+        """The cost of one more prompt token (its projections and its attention at the recent
+        steps' pairs per token), never below a nanosecond."""
+        return max(1e-9, float(self.theta[1] * _SCALE[1] + self.theta[4] * _SCALE[4] * self.pairs_per_token) / 1e3)
 
     @property
     def per_decode_s(self) -> float:
-        """The cost of one more decoding sequence (c), never below 0."""
-        return max(0.0, self.theta[2])
+        """The cost of one more decoding sequence, its context aside, never below 0."""
+        return max(0.0, float(self.theta[2] * _SCALE[2]) / 1e3)
+
+    @property
+    def per_context_token_s(self) -> float:
+        """The cost of one more KV token a decode reads, never below 0."""
+        return max(0.0, float(self.theta[3] * _SCALE[3]) / 1e3)
+
+    def coefficients(self) -> dict[str, float]:
+        """The fit, for reports: ms, us and ns per unit."""
+        t = self.theta
+        return {"fixed_ms": float(t[0]), "prefill_graph_ms": float(t[5]), "eager_ms": float(t[6]),
+                "per_token_us": float(t[1]), "per_decode_us": float(t[2] * 10), "per_context_ns": float(t[3] * 10),
+                "per_pair_ps": float(t[4] * 100)}
 
 
 @dataclass
@@ -95,7 +168,9 @@ class SloBudget:
     step may always take while decodes run (so a flood of decodes never starves first tokens);
     `warmup_steps`: steps measured before the model is trusted (until then: the full budget);
     `max_starve_s`: how long steps may use all of the target's prefill share before it grows
-    (linearly, to the whole budget over as long again); `clock`: seconds, monotonic.
+    (linearly, to the whole budget over as long again); `prefill_graph`: (tokens, sequences) up
+    to which a mixed step replays a prefill graph (None: every mixed step is eager); `clock`:
+    seconds, monotonic.
     """
 
     tpot_target_s: float
@@ -104,6 +179,7 @@ class SloBudget:
     warmup_steps: int = 8
     model: StepCostModel | None = None
     max_starve_s: float = 0.25
+    prefill_graph: tuple[int, int] | None = None
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     _starved_since: float | None = field(default=None, init=False, repr=False)
 
@@ -111,14 +187,31 @@ class SloBudget:
         if self.model is None:
             self.model = StepCostModel()
 
-    def __call__(self, num_decodes: int) -> int:
-        """Tokens the next step may compute, `num_decodes` of them decodes."""
+    def _share(self, num_decodes: int, decode_context: int) -> int:
+        """Prompt tokens that fit beside the decodes under the target, on the best path."""
+        m = self.model
+        assert m is not None
+        per_token = m.per_token_s
+
+        def fits(path: str) -> int:
+            rest = self.tpot_target_s - m.predict(0, num_decodes, decode_context=decode_context, path=path)
+            return int(rest / per_token)
+
+        share = fits("eager")
+        pg = self.prefill_graph
+        if pg is not None and num_decodes + 1 <= pg[1]:
+            share = max(share, min(pg[0] - num_decodes, fits("prefill_graph")))
+        return share
+
+    def __call__(self, num_decodes: int, decode_context: int = 0) -> int:
+        """Tokens the next step may compute, `num_decodes` of them decodes reading
+        `decode_context` KV tokens in all."""
         m = self.model
         assert m is not None
         if num_decodes == 0 or m.observed < self.warmup_steps:
             self._starved_since = None
             return self.max_tokens  # nobody is decoding: first tokens get everything
-        share = int((self.tpot_target_s - m.fixed_s - m.per_decode_s * num_decodes) / m.per_token_s)
+        share = self._share(num_decodes, decode_context)
         share = max(self.min_prefill, min(self.max_tokens - num_decodes, share))
         # the last step filled its share beside decodes: prompts are waiting behind the target
         if m.last_decodes > 0 and m.last_prefill_tokens >= 0.9 * share:
