@@ -161,7 +161,7 @@ def main() -> int:
         Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     store.close()
     queue.close()
-    delete_topics(s.kafka_bootstrap_servers, [s.jobs_topic, s.dlq_topic], timeout_s=10.0)
+    delete_topics(s, [s.jobs_topic, s.dlq_topic], timeout_s=10.0)
     return 0
 
 

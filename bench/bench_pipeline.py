@@ -384,7 +384,7 @@ def main() -> int:
         print(json.dumps({"sink": out["sink"]}), flush=True)
     from pipeline.queue.kafka import delete_topics
 
-    delete_topics(base.kafka_bootstrap, _TOPICS)
+    delete_topics(base, _TOPICS)
     print(json.dumps(out, indent=2))
     if args.markdown:
         with open(args.markdown, "a") as f:

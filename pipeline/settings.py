@@ -77,6 +77,17 @@ class Settings(BaseSettings):
 
     # --- Kafka ---
     kafka_bootstrap: str = Field(default="127.0.0.1:19092", description="comma-separated host:port list")
+    kafka_username: str | None = Field(
+        default=None,
+        description="SASL user of every Kafka client (producer, consumers, admin); with it the "
+        "clients authenticate (SASL_PLAINTEXT unless kafka_security_protocol says otherwise). "
+        "scripts/services.sh starts Kafka with SASL/PLAIN and `env` sets it",
+    )
+    kafka_password: SecretStr | None = Field(default=None, description="the SASL user's password")
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    kafka_security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL", "SSL"] | None = Field(
+        default=None, description="None: SASL_PLAINTEXT with a kafka_username, else PLAINTEXT"
+    )
     jobs_topic: str = Field(default="firsttoken.jobs", min_length=1, max_length=249)
     dlq_topic: str = Field(default="firsttoken.jobs.dlq", min_length=1, max_length=249)
     jobs_partitions: int = Field(
@@ -243,6 +254,15 @@ class Settings(BaseSettings):
                 raise ValueError(f"{s!r} is not host:port")
         return ",".join(servers)
 
+    @model_validator(mode="after")
+    def _kafka_credentials(self) -> Settings:
+        has_password = self.kafka_password is not None and bool(self.kafka_password.get_secret_value())
+        if bool(self.kafka_username) != has_password:
+            raise ValueError("kafka_username and kafka_password go together")
+        if self.kafka_security_protocol in ("SASL_PLAINTEXT", "SASL_SSL") and not self.kafka_username:
+            raise ValueError(f"kafka_security_protocol {self.kafka_security_protocol} needs kafka_username")
+        return self
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str) -> str:
@@ -281,6 +301,21 @@ class Settings(BaseSettings):
     def kafka_bootstrap_servers(self) -> list[str]:
         """The bootstrap servers as a list."""
         return self.kafka_bootstrap.split(",")
+
+    @property
+    def kafka_client_config(self) -> dict[str, object]:
+        """What every kafka-python client (producer, consumer, admin) is built with: where the
+        brokers are and how to authenticate to them."""
+        protocol = self.kafka_security_protocol or ("SASL_PLAINTEXT" if self.kafka_username else "PLAINTEXT")
+        config: dict[str, object] = {"bootstrap_servers": self.kafka_bootstrap_servers, "security_protocol": protocol}
+        if protocol.startswith("SASL_"):
+            assert self.kafka_password is not None  # _kafka_credentials
+            config.update(
+                sasl_mechanism=self.kafka_sasl_mechanism,
+                sasl_plain_username=self.kafka_username,
+                sasl_plain_password=self.kafka_password.get_secret_value(),
+            )
+        return config
 
 
 @lru_cache(maxsize=1)

@@ -14,12 +14,15 @@
 #   FIRSTTOKEN_SERVICES_DIR (.services)  FIRSTTOKEN_KAFKA_HEAP (-Xms512m -Xmx512m -Xmn160m)
 #   FIRSTTOKEN_KAFKA_GC (-XX:+UseParallelGC)
 #   FIRSTTOKEN_PG_BIN (directory holding pg_ctl; found by itself otherwise)
-# Credentials: Redis starts with a password (requirepass) and a new PostgreSQL data directory
+# Credentials: Kafka's listeners (the clients' and the controller's) take SASL/PLAIN only (user
+# `firsttoken`), Redis starts with a password (requirepass) and a new PostgreSQL data directory
 # with password authentication (scram-sha-256, no trust); the passwords are drawn once into
-# .services/credentials (mode 600; FIRSTTOKEN_REDIS_PASSWORD / FIRSTTOKEN_PG_PASSWORD override)
-# and `env` puts them in the URLs. A service started before credentials existed (no auth marker:
-# .services/redis/auth.conf, <postgres dir>/password) keeps running as it is, and `env` gives its
-# URL without a password until it is restarted.
+# .services/credentials (mode 600; FIRSTTOKEN_KAFKA_PASSWORD / FIRSTTOKEN_REDIS_PASSWORD /
+# FIRSTTOKEN_PG_PASSWORD override) and `env` puts them in the URLs (Kafka's as
+# FIRSTTOKEN_KAFKA_USERNAME / FIRSTTOKEN_KAFKA_PASSWORD). A service started before credentials
+# existed (no auth marker: .services/kafka/sasl, .services/redis/auth.conf, <postgres
+# dir>/password) keeps running as it is, and `env` gives it without a password until it is
+# restarted.
 # Kafka's jars come from Maven Central through scripts/kafka/pom.xml (cached in ~/.m2 and under
 # .services/); PostgreSQL and Redis come from Debian packages, installed when missing and root.
 set -euo pipefail
@@ -41,6 +44,7 @@ PG_USER=firsttoken
 
 KAFKA_VERSION=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$ROOT/scripts/kafka/pom.xml")
 KAFKA_DIR=$SERVICES_DIR/kafka
+KAFKA_USER=firsttoken
 KAFKA_JARS=$SERVICES_DIR/kafka-jars-$KAFKA_VERSION
 REDIS_DIR=$SERVICES_DIR/redis
 CREDENTIALS=$SERVICES_DIR/credentials
@@ -81,7 +85,7 @@ apt_install() {
   if [ "$made_policy" = 1 ]; then rm -f "$policy"; fi
 }
 
-# credential NAME: the password NAME (REDIS or PG) from FIRSTTOKEN_<NAME>_PASSWORD, else from
+# credential NAME: the password NAME (KAFKA, REDIS or PG) from FIRSTTOKEN_<NAME>_PASSWORD, else from
 # .services/credentials, where one is drawn the first time (hex: no quoting needed anywhere).
 credential() {
   local var=FIRSTTOKEN_$1_PASSWORD
@@ -112,17 +116,28 @@ kafka_install() {
 
 kafka_write_config() {
   mkdir -p "$KAFKA_DIR/data"
-  cat > "$KAFKA_DIR/server.properties" <<EOF
+  local pw jaas
+  pw=$(credential KAFKA)
+  jaas="org.apache.kafka.common.security.plain.PlainLoginModule required username=\"$KAFKA_USER\" password=\"$pw\" user_$KAFKA_USER=\"$pw\";"
+  # the password is in this file and the marker: mode 600 both (made anew: an older file kept its mode)
+  rm -f "$KAFKA_DIR/server.properties" "$KAFKA_DIR/sasl"
+  (umask 077; cat > "$KAFKA_DIR/server.properties" <<EOF
 # Written by scripts/services.sh on each start: a single node, broker and controller in one
-# process, tuned for tests on a small machine.
+# process, tuned for tests on a small machine. Both listeners take SASL/PLAIN only: the one user
+# (the clients, and the node itself between its broker and controller halves) and its password.
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@$HOST:$KAFKA_CONTROLLER_PORT
-listeners=PLAINTEXT://$HOST:$KAFKA_PORT,CONTROLLER://$HOST:$KAFKA_CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://$HOST:$KAFKA_PORT
+listeners=SASL_PLAINTEXT://$HOST:$KAFKA_PORT,CONTROLLER://$HOST:$KAFKA_CONTROLLER_PORT
+advertised.listeners=SASL_PLAINTEXT://$HOST:$KAFKA_PORT
 controller.listener.names=CONTROLLER
-inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+inter.broker.listener.name=SASL_PLAINTEXT
+listener.security.protocol.map=CONTROLLER:SASL_PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT
+sasl.enabled.mechanisms=PLAIN
+sasl.mechanism.inter.broker.protocol=PLAIN
+sasl.mechanism.controller.protocol=PLAIN
+listener.name.sasl_plaintext.plain.sasl.jaas.config=$jaas
+listener.name.controller.plain.sasl.jaas.config=$jaas
 log.dirs=$KAFKA_DIR/data
 num.partitions=1
 # Topics are created by the code that needs them, with the partition count it asks for.
@@ -145,6 +160,9 @@ log.retention.hours=24
 message.max.bytes=10485760
 replica.fetch.max.bytes=10485760
 EOF
+  )
+  # the marker `env` and the readiness probe read: this broker's user and password
+  (umask 077; printf '%s\n%s\n' "$KAFKA_USER" "$pw" > "$KAFKA_DIR/sasl")
   cat > "$KAFKA_DIR/log4j2.properties" <<EOF
 appender.file.type = File
 appender.file.name = file
@@ -168,7 +186,17 @@ kafka_jvm_opts() {
     -cp "$KAFKA_JARS/*")
 }
 
-kafka_ready() { python3 "$ROOT/scripts/kafka/probe.py" "$HOST" "$KAFKA_PORT"; }
+# (a broker started before Kafka had credentials has no marker: it is probed without)
+kafka_ready() {
+  if [ -f "$KAFKA_DIR/sasl" ]; then
+    python3 "$ROOT/scripts/kafka/probe.py" "$HOST" "$KAFKA_PORT" "$KAFKA_DIR/sasl"
+  else
+    python3 "$ROOT/scripts/kafka/probe.py" "$HOST" "$KAFKA_PORT"
+  fi
+}
+
+# The running broker's password (empty for one started before Kafka had credentials).
+kafka_password() { if [ -f "$KAFKA_DIR/sasl" ]; then sed -n 2p "$KAFKA_DIR/sasl"; fi; }
 
 kafka_launch() {
   if pid_alive "$KAFKA_DIR/kafka.pid"; then return; fi
@@ -217,7 +245,7 @@ kafka_stop() {
     say "Kafka did not stop within 30 s: killing it"
     kill -KILL "$pid" 2>/dev/null || true
   fi
-  rm -f "$pidfile"
+  rm -f "$pidfile" "$KAFKA_DIR/sasl"
   say "Kafka stopped"
 }
 
@@ -369,9 +397,14 @@ redis_status() {
 # --- commands ------------------------------------------------------------------------------------
 
 print_env() {
-  local pg_pw redis_pw
-  pg_pw=$(pg_password); redis_pw=$(redis_password)
+  local pg_pw redis_pw kafka_pw
+  pg_pw=$(pg_password); redis_pw=$(redis_password); kafka_pw=$(kafka_password)
   echo "export FIRSTTOKEN_KAFKA_BOOTSTRAP=$HOST:$KAFKA_PORT"
+  if [ -n "$kafka_pw" ]; then
+    echo "export FIRSTTOKEN_KAFKA_USERNAME=$KAFKA_USER FIRSTTOKEN_KAFKA_PASSWORD=$kafka_pw"
+  else
+    echo "unset FIRSTTOKEN_KAFKA_USERNAME FIRSTTOKEN_KAFKA_PASSWORD"
+  fi
   echo "export FIRSTTOKEN_DATABASE_URL=postgresql+psycopg://$PG_USER${pg_pw:+:$pg_pw}@$HOST:$PG_PORT/$PG_DB"
   echo "export FIRSTTOKEN_REDIS_URL=redis://${redis_pw:+:$redis_pw@}$HOST:$REDIS_PORT/0"
 }

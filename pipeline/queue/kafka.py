@@ -16,7 +16,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from kafka import AsyncConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer
@@ -64,8 +64,60 @@ assert MAX_BATCH_BYTES >= MAX_MESSAGE_BYTES + BATCH_HEADER_BYTES + 1024
 RECONNECT_BACKOFF_MAX_MS = 1000
 
 
+class _NoPasswords(logging.Filter):
+    """kafka-python logs at DEBUG the admin client's whole configuration, every request a
+    connection sends and its raw bytes: the SASL password among them (the config's
+    sasl_plain_password, the SaslAuthenticate request's auth bytes). In those records each
+    password of a client made here becomes '***'."""
+
+    secrets: ClassVar[set[str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.secrets:
+            message = record.getMessage()
+            if any(secret in message for secret in self.secrets):
+                for secret in self.secrets:
+                    message = message.replace(secret, "***")
+                record.msg, record.args = message, ()
+        return True
+
+
+class _OnceOnly(logging.Filter):
+    """The first record only (kafka-python warns on every SASL/PLAIN connection that the
+    password goes in the clear: once per process says it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        first, self.seen = not self.seen, True
+        return first
+
+
+# the loggers whose records carry a config, a request or its bytes (filters are per logger)
+for _name in ("kafka.admin.client", "kafka.net.connection", "kafka.protocol.parser", "kafka.conn"):
+    logging.getLogger(_name).addFilter(_NoPasswords())
+logging.getLogger("kafka.net.sasl.plain").addFilter(_OnceOnly())
+
+
+def client_config(settings: Settings) -> dict[str, Any]:
+    """Settings.kafka_client_config, its password kept out of kafka-python's debug records."""
+    config = settings.kafka_client_config
+    password = config.get("sasl_plain_password")
+    if isinstance(password, str) and password:
+        _NoPasswords.secrets.add(password)
+    return config
+
+
+def _admin(settings: Settings, timeout_s: float) -> KafkaAdminClient:
+    return KafkaAdminClient(
+        **client_config(settings), client_id="firsttoken-admin", request_timeout_ms=int(timeout_s * 1000)
+    )
+
+
 def ensure_topics(
-    bootstrap: str | list[str],
+    settings: Settings,
     topics: dict[str, int],
     *,
     replication_factor: int = 1,
@@ -74,9 +126,7 @@ def ensure_topics(
     """Create the topics that are missing (name -> partition count) and wait until every one of
     them has a leader for each partition. Returns each topic's actual partition count (an
     existing topic keeps the count it has)."""
-    admin = KafkaAdminClient(
-        bootstrap_servers=bootstrap, client_id="firsttoken-admin", request_timeout_ms=int(timeout_s * 1000)
-    )
+    admin = _admin(settings, timeout_s)
     try:
         existing = set(admin.list_topics())
         missing = [
@@ -102,13 +152,11 @@ def ensure_topics(
         admin.close()
 
 
-def delete_topics(bootstrap: str | list[str], names: list[str], *, timeout_s: float = 30.0) -> list[str]:
+def delete_topics(settings: Settings, names: list[str], *, timeout_s: float = 30.0) -> list[str]:
     """Delete those of these topics that exist (throwaway topics of tests and benchmarks: a
     broker holding thousands of dead partitions carries them in its heap, and its garbage
     collections grow with them). Returns the names deleted."""
-    admin = KafkaAdminClient(
-        bootstrap_servers=bootstrap, client_id="firsttoken-admin", request_timeout_ms=int(timeout_s * 1000)
-    )
+    admin = _admin(settings, timeout_s)
     try:
         existing = set(admin.list_topics())
         gone = [name for name in names if name in existing]
@@ -149,11 +197,10 @@ class KafkaQueue(JobQueue):
         self.settings = settings or get_settings()
         self.topic = topic or self.settings.jobs_topic
         self.dlq_topic = dlq_topic or self.settings.dlq_topic
-        self.bootstrap = self.settings.kafka_bootstrap_servers
         self.partitions = partitions or self.settings.jobs_partitions
         if create_topics:
             counts = ensure_topics(
-                self.bootstrap,
+                self.settings,
                 {self.topic: self.partitions, self.dlq_topic: 1},
                 replication_factor=self.settings.replication_factor,
             )
@@ -260,7 +307,7 @@ def make_producer(settings: Settings, *, client_id: str, **overrides: Any) -> Ka
     """An idempotent, acks=all producer batched for bulk submission."""
     install_eager_writes()
     config: dict[str, Any] = {
-        "bootstrap_servers": settings.kafka_bootstrap_servers,
+        **client_config(settings),
         "client_id": client_id,
         "acks": "all",
         "enable_idempotence": True,
@@ -331,7 +378,7 @@ class KafkaJobConsumer(JobConsumer):
         self.dlq_topic = queue.dlq_topic
         self.group = group
         config: dict[str, Any] = {
-            "bootstrap_servers": queue.bootstrap,
+            **client_config(s),
             "group_id": group,
             "client_id": f"firsttoken-consumer-{group}",
             "enable_auto_commit": False,

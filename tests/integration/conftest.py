@@ -73,7 +73,7 @@ def kafka_bootstrap() -> str:
     from kafka.errors import KafkaError
 
     try:
-        KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000).close()
+        KafkaAdminClient(**Settings(kafka_bootstrap=bootstrap).kafka_client_config, request_timeout_ms=10_000).close()
     except KafkaError as exc:
         pytest.fail(f"Kafka at {bootstrap} does not answer: {exc!r}; {HINT}", pytrace=False)
     return bootstrap
@@ -96,7 +96,7 @@ def kafka_settings(kafka_bootstrap: str) -> Iterator[Settings]:
     )
     yield settings
     try:
-        delete_topics(kafka_bootstrap, [settings.jobs_topic, settings.dlq_topic], timeout_s=10.0)
+        delete_topics(settings, [settings.jobs_topic, settings.dlq_topic], timeout_s=10.0)
     except Exception as exc:  # a test that left the broker down or slow: the topics just stay
         print(f"could not delete the test topics: {exc!r}")
 

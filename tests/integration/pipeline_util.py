@@ -56,7 +56,7 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: f
         time.sleep(every_s)
 
 
-def read_topic(bootstrap: str, topic: str, n: int, timeout_s: float = 60.0) -> list:
+def read_topic(settings: Settings, topic: str, n: int, timeout_s: float = 60.0) -> list:
     """At least the first n records of a topic, read from its beginning outside any group.
 
     Each attempt is a fresh consumer that assigns the topic's partitions itself and seeks to
@@ -73,7 +73,7 @@ def read_topic(bootstrap: str, topic: str, n: int, timeout_s: float = 60.0) -> l
     got: dict[tuple[int, int], object] = {}
     while True:
         c = KafkaConsumer(
-            bootstrap_servers=bootstrap,
+            **settings.kafka_client_config,
             enable_auto_commit=False,
             request_timeout_ms=5_000,
             kafka_client=polling_thread_client,

@@ -109,7 +109,7 @@ def lonely(kafka_bootstrap, postgres_url, redis_url, log_dir):
         _stop(proc)
         from pipeline.queue.kafka import delete_topics
 
-        delete_topics(s.kafka_bootstrap_servers, [s.jobs_topic, s.dlq_topic])
+        delete_topics(s, [s.jobs_topic, s.dlq_topic])
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def deaf(kafka_bootstrap, redis_url, log_dir):
         _stop(proc)
         from pipeline.queue.kafka import delete_topics
 
-        delete_topics(s.kafka_bootstrap_servers, [s.jobs_topic, s.dlq_topic])
+        delete_topics(s, [s.jobs_topic, s.dlq_topic])
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def stack(kafka_bootstrap, postgres_url, redis_url, log_dir):
         _stop(proc)
         from pipeline.queue.kafka import delete_topics
 
-        delete_topics(s.kafka_bootstrap_servers, [s.jobs_topic, s.dlq_topic])
+        delete_topics(s, [s.jobs_topic, s.dlq_topic])
 
 
 # --- hostile values ------------------------------------------------------------------------------

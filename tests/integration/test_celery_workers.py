@@ -230,9 +230,7 @@ class Cluster:
         """The members of the GPU workers' Kafka consumer group, as the broker sees them."""
         from kafka import KafkaAdminClient
 
-        admin = KafkaAdminClient(
-            bootstrap_servers=self.settings.kafka_bootstrap_servers, request_timeout_ms=10_000
-        )
+        admin = KafkaAdminClient(**self.settings.kafka_client_config, request_timeout_ms=10_000)
         try:
             group = self.settings.consumer_group
             return admin.describe_groups([group])[group]["members"]

@@ -48,7 +48,7 @@ def quiet(consumer: JobConsumer, seconds: float = 1.0) -> list[Message]:
 
 
 def end_offsets(settings: Settings, topic: str) -> dict[int, int]:
-    c = KafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers)
+    c = KafkaConsumer(**settings.kafka_client_config)
     try:
         parts = c.partitions_for_topic(topic) or set()
         ends = c.end_offsets([TopicPartition(topic, p) for p in parts])
@@ -188,7 +188,7 @@ def test_poison_messages_go_to_the_dead_letter_topic(kafka_settings: Settings):
             assert c.dead_lettered == 2
             assert c.commit(got) == {0: 4}  # the poison messages count as done
 
-        letters = read_topic(kafka_settings.kafka_bootstrap_servers, q.dlq_topic, 2)
+        letters = read_topic(kafka_settings, q.dlq_topic, 2)
         assert len(letters) == 2  # committed after the letters were durable: each written once
         h0, h1 = dict(letters[0].headers), dict(letters[1].headers)
         assert letters[0].key == b"k1" and letters[0].value == b"\x00\x01 not json"
@@ -262,9 +262,7 @@ def test_rebalance_commits_finished_work_of_revoked_partitions(kafka_settings: S
         lost = ({0, 1} - a.assignment()).pop()
         lowest = min(m.offset for m in second if m.partition == lost and m not in done)
         tp = TopicPartition(q.topic, lost)
-        check = KafkaConsumer(
-            bootstrap_servers=kafka_settings.kafka_bootstrap_servers, group_id=kafka_settings.consumer_group
-        )
+        check = KafkaConsumer(**kafka_settings.kafka_client_config, group_id=kafka_settings.consumer_group)
         assert check.committed(tp) == lowest
         check.close()
         assert lost not in a.in_flight()  # in-flight tracking of the revoked partition is gone

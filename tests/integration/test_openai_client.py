@@ -79,7 +79,7 @@ def _stack(model, kafka_bootstrap, postgres_url, redis_url, tmp_path_factory):
         api.wait(30)
         from pipeline.queue.kafka import delete_topics
 
-        delete_topics(s.kafka_bootstrap_servers, [s.jobs_topic, s.dlq_topic])
+        delete_topics(s, [s.jobs_topic, s.dlq_topic])
 
 
 @pytest.fixture

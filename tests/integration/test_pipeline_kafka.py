@@ -87,7 +87,7 @@ def test_500_jobs_one_worker_equal_to_embedded(kafka_settings, postgres_url, sto
         # read while the worker still runs: the poison messages sit at their partition's end, and
         # 502 rows can be written before the worker has fetched them (a slow CI run stopped it
         # first, then found the dead-letter topic empty)
-        dead = read_topic(s.kafka_bootstrap_servers, s.dlq_topic, 2, timeout_s=120)
+        dead = read_topic(s, s.dlq_topic, 2, timeout_s=120)
         wait_until(lambda: sum(worker.intake.consumer.in_flight().values()) == 0, 30, "nothing in flight")
     finally:
         worker.stop()

@@ -224,3 +224,42 @@ def test_one_job_message_fits_the_producer_the_broker_and_the_topics(services: d
     assert int(env["KAFKA_REPLICA_FETCH_MAX_BYTES"]) >= MAX_BATCH_BYTES
     script = (ROOT / "scripts" / "services.sh").read_text()
     assert f"\nmessage.max.bytes={MAX_BATCH_BYTES}\n" in script
+
+
+def _broker_properties(env: dict) -> dict[str, str]:
+    """The broker properties the apache/kafka image makes of its KAFKA_ variables (KAFKA_ dropped,
+    lower case, `___` -> `-`, `__` -> `_`, `_` -> `.`)."""
+    out = {}
+    for name, value in env.items():
+        if name.startswith("KAFKA_"):
+            key = name[6:].lower().replace("___", "-").replace("__", "\0").replace("_", ".").replace("\0", "_")
+            out[key] = str(value)
+    return out
+
+
+def _assert_sasl_only(props: dict[str, str], where: str) -> None:
+    protocols = dict(p.split(":") for p in props["listener.security.protocol.map"].split(","))
+    listeners = [item.split("://")[0] for item in props["listeners"].split(",")]
+    assert listeners and all(protocols[name] == "SASL_PLAINTEXT" for name in listeners), where
+    assert props["sasl.enabled.mechanisms"] == "PLAIN", where
+    assert props["sasl.mechanism.inter.broker.protocol"] == "PLAIN", where
+    assert props["sasl.mechanism.controller.protocol"] == "PLAIN", where
+    for name in listeners:
+        jaas = props[f"listener.name.{name.lower()}.plain.sasl.jaas.config"]
+        assert "PlainLoginModule required" in jaas and 'user_firsttoken="' in jaas, (where, name)
+
+
+def test_kafka_takes_only_sasl_in_compose_and_the_services_script(services: dict):
+    """Every listener of the broker (the clients' and the controller's) is SASL/PLAIN, in compose
+    and in scripts/services.sh alike, and every firsttoken service gets the user and password."""
+    _assert_sasl_only(_broker_properties(services["kafka"]["environment"]), "compose")
+    script = (ROOT / "scripts" / "services.sh").read_text()
+    config = script.split('cat > "$KAFKA_DIR/server.properties" <<EOF\n', 1)[1].split("\nEOF\n", 1)[0]
+    props = dict(line.split("=", 1) for line in config.splitlines() if line and not line.startswith("#"))
+    props = {k: v.replace("$HOST", "127.0.0.1").replace("$jaas", 'PlainLoginModule required user_firsttoken="x";')
+             for k, v in props.items()}
+    _assert_sasl_only(props, "scripts/services.sh")
+    for name, svc in services.items():
+        env = svc.get("environment", {})
+        if "FIRSTTOKEN_KAFKA_BOOTSTRAP" in env:
+            assert env.get("FIRSTTOKEN_KAFKA_USERNAME") == "firsttoken" and env.get("FIRSTTOKEN_KAFKA_PASSWORD"), name
