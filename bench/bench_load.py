@@ -57,12 +57,19 @@ def pct(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def workload(rate: float, duration_s: float, vocab: int, seed: int, *, prefixes: int = 8,
+def workload(rate: float, duration_s: float, vocab: int, seed: int, *, draw: int = 0, prefixes: int = 8,
              prefix_len: int = 512, prompt_range: tuple[int, int] = (256, 2048),
              out_range: tuple[int, int] = (64, 256)) -> list[tuple[float, list[int], int]]:
-    """(arrival offset s, prompt token ids, output tokens) of each request, in arrival order."""
+    """(arrival offset s, prompt token ids, output tokens) of each request, in arrival order.
+
+    The shared prefixes come from `seed` alone; everything else from (seed, draw): probes of
+    one engine with distinct draws share the prefixes (a system prompt stays cached) and nothing
+    else. (Until 2026-12-02 every probe drew the same prompts: after the first probe of a run,
+    the engine's prefix cache held all but the last partial block of most prompts, so later rows
+    computed a few prompt tokens a request; the H200 results of 2026-12-01 are flattered so.)"""
     rng = random.Random(seed)
     shared = [[rng.randrange(2, vocab) for _ in range(prefix_len)] for _ in range(prefixes)]
+    rng = random.Random(seed * 1_000_003 + draw)
     reqs, t = [], 0.0
     while True:
         t += rng.expovariate(rate)
@@ -298,7 +305,8 @@ def main() -> None:
                     help="comma-separated engine TPOT targets (ms) to run in turn, 'none' for no target: the trade-off curve")
     ap.add_argument("--goodput", action="store_true", help="search max_rate_interactive and max_rate_server instead")
     ap.add_argument("--goodput-targets", default="none,none",
-                    help="the engine's TPOT target (ms or none) for the interactive search, then the server search")
+                    help="the engine's TPOT target (ms or none) for the interactive search, then the server search "
+                         "(skip: no server search)")
     ap.add_argument("--search-rates", default=None, help="the ladder (req/s); default 16,24,...,64 / 24,32,...,96")
     ap.add_argument("--search-steps", type=int, default=2, help="bisections after the ladder's first miss")
     ap.add_argument("--max-prompt", type=int, default=2048)
@@ -311,7 +319,7 @@ def main() -> None:
     lo = min(256, args.max_prompt // 2)
     extra = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
                                ("max_num_seqs", args.max_num_seqs)) if v is not None}
-    targets = (args.goodput_targets if args.goodput else args.tpot_targets).split(",")
+    targets = [t for t in (args.goodput_targets if args.goodput else args.tpot_targets).split(",") if t != "skip"]
     core_target = None if targets[0] == "none" else float(targets[0])
     if args.core == "process" and len(set(targets)) > 1:
         ap.error("--core process serves one TPOT target (its engine is built with it)")
@@ -345,9 +353,9 @@ def main() -> None:
     n_probe = [0]
 
     def probe(rate: float, slo: tuple[float, float], target: str, give_up: float | None = None) -> dict[str, Any]:
-        reqs = workload(rate, args.duration, vocab, args.seed, prefix_len=min(512, lo),
-                        prompt_range=(lo, args.max_prompt), out_range=(64, 256))
         n_probe[0] += 1
+        reqs = workload(rate, args.duration, vocab, args.seed, draw=n_probe[0], prefix_len=min(512, lo),
+                        prompt_range=(lo, args.max_prompt), out_range=(64, 256))
         tag = f"p{n_probe[0]}-"
         if core is not None:
             r = run_rate_core(core, reqs, give_up, tag=tag)
@@ -368,7 +376,8 @@ def main() -> None:
         ladders = ([float(r) for r in args.search_rates.split(",")],) * 2 if args.search_rates else (
             [16.0, 24.0, 32.0, 40.0, 48.0, 56.0, 64.0], [24.0, 32.0, 40.0, 48.0, 64.0, 80.0, 96.0])
         best_i, rows_i = search(lambda r, lim: probe(r, lim, t_int, lim[0]), INTERACTIVE, ladders[0], args.search_steps)
-        best_s, rows_s = search(lambda r, lim: probe(r, lim, t_srv, lim[0]), SERVER, ladders[1], args.search_steps)
+        best_s, rows_s = (None, []) if t_srv == "skip" else search(
+            lambda r, lim: probe(r, lim, t_srv, lim[0]), SERVER, ladders[1], args.search_steps)
         for r in rows_i:
             r["limits"] = "interactive"
         for r in rows_s:
@@ -397,7 +406,8 @@ def main() -> None:
         md = (f"max_rate_interactive {data['max_rate_interactive']} req/s, max_rate_server "
               f"{data['max_rate_server']} req/s\n\n") + md
     name = (f"bench_load_{args.preset}{'_' + args.quantization if args.quantization else ''}"
-            f"{'_core' if core is not None else ''}{'_goodput' if args.goodput else ''}")
+            f"{'_core' if core is not None else ''}{'_goodput' if args.goodput else ''}"
+            f"{'_t' + targets[0] if args.goodput and targets and targets[0] != 'none' else ''}")
     if trace is not None and os.environ.get("OUT"):
         cols_t = ["probe", "path (0 decode graph, 1 prefill graph, 2 eager)", "prefill_tokens", "decodes",
                   "decode_context", "prefill_pairs", "device_us", "predicted_us"]

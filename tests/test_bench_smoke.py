@@ -82,6 +82,20 @@ def test_bench_load_runs_a_tpot_target_on_cpu(tmp_path):
     assert {s[0] for s in steps["steps"]} == {0, 1, 2} and all(s[6] > 0 for s in steps["steps"])  # 0: warm-up
 
 
+def test_bench_load_probes_share_the_prefixes_and_nothing_else():
+    """Each probe draws its own prompts (a probe that replayed the last one's would find them in
+    the prefix cache); the 8 shared prefixes are the same in every draw."""
+    from bench.bench_load import workload
+
+    a, b = (workload(16, 4, 1000, 0, draw=d, prefix_len=32, prompt_range=(48, 96)) for d in (1, 2))
+    assert workload(16, 4, 1000, 0, draw=1, prefix_len=32, prompt_range=(48, 96)) == a  # deterministic
+    heads = lambda w: {tuple(ids[:32]) for _, ids, _ in w}  # noqa: E731
+    shared = heads(a) & heads(b)
+    assert 1 <= len(shared) <= 8  # the prefixes, seen in both
+    full = lambda w: {tuple(ids) for _, ids, _ in w}  # noqa: E731
+    assert not full(a) & full(b)
+
+
 def test_bench_load_goodput_through_the_engine_core_process_on_cpu(tmp_path):
     _run(["bench/bench_load.py", "--device", "cpu", "--preset", "tiny", "--goodput", "--duration", "2",
           "--max-prompt", "256", "--search-rates", "2,4", "--search-steps", "0", "--core", "process"], tmp_path)
