@@ -300,19 +300,19 @@ class Worker:
 
     # --- intake / sink callbacks -----------------------------------------------------------------
 
-    def _admission(self, messages: list[Message], wall: float) -> Admission | None:
+    def _admission(self, messages: list[Message], wall: float) -> tuple[Admission, set[str]] | None:
         """One store round trip for a fetch: the jobs not in flight here are marked running and
         count a delivery (those delivered `hold_from` times already are held instead, and those
-        terminal are left out). None when there is no lookup, or the store is unreachable (then
-        every job runs: results are idempotent by id, and the sink waits for the store)."""
+        terminal are left out). Returns what the store found and the ids asked about. None when
+        there is no lookup, or the store is unreachable (then every job runs: results are
+        idempotent by id, and the sink waits for the store)."""
         if self.config.max_deliveries is None:
             return None
         fresh = [m.job for m in messages if m.job.id not in self._inflight]
         if not fresh:
-            return Admission()
+            return Admission(), set()
         try:
             got = self.store.admit(fresh, worker=self.name, admitted_at=wall, hold_from=self.config.hold_from)
-            got.looked_up = {j.id for j in fresh}
         except Exception as exc:
             if self._admit_error is None:
                 log.warning("admission lookup failed (%s); running the jobs unchecked", type(exc).__name__)
@@ -321,7 +321,7 @@ class Worker:
         if self._admit_error is not None:
             log.info("admission lookups work again")
             self._admit_error = None
-        return got
+        return got, {j.id for j in fresh}
 
     def _deliver(self, messages: list[Message], *, held: bool = False) -> None:
         """On the intake thread: each new job goes to the engine core at once (after one lookup
@@ -330,7 +330,8 @@ class Worker:
         wall, mono = self._wall(), time.monotonic()
         if self._draining.is_set() or self._engine_error is not None:
             return  # never admitted: left uncommitted, delivered again
-        admitted = None if held else self._admission(messages, wall)
+        lookup = None if held else self._admission(messages, wall)
+        admitted, looked_up = lookup if lookup is not None else (None, set())
         adds: list[AddRequest] = []
         outcomes: list[Outcome] = []
         skipped: list[Message] = []
@@ -348,7 +349,7 @@ class Worker:
                     self.counters.duplicates += 1
                     continue
                 if admitted is not None and job.id not in admitted.running:
-                    if job.id not in admitted.looked_up:
+                    if job.id not in looked_up:
                         # it ran here when the lookup was made and has finished since: its row
                         # may not be durable yet, so look it up again at the next poll
                         self._redo.append(msg)

@@ -26,7 +26,6 @@ class Admission:
     running: dict[str, int] = field(default_factory=dict)  # marked running now: id -> deliveries, this one included
     held: dict[str, int] = field(default_factory=dict)  # delivered `hold_from` times or more already: id -> deliveries
     terminal: set[str] = field(default_factory=set)  # already succeeded, failed or cancelled: not to run
-    looked_up: set[str] = field(default_factory=set)  # the ids asked about (the caller's bookkeeping)
 
 @dataclass(frozen=True)
 class JobRecord:

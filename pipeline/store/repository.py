@@ -51,7 +51,7 @@ _NOT_TERMINAL = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 # Bound parameters per statement stay under SQLite's 32766 and Postgres' 65535.
 _MAX_PARAMS = 30_000
 # Result columns that keep the stored value when the incoming one is null (e.g. submitted_at
-# recorded at submission, admitted_at and worker recorded by mark_running).
+# recorded at submission, admitted_at and worker recorded by admit).
 _KEEP_IF_NULL = ("submitted_at", "admitted_at", "first_token_at", "worker", "model")
 _REQUEST_COLUMNS = (
     "prompt", "messages", "sampling", "prefix_key", "metadata", "custom_id", "owner", "line_no", "line_format"
@@ -299,44 +299,6 @@ class ResultStore:
         with self.engine.begin() as conn:
             return self._returning_many(conn, "queued", rows)
 
-    def mark_running(
-        self,
-        requests: Iterable[JobRequest | str],
-        *,
-        worker: str | None = None,
-        admitted_at: float | None = None,
-    ) -> int:
-        """Mark jobs running (admitted by an engine) unless they are already terminal.
-
-        A JobRequest without a row gets one (a job that came straight through Kafka); a bare id
-        only updates an existing row. Returns the rows written.
-        """
-        now = self._clock()
-        admitted = now if admitted_at is None else admitted_at
-        reqs: list[JobRequest] = []
-        ids: list[str] = []
-        for r in requests:
-            (ids if isinstance(r, str) else reqs).append(r)  # type: ignore[arg-type]
-        written = 0
-        with self.engine.begin() as conn:
-            if reqs:
-                rows = []
-                for j in _first_by_id(reqs, lambda j: j.id):
-                    row = _request_row(j, JobStatus.RUNNING, now)
-                    row.update(worker=worker, admitted_at=admitted)
-                    rows.append(row)
-                written += self._execute_many(conn, "running", rows)
-            if ids:
-                stmt = (
-                    update(jobs)
-                    .where(jobs.c.id.in_(ids), jobs.c.status.in_(_NOT_TERMINAL))
-                    .values(
-                        status=JobStatus.RUNNING.value, worker=worker, admitted_at=admitted, updated_at=now
-                    )
-                )
-                written += _count(conn, stmt.returning(jobs.c.id))
-        return written
-
     def admit(
         self,
         requests: Sequence[JobRequest],
@@ -349,7 +311,7 @@ class ResultStore:
         deliveries (all of them when None) is marked running and counts one more delivery; one
         with more is held (unchanged: the caller decides when it runs, and admits it then); a
         terminal one (a redelivered message whose result is written) is neither, and must not
-        run again. A job without a row gets one, as mark_running gives it. One UPDATE when every
+        run again. A job without a row gets a running one (a job that came straight through Kafka). One UPDATE when every
         job is fresh (the usual case); a SELECT more for the others."""
         now = self._clock()
         admitted = now if admitted_at is None else admitted_at

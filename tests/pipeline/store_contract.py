@@ -163,18 +163,20 @@ class StoreContract:
         a1 = store.get_job("a1")
         assert a1.status is JobStatus.QUEUED and a1.deliveries == 1 and a1.worker is None
 
-    def test_mark_running_then_result(self, store: ResultStore):
+    def test_admit_then_result(self, store: ResultStore):
         store.insert_queued([JobRequest(id="r1", prompt="x", submitted_at=990.0)])
-        assert store.mark_running(["r1", "missing"], worker="gpu0", admitted_at=995.0) == 1
+        got = store.admit([JobRequest(id="r1", prompt="x")], worker="gpu0", admitted_at=995.0)
+        assert got.running == {"r1": 1}
         rec = store.get_job("r1")
         assert (
             rec is not None
             and rec.status is JobStatus.RUNNING
             and rec.worker == "gpu0"
             and rec.timings.admitted_at == 995.0
+            and rec.timings.submitted_at == 990.0
         )
         # a job seen first by a worker (straight from Kafka) gets a running row
-        assert store.mark_running([JobRequest(id="r2", prompt="y")], worker="gpu1") == 1
+        assert store.admit([JobRequest(id="r2", prompt="y")], worker="gpu1").running == {"r2": 1}
         assert store.get_job("r2").status is JobStatus.RUNNING  # type: ignore[union-attr]
         res = ok("r1")
         res = res.model_copy(
@@ -185,7 +187,8 @@ class StoreContract:
         assert rec is not None and rec.status is JobStatus.SUCCEEDED
         assert rec.worker == "gpu0" and rec.timings.admitted_at == 995.0  # kept where the result had none
         # running never goes back over a terminal row
-        assert store.mark_running(["r1"], worker="gpu9") == 0
+        again = store.admit([JobRequest(id="r1", prompt="x")], worker="gpu9")
+        assert again.running == {} and again.terminal == {"r1"}
         assert store.get_job("r1").worker == "gpu0"  # type: ignore[union-attr]
 
     def test_failed_and_cancelled(self, store: ResultStore):
@@ -227,7 +230,7 @@ class StoreContract:
                 JobResult.failure("B-1", ErrorCode.INVALID_SAMPLING, "bad", batch_id="B"),
             ]
         )
-        store.mark_running(["B-2"])
+        store.admit([JobRequest(id="B-2", prompt="x", batch_id="B")])
         batch = store.get_batch("B")
         assert (
             batch is not None
@@ -323,7 +326,7 @@ class StoreContract:
     def test_count_unfinished_counts_one_owners_queued_and_running_jobs(self, store: ResultStore):
         store.insert_queued([JobRequest(id=f"cu-{i}", prompt="x", owner="carol") for i in range(4)]
                             + [JobRequest(id="cu-dave", prompt="x", owner="dave")])
-        store.mark_running(["cu-0"], worker="w")
+        store.admit([JobRequest(id="cu-0", prompt="x", owner="carol")], worker="w")
         store.upsert_results([ok("cu-1")])
         assert store.count_unfinished("carol") == 3  # cu-0 running, cu-2 and cu-3 queued
         assert store.count_unfinished("dave") == 1 and store.count_unfinished("nobody") == 0
