@@ -199,11 +199,10 @@ def test_a_broker_killed_for_10_s_costs_seconds_of_results_once_it_is_back(
         wait_until(lambda: fetched_after_restart(), 60, "a result of a job fetched after the restart")
         first = min(r.timings.finished_at for r in fetched_after_restart())
         print(f"results resumed {first - ready:.1f} s after the broker was ready")
-        # issue 21 wants 10 s; measured 14-51 s on the 2-core box (14 s quiet, 48-51 s under a
-        # test run; was 29-40 s, a rebuilt client waiting out a rejoin). Not met yet: what is
-        # left is not found (the group coordinator's load after the kill is suspected). Checked
-        # here: results do resume, with the same client
-        assert first - ready <= 120.0, f"results resumed {first - ready:.1f} s after the broker was ready"
+        # issue 21: at most 10 s. Measured at 052e5b7 on the 2-core box: 2.7-2.9 s quiet, 5.6 s
+        # beside two CPU hogs, the same client throughout (the session before reported 14-51 s,
+        # measured around ace25c7, which stopped the intake thread spinning on held messages)
+        assert first - ready <= 10.0, f"results resumed {first - ready:.1f} s after the broker was ready"
         print(f"consumer clients rebuilt: {worker.intake.consumer.recreated}")
     finally:
         services("start", "kafka")
