@@ -3,7 +3,8 @@
 Producer: idempotent, acks=all; the key is the job's routing key, so jobs sharing a prefix land on
 one partition. A small publish sends record by record; a large one hands the producer whole
 record batches per partition (kafka_batches.py). Requests go on the wire as soon as they are
-built (kafka_transport.py). Consumer: a group member with auto-commit off and a fetch kept in
+built. (Every use of kafka-python's internals is in kafka_internals.py, which checks the
+installed version.) Consumer: a group member with auto-commit off and a fetch kept in
 flight (the broker answers it as soon as data arrives), committing per partition up to the
 lowest offset still in flight; pause/resume; on revocation it commits what finished for those
 partitions and forgets their in-flight offsets; poison messages go to the dead-letter topic.
@@ -22,8 +23,6 @@ import numpy as np
 from kafka import AsyncConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, MessageSizeTooLargeError, TopicAlreadyExistsError
-from kafka.net.compat import KafkaNetClient
-from kafka.net.selector import NetworkSelector
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from pipeline.queue.base import (
@@ -39,16 +38,17 @@ from pipeline.queue.base import (
     encode_job,
     routing_key,
 )
-from pipeline.queue.kafka_batches import (
-    BATCH_HEADER_BYTES,
+from pipeline.queue.kafka_batches import BATCH_HEADER_BYTES, make_batch, partitions_for, record_size
+from pipeline.queue.kafka_internals import (
     append_batches,
     batch_error,
     batch_succeeded,
-    make_batch,
-    partitions_for,
-    record_size,
+    commit_in_loop,
+    heartbeat_clock,
+    install_eager_writes,
+    polling_thread_client,
+    record_format,
 )
-from pipeline.queue.kafka_transport import install_eager_writes
 from pipeline.settings import Settings, get_settings
 from schemas.job import JobRequest
 from schemas.limits import MAX_MESSAGE_BYTES
@@ -250,7 +250,7 @@ class KafkaQueue(JobQueue):
         bounds = np.flatnonzero(np.diff(assigned[order])) + 1
         limit = producer.config["batch_size"]
         max_request = producer.config["max_request_size"]
-        magic = producer._accumulator.config["message_version"]
+        magic = record_format(producer)
         compression = producer.config["compression_attrs"]
         now, ts = time.monotonic(), int(time.time() * 1000)
         batches = []
@@ -324,28 +324,6 @@ def make_producer(settings: Settings, *, client_id: str, **overrides: Any) -> Ka
     }
     config.update(overrides)
     return KafkaProducer(**config)
-
-
-class _PollingThreadSelector(NetworkSelector):
-    """kafka-python's event loop, driven by the thread that calls poll() instead of an IO thread.
-
-    kafka-python 3 runs every consumer's loop on an IO thread of its own: each poll() hands its
-    wait to that thread and sleeps on an Event (three such round trips a poll), and a fetch
-    response is decoded there, then handed to the polling thread, which must win the GIL back
-    from it. Without the IO thread (`start` does nothing) `NetworkSelector.run` drives the loop
-    on the calling thread, as kafka-python did before 3.0 and as the Java consumer does. The
-    consumer is then single-threaded, which KafkaJobConsumer already is (every call under its
-    lock). Heartbeats, commits' answers and rebalance callbacks run inside poll() or a blocking
-    call; the intake polls at least every 20 ms.
-    """
-
-    def start(self) -> None:
-        pass
-
-
-def polling_thread_client(**configs: Any) -> KafkaNetClient:
-    """A `kafka_client` for KafkaConsumer: its usual client over the loop above (no IO thread)."""
-    return KafkaNetClient(net=_PollingThreadSelector(**configs), **configs)
 
 
 class _Rebalance(AsyncConsumerRebalanceListener):
@@ -440,10 +418,10 @@ class KafkaJobConsumer(JobConsumer):
         from the lost partitions are redelivered to their next owner; the store's idempotent
         upsert keeps one row per job."""
         now = time.monotonic()
-        hb = getattr(getattr(self._consumer, "_coordinator", None), "heartbeat", None)
         # silence counts from the last heartbeat answer, or from when the broker was last seen
         # down: a client gets the whole bound to find a broker that is back
-        heard = max(hb.last_receive, hb.last_reset) if hb is not None else now
+        heard = heartbeat_clock(self._consumer)
+        heard = now if heard is None else heard
         silent = now - max(heard, self._broker_down_at)
         unassigned = 0.0 if self._revoked_at is None else now - max(self._revoked_at, self._broker_down_at)
         if max(silent, unassigned) < self.stuck_after_s:
@@ -504,8 +482,7 @@ class KafkaJobConsumer(JobConsumer):
             offsets = self._tracker.committable(partitions)
             if offsets:
                 self._flush_dead_letters()
-                # the coroutine behind KafkaConsumer.commit(), awaited inside the event loop
-                await self._consumer._coordinator._commit_offsets_sync_async(self._offset_map(offsets))
+                await commit_in_loop(self._consumer, self._offset_map(offsets))
                 self._tracker.committed(offsets)
                 log.info("revoked %s: committed %s", sorted(partitions), offsets)
         except KafkaError as exc:

@@ -5,7 +5,8 @@ pure-Python murmur2, the accumulator append, a sender wake-up per new batch): a 
 submission spent 8-10 s there. Here the same records are partitioned with a vectorised murmur2
 (bit for bit the partitioner's, so a key lands where `send` would put it), encoded per partition
 into record-batch v2 bodies in one pass, and handed to the producer's accumulator as complete
-`ProducerBatch`es. Everything after that is kafka-python's: the sender drains them, stamps the
+`ProducerBatch`es (pipeline/queue/kafka_internals.py: what reaches into kafka-python's
+internals). Everything after that is kafka-python's: the sender drains them, stamps the
 idempotent producer id, epoch and sequence numbers, retries, and completes each batch on the
 broker's acknowledgement (acks=all).
 """
@@ -16,13 +17,12 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-from kafka import KafkaProducer
-from kafka.errors import IllegalStateError
-from kafka.producer.producer_batch import FinalState, ProducerBatch
+from kafka.producer.producer_batch import ProducerBatch
 from kafka.record.default_records import DefaultRecordBatchBuilder
-from kafka.record.memory_records import MemoryRecordsBuilder
 from kafka.record.util import encode_varint
 from kafka.structs import TopicPartition
+
+from pipeline.queue.kafka_internals import prebuilt_batch
 
 _SEED = 0x9747B28C
 _M = np.uint32(0x5BD1E995)
@@ -112,17 +112,6 @@ def encode_records(keys: Sequence[bytes], values: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-class _PrebuiltBatchBuilder(DefaultRecordBatchBuilder):
-    """A DefaultRecordBatchBuilder whose records were encoded beforehand (encode_records)."""
-
-    def set_records(self, body: bytes, count: int, timestamp_ms: int) -> None:
-        self._first_timestamp = timestamp_ms
-        self._max_timestamp = timestamp_ms
-        self._num_records = count
-        self._last_offset = count - 1
-        self._buffer.extend(body)
-
-
 BATCH_HEADER_BYTES = DefaultRecordBatchBuilder.HEADER_STRUCT.size
 
 
@@ -149,53 +138,5 @@ def make_batch(
     if magic < 2:
         raise ValueError("prebuilt batches need the v2 record format (Kafka >= 0.11)")
     ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
-    records = MemoryRecordsBuilder(magic, compression_attrs, batch_size)
-    builder = _PrebuiltBatchBuilder(
-        magic=magic,
-        compression_type=compression_attrs,
-        is_transactional=False,
-        producer_id=-1,
-        producer_epoch=-1,
-        base_sequence=-1,
-        batch_size=batch_size,
-    )
-    builder.set_records(encode_records(keys, values), len(keys), ts)
-    records._builder = builder
-    records._next_offset = len(keys)
-    return ProducerBatch(tp, records, now=now)
-
-
-def append_batches(producer: KafkaProducer, batches: Sequence[ProducerBatch]) -> None:
-    """Queue complete batches in the producer's accumulator, behind what each partition already
-    holds, and wake its sender. (A later `send` to one of these partitions may append to the last
-    batch: its builder is a DefaultRecordBatchBuilder in a consistent state.)"""
-    if producer._transaction_manager is not None and producer._transaction_manager.is_transactional():
-        raise ValueError("prebuilt batches are for idempotent, non-transactional producers")
-    acc = producer._accumulator
-    if acc._closed:
-        raise IllegalStateError("RecordAccumulator is closed")
-    acc._appends_in_progress.increment()
-    try:
-        for batch in batches:
-            tp = batch.topic_partition
-            with acc._tp_lock(tp):
-                acc._batches[tp].append(batch)
-                acc._incomplete.add(batch)
-    finally:
-        acc._appends_in_progress.decrement()
-    producer._sender.wakeup()
-
-
-def batch_succeeded(batch: ProducerBatch) -> bool:
-    """True when the broker acknowledged the batch."""
-    return batch.final_state is FinalState.SUCCEEDED
-
-
-def batch_error(batch: ProducerBatch) -> Exception:
-    """Why a completed batch failed (the exception its records would carry)."""
-    if not batch.produce_future.is_done:
-        return TimeoutError(f"batch for {batch.topic_partition} was not acknowledged")
-    _offset, _ts, record_exceptions_fn = batch.produce_future.value
-    if record_exceptions_fn is not None:
-        return record_exceptions_fn(0)
-    return RuntimeError(f"batch for {batch.topic_partition} ended {batch.final_state}")
+    return prebuilt_batch(tp, encode_records(keys, values), len(keys), magic=magic,
+                          compression_attrs=compression_attrs, batch_size=batch_size, timestamp_ms=ts, now=now)

@@ -67,7 +67,7 @@ def read_topic(settings: Settings, topic: str, n: int, timeout_s: float = 60.0) 
     client reading the same partitions does not repeat."""
     from kafka import KafkaConsumer, TopicPartition
 
-    from pipeline.queue.kafka import polling_thread_client
+    from pipeline.queue.kafka_internals import polling_thread_client
 
     deadline = time.monotonic() + timeout_s
     got: dict[tuple[int, int], object] = {}
