@@ -248,17 +248,18 @@ def _watch_until_done(db: str, batch_id: str, *, progress: bool = True, timeout_
 
 
 def _outcome_code(b: Any) -> int:
+    from pipeline.store import BatchStatus
     from schemas.job import JobStatus
 
     p = b.progress
     total = p.total if p.total is not None else p.recorded
-    return EXIT_OK if b.status == "completed" and p.count(JobStatus.SUCCEEDED) == total else EXIT_SOME_FAILED
+    return EXIT_OK if b.status is BatchStatus.COMPLETED and p.count(JobStatus.SUCCEEDED) == total else EXIT_SOME_FAILED
 
 
 def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
     """A batch's status and counts; --watch follows it to its end with a progress bar."""
     from firsttoken.report import status_line
-    from pipeline.store import ResultStore
+    from pipeline.store import BatchStatus, ResultStore
 
     db = _db_url(args)
     if args.watch:
@@ -272,7 +273,7 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
     if b is None:
         raise CliError(f"no batch {args.batch_id!r}")
     out.write(status_line(b) + "\n")
-    return _outcome_code(b) if b.status in ("completed", "cancelled") else EXIT_OK
+    return _outcome_code(b) if b.status in (BatchStatus.COMPLETED, BatchStatus.CANCELLED) else EXIT_OK
 
 
 def cmd_report(args: argparse.Namespace, out: TextIO) -> int:

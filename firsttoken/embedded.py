@@ -19,7 +19,7 @@ from pipeline.batch_io import batch_format, default_batch_id, file_digest, write
 from pipeline.producer import Producer
 from pipeline.queue import LocalQueue
 from pipeline.settings import DEFAULT_MODEL
-from pipeline.store import ResultStore, migrate
+from pipeline.store import BatchStatus, ResultStore, migrate
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def run_file(
         # the engine starts before the jobs are stamped submitted, so a job's TTFT is not its
         # wait for the model to load; a batch already ended needs no engine at all
         worker = None
-        if (existing is None or existing.status == "open") and _has_lines(path):
+        if (existing is None or existing.status is BatchStatus.OPEN) and _has_lines(path):
             worker = _start_worker(queue, store, model, cfg, worker_name)
         try:
             sub = Producer(queue, store).submit_file(

@@ -52,3 +52,19 @@ def test_imports_go_one_way(package):
             if top not in ALLOWED[package] or (package == "workers/engine" and top == "workers" and not mod.startswith("workers.engine")):
                 bad.append(f"{rel} imports {mod}")
     assert bad == []
+
+
+def test_the_store_parts_import_downwards_only():
+    """pipeline/store: the row helpers (rows, records, tables, engine) import no part of the store
+    above them, the parts (bulk, jobs, batches, files, latency) never ResultStore's module or the
+    package: no circle."""
+    store = ROOT / "pipeline" / "store"
+    leaves = {"rows", "records", "tables", "engine", "migrate"}
+    parts = {"bulk", "jobs", "batches", "files", "latency"}
+    assert {p.stem for p in store.glob("*.py")} == leaves | parts | {"repository", "__init__"}
+    for path in store.glob("*.py"):
+        ours = {m for m in imports_of(path) if m.startswith("pipeline.store")}
+        if path.stem in leaves:
+            assert ours <= {f"pipeline.store.{m}" for m in leaves}, (path.name, ours)
+        elif path.stem in parts:
+            assert "pipeline.store" not in ours and "pipeline.store.repository" not in ours, (path.name, ours)

@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any
 
 from pipeline.settings import get_settings
+from pipeline.store import BatchStatus
 from workers.celery_app import app, broadcast_cancel
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def finalize_batch(
     store = _store()
     try:
         b = store.get_batch(batch_id)
-        completed = b is not None and b.status == "open" and store.finalize_batch(batch_id)
+        completed = b is not None and b.status is BatchStatus.OPEN and store.finalize_batch(batch_id)
     except _store_unreachable() as exc:
         # the database is unreachable: an outage must not end the batch's checks
         log.warning("finalize: batch %s not checked (%s: %s); retrying", batch_id, type(exc).__name__, exc)
@@ -137,9 +138,9 @@ def finalize_batch(
     if b is None:
         log.warning("finalize: there is no batch %s", batch_id)
         return result(Finalized.MISSING, None)
-    if b.status == "completed":
+    if b.status is BatchStatus.COMPLETED:
         return result(Finalized.ALREADY_COMPLETED, b.status)
-    if b.status != "open":
+    if b.status is not BatchStatus.OPEN:
         log.info("finalize: batch %s is %s, not open: left as it is", batch_id, b.status)
         return result(Finalized.ENDED, b.status)
     if completed:

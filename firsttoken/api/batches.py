@@ -18,15 +18,15 @@ from starlette.concurrency import run_in_threadpool
 from firsttoken.api.deps import MODEL_NOT_FOUND, ApiError, ApiState, Principal, State, Who, read_body
 from pipeline.batch_io import batch_format, bytes_digest, result_lines
 from pipeline.producer import BatchConflict, JobCheck
-from pipeline.store import BatchRecord
+from pipeline.store import BatchRecord, BatchStatus
 from schemas.batchfile import OPENAI_URLS, loads_strict
 from schemas.job import ErrorCode, JobRequest, JobStatus, new_job_id
 
 router = APIRouter(tags=["batches"])
 
 # our batch status -> the OpenAI Batch API's
-_OPENAI_STATUS = {"open": "in_progress", "completed": "completed", "cancelled": "cancelled",
-                  "expired": "expired", "failed": "failed"}
+_OPENAI_STATUS = {BatchStatus.OPEN: "in_progress", BatchStatus.COMPLETED: "completed",
+                  BatchStatus.CANCELLED: "cancelled", BatchStatus.EXPIRED: "expired", BatchStatus.FAILED: "failed"}
 WINDOW_S = 24 * 3600  # the only completion window: "24h"
 OUTPUT_PREFIX = "file-output-"  # + batch id: the batch's succeeded lines, in input order
 ERRORS_PREFIX = "file-errors-"  # + batch id: its failed and cancelled lines
@@ -105,7 +105,7 @@ def openai_status(b: BatchRecord) -> str:
     """The OpenAI Batch status of a batch: `validating` while its input is still being read (no
     total yet), `finalizing` once every job ended but before the batch is marked completed, then
     `in_progress`, `completed` or `cancelled`."""
-    if b.status == "open":
+    if b.status is BatchStatus.OPEN:
         if b.total_jobs is None:
             return "validating"
         if b.progress.complete:
@@ -117,7 +117,7 @@ def batch_view(b: BatchRecord) -> BatchView:
     """The OpenAI Batch object of a batch, with firsttoken's fields."""
     p = b.progress
     total = p.total if p.total is not None else p.recorded
-    ended = b.status in ("completed", "cancelled", "expired", "failed")
+    ended = b.status.ended
     oa = b.metadata.get("openai", {}) if isinstance(b.metadata, dict) else {}
     succeeded = p.count(JobStatus.SUCCEEDED)
     failed = p.count(JobStatus.FAILED) + p.count(JobStatus.CANCELLED)
@@ -132,10 +132,10 @@ def batch_view(b: BatchRecord) -> BatchView:
         error_file_id=ERRORS_PREFIX + b.id if ended and failed else None,
         created_at=int(b.created_at),
         in_progress_at=int(b.created_at),
-        completed_at=finished if b.status == "completed" else None,
-        cancelled_at=finished if b.status == "cancelled" else None,
-        expired_at=finished if b.status == "expired" else None,
-        failed_at=finished if b.status == "failed" else None,
+        completed_at=finished if b.status is BatchStatus.COMPLETED else None,
+        cancelled_at=finished if b.status is BatchStatus.CANCELLED else None,
+        expired_at=finished if b.status is BatchStatus.EXPIRED else None,
+        failed_at=finished if b.status is BatchStatus.FAILED else None,
         expires_at=int(b.created_at + WINDOW_S) if oa else None,
         errors=oa.get("errors"),
         request_counts=RequestCounts(total=total, completed=succeeded, failed=failed),
@@ -304,7 +304,8 @@ def _create_openai_batch(state: ApiState, req: OpenAIBatchRequest, who: Principa
         meta["openai"]["errors"] = {"object": "list", "data": errors}
         state.st.set_batch_metadata(bid, meta)
         # (its rows are all failed, so the batch may have been marked completed already)
-        state.st.end_batch(bid, "failed", reason="the batch failed validation", from_statuses=("open", "completed"))
+        state.st.end_batch(bid, BatchStatus.FAILED, reason="the batch failed validation",
+                           from_statuses=(BatchStatus.OPEN, BatchStatus.COMPLETED))
     b = state.st.get_batch(bid)
     assert b is not None
     return batch_view(b)
@@ -333,7 +334,7 @@ def expire_if_due(state: ApiState, b: BatchRecord, now: float | None = None) -> 
     oa = b.metadata.get("openai") if isinstance(b.metadata, dict) else None
     if b.status != "open" or not oa or (now or time.time()) < b.created_at + WINDOW_S:
         return b
-    n = state.st.end_batch(b.id, "expired", reason="the batch's completion window (24h) passed")
+    n = state.st.end_batch(b.id, BatchStatus.EXPIRED, reason="the batch's completion window (24h) passed")
     if n:
         state.cancel([], b.id)
     return state.st.get_batch(b.id) or b

@@ -2,12 +2,20 @@
 
 from pipeline.store.engine import make_engine, refused_data
 from pipeline.store.migrate import migrate
-from pipeline.store.records import BatchProgress, BatchRecord, FileRecord, JobRecord, LatencyStats
+from pipeline.store.records import (
+    BatchProgress,
+    BatchRecord,
+    BatchStatus,
+    FileRecord,
+    JobRecord,
+    LatencyStats,
+)
 from pipeline.store.repository import ResultStore, percentile_cont
 
 __all__ = [
     "BatchProgress",
     "BatchRecord",
+    "BatchStatus",
     "FileRecord",
     "JobRecord",
     "LatencyStats",

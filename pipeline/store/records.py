@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from schemas.job import (
@@ -138,12 +139,26 @@ class BatchProgress:
         return expected > 0 and self.done >= expected and self.done == self.recorded
 
 
+class BatchStatus(StrEnum):
+    """A batch's status in the store (the API maps it onto OpenAI's batch statuses)."""
+
+    OPEN = "open"  # lines are queued or running
+    COMPLETED = "completed"  # every line has its result
+    CANCELLED = "cancelled"  # cancelled by its owner: the jobs left were cancelled
+    EXPIRED = "expired"  # its completion window passed: the jobs left were cancelled
+    FAILED = "failed"  # no line of its input was a valid job
+
+    @property
+    def ended(self) -> bool:
+        return self is not BatchStatus.OPEN
+
+
 @dataclass(frozen=True)
 class BatchRecord:
     """One row of `batches` with its progress."""
 
     id: str
-    status: str
+    status: BatchStatus
     owner: str | None
     input_digest: str | None  # sha256 of the input it was made from
     input_format: str | None
