@@ -1,4 +1,4 @@
-"""The README's SQL over job_latency runs on Postgres and answers sensibly."""
+"""The SQL over job_latency in docs/observability.md runs on Postgres and answers sensibly."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from schemas.job import FinishReason, JobRequest, JobResult, JobStatus, JobTimin
 
 pytestmark = pytest.mark.integration
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
 
 
 def readme_queries() -> list[str]:
