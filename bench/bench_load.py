@@ -130,7 +130,7 @@ def set_target(engine: LLMEngine, target_ms: float | None) -> None:
         engine.scheduler.budget_fn = None
     else:
         slo.tpot_target_s = target_ms / 1e3
-        slo._starved_since = None
+        slo.reset()
         engine.scheduler.budget_fn = slo
 
 
@@ -312,13 +312,17 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=2048)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--prefill-graph-max-tokens", type=int, default=None, help="EngineConfig's (mixed steps replayed)")
+    ap.add_argument("--prefill-graph-max-seqs", type=int, default=None, help="EngineConfig's")
     ap.add_argument("--core", default="inline", choices=["inline", "process"],
                     help="process: through the worker's engine core in its own process (one TPOT target only)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     lo = min(256, args.max_prompt // 2)
     extra = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
-                               ("max_num_seqs", args.max_num_seqs)) if v is not None}
+                               ("max_num_seqs", args.max_num_seqs),
+                               ("prefill_graph_max_tokens", args.prefill_graph_max_tokens),
+                               ("prefill_graph_max_seqs", args.prefill_graph_max_seqs)) if v is not None}
     targets = [t for t in (args.goodput_targets if args.goodput else args.tpot_targets).split(",") if t != "skip"]
     core_target = None if targets[0] == "none" else float(targets[0])
     if args.core == "process" and len(set(targets)) > 1:
@@ -344,7 +348,9 @@ def main() -> None:
     data: dict[str, Any] = {**header(), "bench": "load", "preset": args.preset, "quantization": args.quantization,
                             "kv_cache_dtype": args.kv_cache_dtype, "core": args.core,
                             "step_timing": "device (CUDA events)" if cuda else "host", "engine_config": {
-                                "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs},
+                                "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
+                                "prefill_graph_max_tokens": cfg.prefill_graph_max_tokens,
+                                "prefill_graph_max_seqs": cfg.prefill_graph_max_seqs},
                             "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}, "rates": []}
     if core is not None:
         core_warm_up(core, args.max_prompt)
@@ -407,7 +413,8 @@ def main() -> None:
               f"{data['max_rate_server']} req/s\n\n") + md
     name = (f"bench_load_{args.preset}{'_' + args.quantization if args.quantization else ''}"
             f"{'_core' if core is not None else ''}{'_goodput' if args.goodput else ''}"
-            f"{'_t' + targets[0] if args.goodput and targets and targets[0] != 'none' else ''}")
+            f"{'_t' + targets[0] if args.goodput and targets and targets[0] != 'none' else ''}"
+            f"{f'_pg{cfg.prefill_graph_max_seqs}x{cfg.prefill_graph_max_tokens}' if 'prefill_graph_max_seqs' in extra else ''}")
     if trace is not None and os.environ.get("OUT"):
         cols_t = ["probe", "path (0 decode graph, 1 prefill graph, 2 eager)", "prefill_tokens", "decodes",
                   "decode_context", "prefill_pairs", "device_us", "predicted_us"]

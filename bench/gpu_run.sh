@@ -17,6 +17,8 @@
 #   load        TTFT under load, bf16: targets none/15/20/30 ms at 8/16/24/32 req/s       ~8 min
 #   goodput     the highest rate within MLPerf's interactive and server limits, bf16      ~3 min
 #   goodput_t25 the interactive search with an engine TPOT target of 25 ms (no server search)  ~2.5 min
+#   goodput_pg  the interactive search, no target, mixed steps of up to 128 sequences / 2048 tokens replayed
+#               as prefill graphs (the default is 16 / 1024: larger mixed steps run eager)          ~3 min
 #   goodput_core  the same through the worker's engine core in its own process (ProcessCore)  ~3 min
 #   load_fp8    goodput with FP8 projections and an fp8 KV cache                            ~3 min
 # The SmolLM2 checkpoint does not fit one call: carry .ckpt_a (the GGUF's first 49 MB and the small
@@ -110,6 +112,9 @@ for stage in "${STAGES[@]}"; do
     goodput_t25)
       run goodput_t25 560 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET --goodput --goodput-targets 25,skip \
         "${GOODPUT_ARGS[@]}" ;;
+    goodput_pg)
+      run goodput_pg 560 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET --goodput --goodput-targets none,skip \
+        --prefill-graph-max-seqs 128 --prefill-graph-max-tokens 2048 "${GOODPUT_ARGS[@]}" ;;
     goodput_core)
       run goodput_core 560 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET --goodput --core process "${GOODPUT_ARGS[@]}" ;;
     load_fp8)

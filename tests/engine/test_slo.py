@@ -107,8 +107,8 @@ def test_budget_takes_the_prefill_graph_where_it_fits():
         d, n = rng.randint(1, 12), rng.randint(16, 1000)
         path = rng.choice(("prefill_graph", "eager"))
         m.observe(n, 0.004 + (0.010 if path == "eager" else 0.001) + 20e-6 * n + 30e-6 * d, d, path=path)
-    eager_only = SloBudget(tpot_target_s=0.012, max_tokens=8192, model=m)
-    graphs = SloBudget(tpot_target_s=0.012, max_tokens=8192, model=m, prefill_graph=(1024, 16))
+    eager_only = SloBudget(tpot_target_s=0.012, max_tokens=8192, model=m, min_chunk=0)
+    graphs = SloBudget(tpot_target_s=0.012, max_tokens=8192, model=m, prefill_graph=(1024, 16), min_chunk=0)
     assert eager_only(8) == 8 + 64  # eager: 14 ms fixed, over the target; the minimum prefill
     assert graphs(8) - 8 == pytest.approx((0.012 - 0.005 - 8 * 30e-6) / 20e-6, abs=5)  # ~338 on the graph
     assert graphs(40) == 40 + 64  # 41 sequences: no graph holds them
@@ -171,7 +171,7 @@ def test_a_target_never_starves_admission():
     now = [0.0]
     model = _fitted()
     b = SloBudget(tpot_target_s=0.012, max_tokens=8192, min_prefill=64, model=model, max_starve_s=0.25,
-                  clock=lambda: now[0])
+                  burst=0.0, clock=lambda: now[0])  # held to the target step by step
     share = b(64) - 64  # (12 ms - 10 ms - 64 * 20 us) / 5 us = 144 prefill tokens
     assert share == pytest.approx(144, abs=2)
     grants = []
@@ -193,7 +193,7 @@ def test_a_long_prompt_alone_is_not_starvation():
     """A few steps that fill the share (one prompt in chunks) stay within the target."""
     now = [0.0]
     model = _fitted()
-    b = SloBudget(tpot_target_s=0.012, max_tokens=8192, model=model, clock=lambda: now[0])
+    b = SloBudget(tpot_target_s=0.012, max_tokens=8192, model=model, burst=0.0, clock=lambda: now[0])
     share = b(64) - 64
     for _ in range(5):
         assert abs(b(64) - 64 - share) <= 1  # the refit moves the share by a token at most
@@ -201,3 +201,87 @@ def test_a_long_prompt_alone_is_not_starvation():
         now[0] += 0.012
     model.observe(0, model.predict(0, 64), 64)
     assert abs(b(64) - 64 - share) <= 1 and not b.starving
+
+
+def _step_s(prefill: int, decodes: int) -> float:
+    """An H200-like step: decode graphs at 6 ms + 40 us a decode; a mixed step eager, 15 ms more
+    for its launches, then 20 us a prompt token."""
+    return 0.006 + 40e-6 * decodes + (0.015 + 20e-6 * prefill if prefill else 0.0)
+
+
+def _serve(burst: float, steps: int = 3000) -> tuple[float, float]:
+    """32 requests decoding, a 2048-token prompt arriving every 40 steps: the mean step time
+    (what each decoding request's TPOT is) and the mean steps a prompt waits to be computed."""
+    model = StepCostModel()
+    for t, d in ((0, 32), (500, 32), (2000, 32), (64, 32), (0, 20), (1000, 40), (0, 40), (3000, 10), (100, 50)):
+        model.observe(t, _step_s(t, d), d, path="eager" if t else "decode_graph")
+    b = SloBudget(tpot_target_s=0.020, max_tokens=8192, model=model, burst=burst, clock=lambda: 0.0)
+    queue: list[list[int]] = []  # [tokens left, step it arrived]
+    total = 0.0
+    waits = []
+    for i in range(steps):
+        if i % 40 == 0:
+            queue.append([2048, i])
+        room = b(32) - 32 if queue else 0
+        prefill = 0
+        while queue and room > 0:
+            n = min(room, queue[0][0])
+            queue[0][0] -= n
+            room -= n
+            prefill += n
+            if queue[0][0] == 0:
+                waits.append(i - queue.pop(0)[1])
+        s = _step_s(prefill, 32)
+        model.observe(prefill, s, 32, path="eager" if prefill else "decode_graph")
+        b.account(32, s)
+        total += s
+    return total / steps, sum(waits) / len(waits)
+
+
+def test_the_target_holds_on_the_mean_step_and_credit_buys_larger_chunks():
+    """TPOT is a mean: steps under the target bank credit that a mixed step spends. Held step by
+    step (burst 0) every prompt goes in as chunks of (20 - 7.3 - 15) ms: the minimum of 64 tokens
+    a step, each paying the eager launches, so a prompt waits 32 steps and the mean step is over
+    the target; with credit a prompt goes in at once and the mean step stays under the target."""
+    strict_mean, strict_wait = _serve(burst=0.0)
+    credit_mean, credit_wait = _serve(burst=5.0)
+    assert credit_mean <= 0.020 * 1.02, credit_mean
+    assert strict_mean > 0.020, strict_mean  # 64-token eager chunks (20.3 ms a step here)
+    assert credit_wait * 4 < strict_wait, (credit_wait, strict_wait)
+
+
+def test_credit_is_banked_by_decoding_steps_and_capped():
+    b = SloBudget(tpot_target_s=0.020, max_tokens=8192, burst=2.0)
+    b.account(8, 0.005)
+    assert b.credit_s == pytest.approx(0.015)
+    b.account(0, 0.001)  # nobody decoding: nothing banked
+    assert b.credit_s == pytest.approx(0.015)
+    for _ in range(10):
+        b.account(8, 0.005)
+    assert b.credit_s == pytest.approx(0.040)  # capped at 2 targets
+    for _ in range(10):
+        b.account(8, 0.100)
+    assert b.credit_s == pytest.approx(-0.040)
+    b.reset()
+    assert b.credit_s == 0.0
+
+
+def test_a_few_tokens_wait_for_credit_but_not_for_long():
+    """When fewer than min_chunk prompt tokens fit and decodes alone run under the target, the
+    step decodes only (banking credit) for up to max_starve_s; then the minimum prefill goes in.
+    Where decodes alone are over the target nothing can be banked: the minimum prefill at once."""
+    now = [0.0]
+    model = _fitted()  # 10 ms + 5 us a prompt token + 20 us a decode
+    b = SloBudget(tpot_target_s=0.012, max_tokens=8192, model=model, min_chunk=256, max_starve_s=0.25,
+                  clock=lambda: now[0])
+    assert b(64) == 64  # 144 tokens fit: decodes only
+    b.account(64, 0.0113)  # a decode-only step: 0.7 ms banked
+    now[0] = 0.1
+    assert b(64) - 64 == pytest.approx(284, abs=2)  # (12 + 0.7 - 11.28) ms / 5 us: a chunk worth its fixed cost
+    b.credit_s = 0.0
+    assert b(64) == 64  # under 256 again, the hold goes on from when it began
+    now[0] = 0.2
+    assert b(64) == 64
+    now[0] = 0.36
+    assert b(64) - 64 == pytest.approx(144, abs=2)  # held for max_starve_s: the target's share goes in
+    assert b(200) == 200 + 64  # 200 decodes: 14 ms alone, over the target: the minimum prefill

@@ -330,6 +330,7 @@ class LLMEngine:
             if sec is None:
                 sec = now - max(step.launched_at, self._last_done)
             self.slo.model.observe_shape(step.shape, sec)  # type: ignore[union-attr,arg-type]
+            self.slo.account(step.num_decodes, sec)
             self._last_done = now
         logprobs = step.sampled.logprobs()  # None unless a request of the step asked
         for req, start, rows in step.sampled.prompt_logprobs():  # by position: a recomputed chunk rewrites its own

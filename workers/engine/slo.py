@@ -15,9 +15,15 @@ forgotten steps, with a small pull toward the last fit so that a feature no rece
 keeps its value.
 
 `SloBudget` turns a TPOT target into the step's token budget: with decodes running, the prefill
-chunks get what fits in `target - cost(decodes, their context, path)`; with none running, the
-whole budget goes to first tokens. Picked once when the engine is built: without a target the
-scheduler uses its fixed budget.
+chunks get what fits in `target + credit - cost(decodes, their context, path)`; with none running,
+the whole budget goes to first tokens. TPOT is a request's mean time between tokens, so the target
+holds on the mean step, not on each: a decoding step under the target banks what it left unused
+(the credit, capped at `burst` targets; a step over it draws the credit down), and the next mixed
+step may spend it. Held to the target step by step, every mixed step was a small chunk on the
+eager path (on the H200 ~15 ms of launches beside ~60 decodes: 20-26 ms for 64 prompt tokens,
+bench/results/2026-12-02-load-h200.md), so a 15 ms target at 16 req/s gave TPOT p50 21 ms and
+TTFT p50 266 ms, both worse than no target (10 / 46 ms). Picked once when the engine is built:
+without a target the scheduler uses its fixed budget.
 
 A target never starves admission: when the steps keep using all of the prefill share the target
 leaves (prompts are waiting) for longer than `max_starve_s`, the share grows to the whole budget
@@ -169,8 +175,12 @@ class SloBudget:
     `warmup_steps`: steps measured before the model is trusted (until then: the full budget);
     `max_starve_s`: how long steps may use all of the target's prefill share before it grows
     (linearly, to the whole budget over as long again); `prefill_graph`: (tokens, sequences) up
-    to which a mixed step replays a prefill graph (None: every mixed step is eager); `clock`:
-    seconds, monotonic.
+    to which a mixed step replays a prefill graph (None: every mixed step is eager); `burst`:
+    the most credit a step may bank or owe, in targets (0: every step under the target);
+    `min_chunk` (0: never): while fewer prompt tokens than this fit and a decode-only step would bank
+    credit (it is predicted under the target), the step decodes only, for up to `max_starve_s`
+    (a mixed step's fixed cost is not paid for a few tokens; the credit soon pays for a chunk);
+    `clock`: seconds, monotonic.
     """
 
     tpot_target_s: float
@@ -180,8 +190,23 @@ class SloBudget:
     model: StepCostModel | None = None
     max_starve_s: float = 0.25
     prefill_graph: tuple[int, int] | None = None
+    burst: float = 5.0
+    min_chunk: int = 256
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     _starved_since: float | None = field(default=None, init=False, repr=False)
+    _held_since: float | None = field(default=None, init=False, repr=False)
+    credit_s: float = field(default=0.0, init=False)  # what decoding steps left under the target
+
+    def account(self, decodes: int, seconds: float) -> None:
+        """A measured step: one with decodes banks (or owes) its difference from the target."""
+        if decodes > 0:
+            cap = self.burst * self.tpot_target_s
+            self.credit_s = max(-cap, min(cap, self.credit_s + self.tpot_target_s - seconds))
+
+    def reset(self) -> None:
+        """Forget the credit and the starvation clock (a new target, say)."""
+        self.credit_s = 0.0
+        self._starved_since = self._held_since = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -193,8 +218,10 @@ class SloBudget:
         assert m is not None
         per_token = m.per_token_s
 
+        allowance = self.tpot_target_s + self.credit_s
+
         def fits(path: str) -> int:
-            rest = self.tpot_target_s - m.predict(0, num_decodes, decode_context=decode_context, path=path)
+            rest = allowance - m.predict(0, num_decodes, decode_context=decode_context, path=path)
             return int(rest / per_token)
 
         share = fits("eager")
@@ -209,9 +236,20 @@ class SloBudget:
         m = self.model
         assert m is not None
         if num_decodes == 0 or m.observed < self.warmup_steps:
-            self._starved_since = None
+            self._starved_since = self._held_since = None
             return self.max_tokens  # nobody is decoding: first tokens get everything
         share = self._share(num_decodes, decode_context)
+        can_bank = self.credit_s < self.burst * self.tpot_target_s and (
+            m.predict(0, num_decodes, decode_context=decode_context, path="decode_graph") < self.tpot_target_s
+        )
+        if self.min_chunk > 0 and share < self.min_chunk and self._starved_since is None and can_bank:
+            now = self.clock()
+            if self._held_since is None:
+                self._held_since = now
+            if now - self._held_since < self.max_starve_s:
+                return num_decodes  # decodes alone, banking credit for a chunk worth its fixed cost
+        else:
+            self._held_since = None
         share = max(self.min_prefill, min(self.max_tokens - num_decodes, share))
         # the last step filled its share beside decodes: prompts are waiting behind the target
         if m.last_decodes > 0 and m.last_prefill_tokens >= 0.9 * share:
