@@ -1,10 +1,12 @@
 """Where a step's time goes: CPU dispatch vs GPU time, and the top GPU kernels, per TTFT/decode case.
 
     python3 bench/profile_engine.py            # llama3-8b shape, random bf16 weights
+    python3 bench/profile_engine.py --quantization fp8 --kv-cache-dtype fp8 --cases "ttft 2048c+128,ttft 2048"
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 import time
@@ -87,8 +89,16 @@ def show(prof, title: str, n: int = 12) -> None:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quantization", default=None, choices=["fp8"])
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--cases", default="ttft 512,ttft 2048c+128,ttft 2048,ttft 8192,ttft 32768",
+                    help="comma-separated TTFT cases to profile (decode b1 always follows)")
+    args = ap.parse_args()
     eng = LLMEngine("llama3-8b", EngineConfig(max_model_len=33024, max_num_batched_tokens=32768,
-                                               gpu_memory_utilization=0.9))
+                                               gpu_memory_utilization=0.9, quantization=args.quantization,
+                                               kv_cache_dtype=args.kv_cache_dtype))
+    print(f"quantization {args.quantization}, kv cache {args.kv_cache_dtype}", flush=True)
     for n in (600, 600):
         first_token(eng, f"w{n}-{rng.random()}", ids(n))
     print("prepare/issue/total ms for a 512-token prefill:", dispatch_ms(eng, ids(512)))
@@ -97,6 +107,7 @@ def main() -> None:
     first_token(eng, "pw", prefix)
     cases = {"ttft 512": ids(512), "ttft 2048c+128": prefix + ids(128), "ttft 2048": ids(2048),
              "ttft 8192": ids(8192), "ttft 32768": ids(32768)}
+    cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}
     for name, prompt in cases.items():
         walls = []
         for i in range(3):  # unprofiled; a cached prefix stays cached, the rest is new each time
