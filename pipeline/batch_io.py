@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TextIO
 
 from pipeline.store import JobRecord, ResultStore
-from schemas.batchfile import LineFormat, format_output_line
 from schemas.job import JobStatus
+from schemas.openai import LineFormat, format_output_line
 
 
 def file_digest(path: str | Path) -> str:

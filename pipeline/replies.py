@@ -16,13 +16,15 @@ that is not signed for its channel's job, or that does not parse, is dropped (Re
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 from schemas.job import JobResult
@@ -171,3 +173,140 @@ class ReplyPublisher:
                 if not self._warned:
                     log.warning("replies not published (%s); the results are still stored", type(exc).__name__)
                     self._warned = True
+
+
+# --- the waiting side (the API: one shared subscriber connection per process) ---------------
+
+
+class ReplyWaiter:
+    """Jobs' reply channels on Redis over one shared subscriber connection (redis.asyncio): a reader
+    task routes each message to its job's `Subscription`, so a thousand live completions hold one
+    Redis connection, not a thousand, and a new one costs a SUBSCRIBE, not a connection.
+
+    `subscribe` returns once Redis has confirmed the subscription, so a job queued after it cannot
+    publish before anyone listens. A connection lost meanwhile is re-made by redis-py, which
+    subscribes again to every channel; what was published in the gap is read from the store by
+    the waiters (firsttoken.api.completions.POLL_STORE_S).
+    """
+
+    def __init__(self, redis_url: str, *, key: bytes, confirm_timeout_s: float = 5.0) -> None:
+        import redis.asyncio
+
+        self._key = key
+        self.rejected = 0  # messages dropped: not signed for their channel's job, or malformed
+        self._redis = redis.asyncio.Redis.from_url(redis_url, socket_connect_timeout=2.0)
+        self._pubsub = self._redis.pubsub()
+        self._subs: dict[bytes, Subscription] = {}  # channel -> its waiter
+        self._owners: Counter[str] = Counter()  # owner -> its subscriptions open here
+        self._reader: asyncio.Task[None] | None = None
+        # one command at a time on the shared connection (the first one also makes the connection)
+        self._send = asyncio.Lock()
+        self.confirm_timeout_s = confirm_timeout_s
+
+    @property
+    def live(self) -> int:
+        """Subscriptions open now."""
+        return len(self._subs)
+
+    def live_of(self, owner: str) -> int:
+        """Subscriptions of `owner` open now."""
+        return self._owners[owner]
+
+    async def subscribe(self, job_id: str, owner: str | None = None, max_live: int = 0) -> Subscription:
+        """Subscribe to a job's replies, as one of `owner`'s; LiveLimitError when `owner` holds
+        `max_live` (0: no limit) already (checked and counted before any wait: no race)."""
+        if max_live and owner is not None and self._owners[owner] >= max_live:
+            raise LiveLimitError(self._owners[owner], max_live)
+        channel = reply_channel(job_id).encode()
+        sub = Subscription(self, channel, job_id, owner)
+        self._subs[channel] = sub
+        if owner is not None:
+            self._owners[owner] += 1
+        try:
+            async with self._send:
+                await self._pubsub.subscribe(channel)
+            if self._reader is None or self._reader.done():
+                self._reader = asyncio.get_running_loop().create_task(self._read(), name="firsttoken-replies")
+            await asyncio.wait_for(sub.confirmed.wait(), self.confirm_timeout_s)
+        except BaseException:
+            await self.unsubscribe(channel)
+            raise
+        return sub
+
+    async def unsubscribe(self, channel: bytes) -> None:
+        """Drop a subscription (once: a second call does nothing)."""
+        sub = self._subs.pop(channel, None)
+        if sub is not None:
+            if sub.owner is not None:
+                self._owners[sub.owner] -= 1
+                if not self._owners[sub.owner]:
+                    del self._owners[sub.owner]
+            with contextlib.suppress(Exception):
+                async with self._send:
+                    await self._pubsub.unsubscribe(channel)
+
+    async def _read(self) -> None:
+        """Route messages until no subscription is left (the next subscribe starts it again)."""
+        while self._subs:
+            try:
+                msg = await self._pubsub.get_message(timeout=1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis unreachable: the waiters read the store meanwhile
+                log.warning("reply channel: %s; retrying", type(exc).__name__)
+                await asyncio.sleep(0.5)
+                continue
+            if msg is None:
+                continue
+            sub = self._subs.get(msg["channel"])
+            if sub is None:
+                continue
+            if msg["type"] == "subscribe":
+                sub.confirmed.set()
+            elif msg["type"] == "message":
+                try:
+                    sub.queue.put_nowait(parse_message(msg["data"], sub.job_id, self._key))
+                except ReplyRejected as exc:  # never served; the content is not logged
+                    self.rejected += 1
+                    log.warning("reply channel of job %s: dropped a message (%s)", sub.job_id, exc)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader
+        self._subs.clear()
+        self._owners.clear()
+        with contextlib.suppress(Exception):
+            await self._pubsub.aclose()
+        await self._redis.aclose()
+
+
+class LiveLimitError(Exception):
+    """An owner holds as many live subscriptions as it may."""
+
+    def __init__(self, have: int, limit: int) -> None:
+        super().__init__(f"{have} live of at most {limit}")
+        self.have, self.limit = have, limit
+
+
+class Subscription:
+    """One job's replies, as the shared reader hands them over."""
+
+    def __init__(self, waiter: ReplyWaiter, channel: bytes, job_id: str, owner: str | None = None) -> None:
+        self._waiter = waiter
+        self.channel = channel
+        self.job_id = job_id
+        self.owner = owner
+        self.confirmed = asyncio.Event()
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def next(self, timeout_s: float) -> dict[str, Any] | None:
+        """The next reply (checked: signed for this job, well formed), or None after `timeout_s` without one."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout_s)
+        except TimeoutError:
+            return None
+
+    async def close(self) -> None:
+        await self._waiter.unsubscribe(self.channel)

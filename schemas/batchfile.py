@@ -1,4 +1,4 @@
-"""Batch-file lines: parsing input JSONL into JobRequests and writing result lines.
+"""Batch-file lines: parsing input JSONL into JobRequests (output lines: schemas.openai.responses).
 
 Two input formats, told apart line by line:
 
@@ -24,7 +24,6 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from pydantic import ValidationError
@@ -35,9 +34,7 @@ from schemas.job import (
     JobInput,
     JobRequest,
     JobResult,
-    JobStatus,
-    TokenLogprobs,
-    TopLogprob,
+    LineError,
     describe_validation_error,
     error_code_for,
     job_id_hint,
@@ -45,54 +42,13 @@ from schemas.job import (
     job_id_of_line,
     nests_deeper_than,
 )
-from schemas.limits import MAX_JSON_DEPTH, MAX_LINE_BYTES, MAX_LOGPROBS
+from schemas.limits import MAX_JSON_DEPTH, MAX_LINE_BYTES
+from schemas.openai.formats import OPENAI_URLS, LineFormat
+from schemas.openai.requests import openai_body_request
 from schemas.sampling import SamplingParams
-
-
-class LineFormat(StrEnum):
-    """The format of one input line, and so of its output line."""
-
-    PLAIN = "plain"
-    OPENAI_CHAT = "openai_chat"  # url /v1/chat/completions
-    OPENAI_COMPLETIONS = "openai_completions"  # url /v1/completions
-
-
-OPENAI_URLS = {
-    "/v1/chat/completions": LineFormat.OPENAI_CHAT,
-    "/v1/completions": LineFormat.OPENAI_COMPLETIONS,
-}
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 _PLAIN_FIELDS = frozenset(JobInput.model_fields)
-
-# OpenAI body fields taken as they are, renamed, or accepted only at their default (no-op) value.
-_OPENAI_SAMPLING = {
-    "max_tokens": "max_tokens",
-    "max_completion_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "seed": "seed",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-    "prompt_logprobs": "prompt_logprobs",  # vLLM's extension: score the prompt's tokens
-}
-_OPENAI_IGNORED = frozenset({"model", "user", "store", "metadata", "service_tier", "stream_options"})
-_OPENAI_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "n": (1, None),
-    "best_of": (1, None),
-    "stream": (False, None),
-    "echo": (False, None),
-    "presence_penalty": (0, 0.0, None),
-    "frequency_penalty": (0, 0.0, None),
-    "logit_bias": ({}, None),
-    "suffix": (None, ""),
-    "response_format": ({"type": "text"}, None),
-    "tools": ([], None),
-    "tool_choice": ("none", None),
-}
-
 
 @dataclass(frozen=True)
 class ParsedLine:
@@ -142,17 +98,6 @@ class BatchLineError:
             batch_id=batch_id,
             custom_id=self.job_id,
         )
-
-
-class LineError(Exception):
-    """Why a line (or a request body) is not a job; `job_id`: the client's id it claims, when
-    it has a usable one and the error came before the caller could read it."""
-
-    def __init__(self, code: ErrorCode, message: str, job_id: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.job_id = job_id
 
 
 def _server_field(key: str, where: str = "") -> LineError:
@@ -207,80 +152,6 @@ def _openai_request(obj: dict[str, Any]) -> tuple[LineFormat, dict[str, Any]]:
     if not isinstance(body, dict):
         raise LineError(ErrorCode.INVALID_REQUEST, "body: must be an object")
     return fmt, openai_body_request(body, fmt, custom_id)
-
-
-def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | None = None) -> dict[str, Any]:
-    """The JobInput fields of an OpenAI (chat) completions request body. Raises LineError."""
-    request: dict[str, Any] = {} if custom_id is None else {"id": custom_id}
-    sampling: dict[str, Any] = {}
-    metadata: dict[str, Any] = {}
-    for key, value in body.items():
-        if key == "messages" and fmt is LineFormat.OPENAI_CHAT:
-            request["messages"] = value
-        elif key == "prompt" and fmt is LineFormat.OPENAI_COMPLETIONS:
-            if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-                value = value[0]
-            if not isinstance(value, str):
-                raise LineError(
-                    ErrorCode.INVALID_REQUEST, "body.prompt: must be a string (or a list of one string)"
-                )
-            request["prompt"] = value
-        elif key in _OPENAI_SAMPLING:
-            if value is not None:
-                name = _OPENAI_SAMPLING[key]
-                if name in sampling:
-                    raise LineError(
-                        ErrorCode.INVALID_REQUEST,
-                        f"body.{key}: given twice (max_tokens/max_completion_tokens)",
-                    )
-                sampling[name] = value
-        elif key in ("logprobs", "top_logprobs"):
-            pass  # below: their meaning depends on the endpoint
-        elif key in _OPENAI_IGNORED:
-            if key == "model" and isinstance(value, str):
-                metadata["model"] = value[:200]
-            elif key == "metadata" and isinstance(value, dict):
-                metadata.update(value)
-        elif key in _OPENAI_DEFAULT_ONLY:
-            # by type too: `n: true` is not `n: 1`, nor `echo: 0` `echo: false`
-            if not any(value == d and type(value) is type(d) for d in _OPENAI_DEFAULT_ONLY[key]):
-                raise LineError(
-                    ErrorCode.INVALID_REQUEST, f"body.{key}: not supported (only its default value)"
-                )
-        else:
-            raise LineError(ErrorCode.INVALID_REQUEST, f"body.{str(key)[:60]}: unknown or unsupported field")
-    if fmt is LineFormat.OPENAI_CHAT and "messages" not in request:
-        raise LineError(ErrorCode.INVALID_REQUEST, "body.messages: required for /v1/chat/completions")
-    if fmt is LineFormat.OPENAI_COMPLETIONS and "prompt" not in request:
-        raise LineError(ErrorCode.INVALID_REQUEST, "body.prompt: required for /v1/completions")
-    n = _openai_logprobs(body, fmt)
-    if n is not None:
-        sampling["logprobs"] = n
-    request["sampling"] = sampling
-    if metadata:
-        request["metadata"] = metadata
-    return request
-
-
-def _openai_logprobs(body: dict[str, Any], fmt: LineFormat) -> int | None:
-    """The alternatives per token a body asks for (None: no logprobs). Completions: `logprobs`, an
-    int; chat: `logprobs: true` and `top_logprobs`, an int (0 without it). Raises LineError."""
-    lp, top = body.get("logprobs"), body.get("top_logprobs")
-
-    def count(key: str, value: object) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
-            raise LineError(ErrorCode.INVALID_SAMPLING, f"body.{key}: an integer from 0 to {MAX_LOGPROBS}")
-        return value
-
-    if fmt is LineFormat.OPENAI_CHAT:
-        if lp is not None and not isinstance(lp, bool):
-            raise LineError(ErrorCode.INVALID_REQUEST, "body.logprobs: true or false (the count is top_logprobs)")
-        if top is not None and not lp:
-            raise LineError(ErrorCode.INVALID_REQUEST, "body.top_logprobs: needs logprobs: true")
-        return (0 if top is None else count("top_logprobs", top)) if lp else None
-    if top is not None:
-        raise LineError(ErrorCode.INVALID_REQUEST, "body.top_logprobs: chat completions only (here: logprobs=N)")
-    return None if lp is None or lp is False else count("logprobs", lp)
 
 
 def _short(value: object, limit: int = 60) -> str:
@@ -437,122 +308,3 @@ def parse_lines(lines: Iterable[str | bytes]) -> Iterator[ParsedLine | BatchLine
             yield parsed
 
 
-# --- output ----------------------------------------------------------------------------------------
-
-_HTTP_STATUS = {
-    ErrorCode.INVALID_REQUEST: 400,
-    ErrorCode.PROMPT_TOO_LONG: 400,
-    ErrorCode.INVALID_SAMPLING: 400,
-    ErrorCode.UNDECODABLE: 400,
-    ErrorCode.DUPLICATE_ID: 400,
-    ErrorCode.TOO_LARGE: 413,
-    ErrorCode.CANCELLED: 499,
-    ErrorCode.ENGINE_ERROR: 500,
-    ErrorCode.INTERNAL_ERROR: 500,
-}
-
-
-def plain_output(result: JobResult) -> dict[str, Any]:
-    """The plain output object of one result: `id` is the client's id (null for a line that had
-    none), `job_id` firsttoken's, then the JobResult's fields, JSON-ready."""
-    out: dict[str, Any] = {"id": result.custom_id, "job_id": result.id}
-    absent = {k for k in ("logprobs", "prompt_logprobs") if getattr(result, k) is None}  # not asked: not shown
-    out.update(result.model_dump(mode="json", exclude={"id", "custom_id"} | absent))
-    return out
-
-
-def openai_usage(result: JobResult) -> dict[str, Any]:
-    """The OpenAI `usage` object of a result (cached prompt tokens included)."""
-    return {
-        "prompt_tokens": result.usage.prompt_tokens,
-        "completion_tokens": result.usage.completion_tokens,
-        "total_tokens": result.usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.usage.cached_prompt_tokens},
-    }
-
-
-def firsttoken_extension(result: JobResult) -> dict[str, Any]:
-    """firsttoken's own fields beside an OpenAI response: the job's id and its timings (TTFT first)."""
-    return {"job_id": result.id, "timings": result.timings.model_dump(mode="json")}
-
-
-def openai_logprobs(logprobs: list[TokenLogprobs] | None, fmt: LineFormat) -> dict[str, Any] | None:
-    """A choice's `logprobs` object: chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`,
-    or completions' `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`."""
-    if logprobs is None:
-        return None
-    if fmt is LineFormat.OPENAI_CHAT:
-        def entry(t: TopLogprob) -> dict[str, Any]:
-            return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8", "replace"))}
-
-        return {"content": [{**entry(lp), "top_logprobs": [entry(t) for t in lp.top]} for lp in logprobs],
-                "refusal": None}
-    offsets, at = [], 0
-    for lp in logprobs:
-        offsets.append(at)
-        at += len(lp.token)
-    return {
-        "tokens": [lp.token for lp in logprobs],
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        # a dict per token, as OpenAI's: alternatives whose texts coincide keep the likelier
-        "top_logprobs": [{t.token: t.logprob for t in reversed(lp.top)} for lp in logprobs],
-        "text_offset": offsets,
-    }
-
-
-def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, body) of one result as an OpenAI (chat) completions response; a failed or
-    cancelled job gives its error status and an OpenAI error body. The body carries the job's
-    timings under `firsttoken`."""
-    if result.status is JobStatus.SUCCEEDED:
-        created = int(result.timings.finished_at or 0)
-        finish = result.finish_reason.value if result.finish_reason is not None else None
-        if fmt is LineFormat.OPENAI_CHAT:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "finish_reason": finish,
-                "logprobs": openai_logprobs(result.logprobs, fmt),
-            }
-            obj, prefix = "chat.completion", "chatcmpl-"
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": finish,
-                      "logprobs": openai_logprobs(result.logprobs, fmt)}
-            obj, prefix = "text_completion", "cmpl-"
-        if result.prompt_logprobs is not None:  # asked with prompt_logprobs (vLLM's extension)
-            choice["prompt_logprobs"] = [None if lp is None else {
-                "token": lp.token, "logprob": lp.logprob,
-                "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in lp.top]}
-                for lp in result.prompt_logprobs]
-        return 200, {
-            "id": prefix + result.id,
-            "object": obj,
-            "created": created,
-            "model": model or result.model,
-            "choices": [choice],
-            "usage": openai_usage(result),
-            "firsttoken": firsttoken_extension(result),
-        }
-    code = result.error_code or ErrorCode.CANCELLED
-    return _HTTP_STATUS[code], {
-        "error": {"message": result.error_message or code.value, "type": code.value, "code": code.value, "param": None}
-    }
-
-
-def openai_output(result: JobResult, fmt: LineFormat) -> dict[str, Any]:
-    """The OpenAI Batch API output object of one result (`custom_id` = the line's custom id)."""
-    if fmt is LineFormat.PLAIN:
-        raise ValueError("openai_output needs an OpenAI line format")
-    status_code, body = openai_response(result, fmt)
-    return {
-        "id": f"batch_req_{result.id}",
-        "custom_id": result.custom_id,
-        "response": {"status_code": status_code, "request_id": result.id, "body": body},
-        "error": None,
-    }
-
-
-def format_output_line(result: JobResult, fmt: LineFormat) -> str:
-    """One output JSONL line (with its newline) for `result`, in the format its input line had."""
-    obj = plain_output(result) if fmt is LineFormat.PLAIN else openai_output(result, fmt)
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"

@@ -508,6 +508,17 @@ class JobResult(BaseModel):
         )
 
 
+class LineError(Exception):
+    """Why a line (or a request body) is not a job; `job_id`: the client's id it claims, when
+    it has a usable one and the error came before the caller could read it."""
+
+    def __init__(self, code: ErrorCode, message: str, job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.job_id = job_id
+
+
 def describe_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
     """One line naming each failing field and its rule, e.g. `sampling.max_tokens: Input should be >= 1`."""
     parts = []

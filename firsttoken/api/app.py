@@ -35,13 +35,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from firsttoken.api import batches, completions, files, jobs, metrics
-from firsttoken.api.deps import ApiError, ApiState, Canceller, ConfigError, authenticator, error_body
+from firsttoken.api.deps import ApiError, ApiState, Canceller, ConfigError, authenticator
 from firsttoken.api.edge import EdgeGuard, describe_exception
 from pipeline.producer import JobCheck
 from pipeline.queue.base import JobQueue
+from pipeline.replies import ReplyWaiter
 from pipeline.settings import Settings, get_settings
 from pipeline.store import ResultStore
 from schemas.job import ErrorCode
+from schemas.openai import error_body
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ def create_app(
             if s.reply_secret is None and db.get_backend_name() == "postgresql" and not db.password:
                 log.warning("replies on Redis are signed with a key derived from a database URL without a "
                             "password: set FIRSTTOKEN_REPLY_SECRET (the same for the API and the workers)")
-            state.replies = completions.ReplyWaiter(s.redis_url, key=s.reply_key)
+            state.replies = ReplyWaiter(s.redis_url, key=s.reply_key)
         else:
             state.replies = replies
         if state.check is None and s.check_model:
@@ -148,7 +150,7 @@ def create_app(
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else exc.headers
-        return JSONResponse(error_body(exc.code, exc.message, **exc.extra), exc.status, headers=headers)
+        return JSONResponse(error_body(exc.code, exc.message, status=exc.status, **exc.extra), exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -156,22 +158,23 @@ def create_app(
         for e in exc.errors()[:10]:
             loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body", "query", "path"))
             parts.append(f"{loc or 'request'}: {str(e.get('msg', 'invalid'))[:200]}")
-        return JSONResponse(error_body(ErrorCode.INVALID_REQUEST, "; ".join(parts)), 422)
+        return JSONResponse(error_body(ErrorCode.INVALID_REQUEST, "; ".join(parts), status=422), 422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body("http_error", str(exc.detail)[:500]), exc.status_code, headers=exc.headers)
+        return JSONResponse(error_body("http_error", str(exc.detail)[:500], status=exc.status_code), exc.status_code,
+                            headers=exc.headers)
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(_request: Request, _exc: ClientDisconnect) -> JSONResponse:  # nobody reads it; nothing to log
-        return JSONResponse(error_body(ErrorCode.CANCELLED, "the client disconnected"), 499)
+        return JSONResponse(error_body(ErrorCode.CANCELLED, "the client disconnected", status=499), 499)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled %s", describe_exception(exc))  # no message, no traceback text: no values
         with contextlib.suppress(Exception):
             exc.firsttoken_logged = True  # type: ignore[attr-defined]  # (EdgeGuard sees it again)
-        return JSONResponse(error_body(ErrorCode.INTERNAL_ERROR, "internal error"), 500)
+        return JSONResponse(error_body(ErrorCode.INTERNAL_ERROR, "internal error", status=500), 500)
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:

@@ -19,8 +19,9 @@ from firsttoken.api.deps import MODEL_NOT_FOUND, ApiError, ApiState, Principal, 
 from pipeline.batch_io import batch_format, bytes_digest, result_lines
 from pipeline.producer import BatchConflict, JobCheck
 from pipeline.store import BatchRecord, BatchStatus
-from schemas.batchfile import OPENAI_URLS, loads_strict
+from schemas.batchfile import loads_strict
 from schemas.job import ErrorCode, JobRequest, JobStatus, new_job_id
+from schemas.openai import OPENAI_URLS
 
 router = APIRouter(tags=["batches"])
 

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,26 +30,27 @@ from starlette.concurrency import run_in_threadpool
 
 from firsttoken.api.deps import RATE_LIMITED, ApiError, ApiState, Principal, State, Who, read_body
 from firsttoken.api.jobs import queue_one
-from pipeline.replies import ReplyRejected, parse_message, reply_channel
-from schemas.batchfile import (
+from pipeline.replies import LiveLimitError, Subscription
+from schemas.batchfile import parse_json_object
+from schemas.job import (
+    ErrorCode,
+    JobInput,
+    JobRequest,
+    JobResult,
     LineError,
+    describe_validation_error,
+    error_code_for,
+    new_job_id,
+)
+from schemas.openai import (
     LineFormat,
     firsttoken_extension,
     openai_body_request,
     openai_logprobs,
     openai_response,
     openai_usage,
-    parse_json_object,
 )
-from schemas.job import (
-    ErrorCode,
-    JobInput,
-    JobRequest,
-    JobResult,
-    describe_validation_error,
-    error_code_for,
-    new_job_id,
-)
+from schemas.openai.stream import DONE, completion_chunk, error_event, sse, stream_text
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
@@ -83,140 +82,6 @@ def retrieve_model(model: str, who: Who, state: State) -> ModelCard:
     """The served model by any of its names; 404 model_not_found for another one."""
     state.check_model(model)
     return ModelCard(id=state.model_name)
-
-
-class ReplyWaiter:
-    """Jobs' reply channels on Redis over one shared subscriber connection (redis.asyncio): a reader
-    task routes each message to its job's `Subscription`, so a thousand live completions hold one
-    Redis connection, not a thousand, and a new one costs a SUBSCRIBE, not a connection.
-
-    `subscribe` returns once Redis has confirmed the subscription, so a job queued after it cannot
-    publish before anyone listens. A connection lost meanwhile is re-made by redis-py, which
-    subscribes again to every channel; what was published in the gap is read from the store by
-    the waiters (POLL_STORE_S).
-    """
-
-    def __init__(self, redis_url: str, *, key: bytes, confirm_timeout_s: float = 5.0) -> None:
-        import redis.asyncio
-
-        self._key = key
-        self.rejected = 0  # messages dropped: not signed for their channel's job, or malformed
-        self._redis = redis.asyncio.Redis.from_url(redis_url, socket_connect_timeout=2.0)
-        self._pubsub = self._redis.pubsub()
-        self._subs: dict[bytes, Subscription] = {}  # channel -> its waiter
-        self._owners: Counter[str] = Counter()  # owner -> its subscriptions open here
-        self._reader: asyncio.Task[None] | None = None
-        # one command at a time on the shared connection (the first one also makes the connection)
-        self._send = asyncio.Lock()
-        self.confirm_timeout_s = confirm_timeout_s
-
-    @property
-    def live(self) -> int:
-        """Subscriptions open now."""
-        return len(self._subs)
-
-    def live_of(self, owner: str) -> int:
-        """Subscriptions of `owner` open now."""
-        return self._owners[owner]
-
-    async def subscribe(self, job_id: str, owner: str | None = None, max_live: int = 0) -> Subscription:
-        """Subscribe to a job's replies, as one of `owner`'s; LiveLimitError when `owner` holds
-        `max_live` (0: no limit) already (checked and counted before any wait: no race)."""
-        if max_live and owner is not None and self._owners[owner] >= max_live:
-            raise LiveLimitError(self._owners[owner], max_live)
-        channel = reply_channel(job_id).encode()
-        sub = Subscription(self, channel, job_id, owner)
-        self._subs[channel] = sub
-        if owner is not None:
-            self._owners[owner] += 1
-        try:
-            async with self._send:
-                await self._pubsub.subscribe(channel)
-            if self._reader is None or self._reader.done():
-                self._reader = asyncio.get_running_loop().create_task(self._read(), name="firsttoken-replies")
-            await asyncio.wait_for(sub.confirmed.wait(), self.confirm_timeout_s)
-        except BaseException:
-            await self.unsubscribe(channel)
-            raise
-        return sub
-
-    async def unsubscribe(self, channel: bytes) -> None:
-        """Drop a subscription (once: a second call does nothing)."""
-        sub = self._subs.pop(channel, None)
-        if sub is not None:
-            if sub.owner is not None:
-                self._owners[sub.owner] -= 1
-                if not self._owners[sub.owner]:
-                    del self._owners[sub.owner]
-            with contextlib.suppress(Exception):
-                async with self._send:
-                    await self._pubsub.unsubscribe(channel)
-
-    async def _read(self) -> None:
-        """Route messages until no subscription is left (the next subscribe starts it again)."""
-        while self._subs:
-            try:
-                msg = await self._pubsub.get_message(timeout=1.0)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis unreachable: the waiters read the store meanwhile
-                log.warning("reply channel: %s; retrying", type(exc).__name__)
-                await asyncio.sleep(0.5)
-                continue
-            if msg is None:
-                continue
-            sub = self._subs.get(msg["channel"])
-            if sub is None:
-                continue
-            if msg["type"] == "subscribe":
-                sub.confirmed.set()
-            elif msg["type"] == "message":
-                try:
-                    sub.queue.put_nowait(parse_message(msg["data"], sub.job_id, self._key))
-                except ReplyRejected as exc:  # never served; the content is not logged
-                    self.rejected += 1
-                    log.warning("reply channel of job %s: dropped a message (%s)", sub.job_id, exc)
-
-    async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(BaseException):
-                await self._reader
-        self._subs.clear()
-        self._owners.clear()
-        with contextlib.suppress(Exception):
-            await self._pubsub.aclose()
-        await self._redis.aclose()
-
-
-class LiveLimitError(Exception):
-    """An owner holds as many live subscriptions as it may."""
-
-    def __init__(self, have: int, limit: int) -> None:
-        super().__init__(f"{have} live of at most {limit}")
-        self.have, self.limit = have, limit
-
-
-class Subscription:
-    """One job's replies, as the shared reader hands them over."""
-
-    def __init__(self, waiter: ReplyWaiter, channel: bytes, job_id: str, owner: str | None = None) -> None:
-        self._waiter = waiter
-        self.channel = channel
-        self.job_id = job_id
-        self.owner = owner
-        self.confirmed = asyncio.Event()
-        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-
-    async def next(self, timeout_s: float) -> dict[str, Any] | None:
-        """The next reply (checked: signed for this job, well formed), or None after `timeout_s` without one."""
-        try:
-            return await asyncio.wait_for(self.queue.get(), timeout_s)
-        except TimeoutError:
-            return None
-
-    async def close(self) -> None:
-        await self._waiter.unsubscribe(self.channel)
 
 
 def _bad(exc: Exception) -> ApiError:
@@ -395,40 +260,12 @@ async def _final(state: ApiState, request: Request, run: _Run) -> JobResult:
     return result
 
 
-def _chunk(job: JobRequest, fmt: LineFormat, model: str, created: int, text: str | None,
-           finish: str | None, role: bool = False) -> dict[str, Any]:
-    if fmt is LineFormat.OPENAI_CHAT:
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-        if text is not None:
-            delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return {"id": "chatcmpl-" + job.id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [choice]}
-    choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-    return {"id": "cmpl-" + job.id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-def stream_text(sent: str, msg: dict[str, Any]) -> str:
-    """The part of a delta message not sent yet: a job redelivered to another worker streams again
-    from its start, and its deltas then repeat text the client has (dropped by their offsets)."""
-    text, offset = msg["text"], msg.get("offset", len(sent))
-    if offset > len(sent):  # a delta missed in between: wait for the final text to fill the gap
-        return ""
-    return text[len(sent) - offset :] if offset + len(text) > len(sent) else ""
-
-
 async def _events(run: _Run, fmt: LineFormat, include_usage: bool) -> AsyncIterator[bytes]:
     # a client that goes away stops the response: CompletionStream cleans up (_Run.clean_up)
     state, job, sub = run.state, run.job, run.sub
     model, created, sent = state.model_name, int(time.time()), ""
     try:
-        yield _sse(_chunk(job, fmt, model, created, "" if fmt is LineFormat.OPENAI_CHAT else None, None, role=True))
+        yield sse(completion_chunk(job.id, fmt, model, created, "" if fmt is LineFormat.OPENAI_CHAT else None, None, role=True))
         deadline = time.monotonic() + state.settings.api_completion_timeout_s
         result: JobResult | None = None
         wait = POLL_STORE_S
@@ -445,32 +282,31 @@ async def _events(run: _Run, fmt: LineFormat, include_usage: bool) -> AsyncItera
                 new = stream_text(sent, msg)
                 if new:
                     sent += new
-                    yield _sse(_chunk(job, fmt, model, created, new, None))
+                    yield sse(completion_chunk(job.id, fmt, model, created, new, None))
             elif msg["type"] == "final":
                 result = msg["result"]
         run.ended = result is not None  # terminal (done, failed or run again): nothing to cancel
         if result is None:  # nobody will read it now: the clean-up cancels it
-            yield _sse({"error": {"code": "timeout", "type": "timeout", "message": "no result in time", "param": None}})
+            yield error_event("timeout", "no result in time", status=504)
         elif result.error_code is not None:
-            yield _sse(openai_response(result, fmt)[1])
+            yield sse(openai_response(result, fmt)[1])
         elif not result.text.startswith(sent):
             # a sampled job run again after its worker died, and this run's text differs from what was sent
-            yield _sse({"error": {"code": "restarted", "type": "restarted", "param": None,
-                                  "message": "the job was run again after its worker failed and its text changed; "
-                                             f"the full text is on job {job.id}"}})
+            yield error_event("restarted", "the job was run again after its worker failed and its text changed; "
+                                           f"the full text is on job {job.id}")
         else:
             finish = None if result.finish_reason is None else result.finish_reason.value
-            last = _chunk(job, fmt, model, created, result.text[len(sent):], finish)
+            last = completion_chunk(job.id, fmt, model, created, result.text[len(sent):], finish)
             # all of them with the last chunk: a client that joins the chunks' log-probabilities gets the list
             last["choices"][0]["logprobs"] = openai_logprobs(result.logprobs, fmt)
             last["firsttoken"] = firsttoken_extension(result)
-            yield _sse(last)
+            yield sse(last)
             if include_usage:
-                usage = _chunk(job, fmt, model, created, None, None)
+                usage = completion_chunk(job.id, fmt, model, created, None, None)
                 usage["choices"] = []
                 usage["usage"] = openai_usage(result)
-                yield _sse(usage)
-        yield b"data: [DONE]\n\n"
+                yield sse(usage)
+        yield DONE
     finally:
         run.clean_up()
 

@@ -69,18 +69,6 @@ class ConfigError(RuntimeError):
     """The API cannot start with these settings (e.g. no API keys and auth not switched off)."""
 
 
-# what OpenAI calls an invalid_request_error (its `type`); the code says which rule
-_INVALID_REQUEST_CODES = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.UNDECODABLE, ErrorCode.INVALID_SAMPLING,
-                                    ErrorCode.PROMPT_TOO_LONG, ErrorCode.TOO_LARGE})
-
-
-def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
-    """The error envelope; `type` repeats the code for OpenAI clients, which read it (OpenAI's
-    `invalid_request_error` for an invalid request)."""
-    kind = "invalid_request_error" if str(code) in _INVALID_REQUEST_CODES else str(code)
-    return {"error": {"code": str(code), "type": kind, "message": message, "param": None, **extra}}
-
-
 @dataclass(frozen=True)
 class Principal:
     """Who is calling: the owner of the API key (None when authentication is off: sees everything)."""
@@ -102,7 +90,7 @@ class ApiState:
     queue: JobQueue | None = None
     check: JobCheck | None = None
     canceller: Canceller | None = None
-    replies: Any = None  # firsttoken.api.replies.ReplyWaiter, when Redis is configured
+    replies: Any = None  # pipeline.replies.ReplyWaiter, when Redis is configured
     model_name: str = "smollm2-135m"  # the served model's id (GET /v1/models, `model` of responses)
     owned: list[Any] = field(default_factory=list)  # closed at shutdown
     abandoner: Any = None  # firsttoken.api.completions.Abandoner: cancels the jobs of clients gone

@@ -18,6 +18,8 @@ import traceback
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
+from schemas.openai import error_body
+
 log = logging.getLogger("firsttoken.api")
 
 Scope = dict[str, Any]
@@ -77,8 +79,7 @@ def describe_exception(exc: BaseException) -> str:
 
 
 def _error(message: str) -> bytes:
-    return json.dumps({"error": {"code": "invalid_request", "type": "invalid_request_error", "message": message,
-                                 "param": None}}).encode()
+    return json.dumps(error_body("invalid_request", message, status=400)).encode()
 
 
 class EdgeGuard:

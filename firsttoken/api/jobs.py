@@ -14,8 +14,9 @@ from starlette.concurrency import run_in_threadpool
 from firsttoken.api.deps import ApiError, ApiState, Principal, State, Who, read_body
 from pipeline.store import JobRecord
 from pipeline.store.tables import LATENCY_METRICS
-from schemas.batchfile import BatchLineError, LineError, LineFormat, parse_json_object, parse_line
-from schemas.job import ErrorCode, JobRequest, JobTimings, Usage, job_id_of_owner, new_job_id
+from schemas.batchfile import BatchLineError, parse_json_object, parse_line
+from schemas.job import ErrorCode, JobRequest, JobTimings, LineError, Usage, job_id_of_owner, new_job_id
+from schemas.openai import LineFormat
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["jobs"])

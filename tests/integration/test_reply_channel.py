@@ -10,8 +10,7 @@ import uuid
 
 import redis
 
-from firsttoken.api.completions import ReplyWaiter
-from pipeline.replies import delta_message, reply_channel, sign_message
+from pipeline.replies import ReplyWaiter, delta_message, reply_channel, sign_message
 
 KEY = b"reply-channel-test-key-0123456789"  # the HMAC key the workers and this API share (Settings.reply_key)
 
@@ -66,7 +65,7 @@ def test_many_completions_share_one_subscriber_connection(redis_url):
 def test_completions_in_flight_are_counted_per_owner_and_released_once(redis_url):
     """The per-owner limit of live completions (api_max_live_completions) is the waiter's own count
     of each owner's open subscriptions: checked and counted before any wait, given back once."""
-    from firsttoken.api.completions import LiveLimitError
+    from pipeline.replies import LiveLimitError
 
     run = uuid.uuid4().hex[:8]
 

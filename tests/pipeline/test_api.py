@@ -351,8 +351,8 @@ def test_a_restarted_stream_sends_each_character_once():
 
     from firsttoken.api.completions import _events, _Run, stream_text
     from firsttoken.api.deps import ApiState
-    from schemas.batchfile import LineFormat
     from schemas.job import FinishReason, JobRequest, JobResult
+    from schemas.openai import LineFormat
 
     assert stream_text("", {"text": "Hel", "offset": 0}) == "Hel"
     assert stream_text("Hel", {"text": "lo", "offset": 3}) == "lo"
@@ -404,7 +404,7 @@ def test_an_owner_past_its_unfinished_jobs_limit_gets_429_and_nothing_is_queued(
         r = c.post("/v1/jobs", json={"id": "j3", "prompt": "x"}, headers=ALICE)
         assert r.status_code == 429 and r.headers["retry-after"] == "7"
         err = r.json()["error"]
-        assert err["code"] == err["type"] == "rate_limit_exceeded" and "limit is 3" in err["message"]
+        assert (err["code"], err["type"]) == ("rate_limit_exceeded", "rate_limit_error") and "limit is 3" in err["message"]
         # a batch is taken whole or not at all: two more lines would pass the limit
         r = c.post("/v1/batches", content=b'{"id": "b1", "prompt": "x"}\n{"id": "b2", "prompt": "x"}\n', headers=ALICE)
         assert r.status_code == 429
@@ -453,7 +453,7 @@ def test_the_api_serves_its_model_by_its_names_and_another_is_model_not_found(st
             r = c.post(path, json={**body, "model": "gpt-4o"}, headers=ALICE)
             assert r.status_code == 404, r.text
             err = r.json()["error"]
-            assert err["code"] == err["type"] == "model_not_found" and err["param"] == "model"
+            assert (err["code"], err["type"], err["param"]) == ("model_not_found", "not_found_error", "model")
             assert "gpt-4o" not in err["message"] and "'smollm2-135m'" in err["message"]  # the input never echoed
             assert c.post(path, json={**body, "model": "tiny"}, headers=ALICE).status_code == 404  # a preset too
             assert c.post(path, json={**body, "model": 5}, headers=ALICE).status_code == 400

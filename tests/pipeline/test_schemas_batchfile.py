@@ -7,14 +7,7 @@ import random
 
 import pytest
 
-from schemas.batchfile import (
-    BatchLineError,
-    LineFormat,
-    ParsedLine,
-    format_output_line,
-    parse_line,
-    parse_lines,
-)
+from schemas.batchfile import BatchLineError, ParsedLine, parse_line, parse_lines
 from schemas.job import (
     ErrorCode,
     FinishReason,
@@ -27,6 +20,7 @@ from schemas.job import (
     job_id_of_owner,
 )
 from schemas.limits import MAX_LINE_BYTES
+from schemas.openai import LineFormat, format_output_line
 
 
 def _ok(line: str | bytes, **kw) -> ParsedLine:
@@ -268,7 +262,7 @@ def test_output_openai_failure():
     assert out["response"]["status_code"] == 400
     assert out["response"]["body"]["error"] == {
         "message": "too long",
-        "type": "prompt_too_long",
+        "type": "invalid_request_error",  # OpenAI's type for a 400; the code says which rule
         "code": "prompt_too_long",
         "param": None,
     }
@@ -337,3 +331,17 @@ def test_prompt_logprobs_request_and_output():
     assert json.loads(format_output_line(r, LineFormat.PLAIN))["prompt_logprobs"][0] is None
     assert "prompt_logprobs" not in json.loads(format_output_line(_result(), LineFormat.OPENAI_CHAT))["response"][
         "body"]["choices"][0]
+
+
+def test_openai_error_types_follow_the_http_status():
+    """Every error body carries the type OpenAI gives its HTTP status; the code keeps the rule."""
+    from schemas.openai import HTTP_STATUS, error_body, error_type
+
+    assert {s: error_type(s) for s in (400, 401, 403, 404, 409, 413, 422, 429, 499, 500, 503)} == {
+        400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+        404: "not_found_error", 409: "invalid_request_error", 413: "invalid_request_error",
+        422: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",
+        500: "server_error", 503: "server_error"}
+    assert set(HTTP_STATUS) == set(ErrorCode)  # every error code has its status
+    body = error_body(ErrorCode.ENGINE_ERROR, "boom", status=HTTP_STATUS[ErrorCode.ENGINE_ERROR], param="x")
+    assert body == {"error": {"code": "engine_error", "type": "server_error", "message": "boom", "param": "x"}}
