@@ -36,6 +36,26 @@ class BatchConflict(Exception):
 
 
 @dataclass(frozen=True)
+class LineFailure:
+    """A line of a submission that failed at once, with its place in the input."""
+
+    line_no: int  # 1-based; 0 when the line's place is not known
+    result: JobResult
+
+    @property
+    def custom_id(self) -> str | None:
+        return self.result.custom_id
+
+    @property
+    def error_code(self) -> ErrorCode | None:
+        return self.result.error_code
+
+    @property
+    def error_message(self) -> str | None:
+        return self.result.error_message
+
+
+@dataclass(frozen=True)
 class SubmitSummary:
     """What a submission did."""
 
@@ -47,7 +67,7 @@ class SubmitSummary:
     duplicates: int = 0  # of `invalid`: lines whose id an earlier line of the batch has
     already_done: int = 0  # jobs of a resumed batch that were already terminal (not sent again)
     resumed: bool = False  # the batch existed (same owner, same input): this submission resumed it
-    errors: tuple[JobResult, ...] = ()  # the first line errors (at most 100)
+    errors: tuple[LineFailure, ...] = ()  # the first line errors (at most 100)
 
     @property
     def jobs_per_s(self) -> float:
@@ -232,7 +252,7 @@ class _BatchRun:
         self.duplicates = 0
         self.already_done = 0
         self.input_format: str | None = None
-        self.errors: list[JobResult] = []
+        self.errors: list[LineFailure] = []
         self._seen: set[str] | None = set() if producer.store is None else None  # no store: ids kept here
 
     def submit_chunk(self, items: list[ParsedLine | BatchLineError]) -> None:
@@ -266,7 +286,7 @@ class _BatchRun:
         if failures:
             self.invalid += len(failures)
             room = MAX_REPORTED_ERRORS - len(self.errors)
-            self.errors.extend(f for f, _, _ in failures[: max(0, room)])
+            self.errors.extend(LineFailure(line_no or 0, f) for f, line_no, _ in failures[: max(0, room)])
             if self.p.store is not None:
                 self._record_failures(failures)
 

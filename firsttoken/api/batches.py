@@ -258,7 +258,8 @@ def _submit_lines(
         invalid=summary.invalid,
         resumed=summary.resumed,
         errors=[
-            {"custom_id": f.custom_id, "error_code": f.error_code, "error": f.error_message} for f in summary.errors
+            {"custom_id": f.custom_id, "error_code": f.error_code, "error": f.error_message, "line": f.line_no or None}
+            for f in summary.errors
         ],
     )
 
@@ -299,7 +300,7 @@ def _create_openai_batch(state: ApiState, req: OpenAIBatchRequest, who: Principa
     else:
         summary = _submit(state, lines, bid=bid, digest=f.sha256, max_tokens=None, who=who, check=check)  # type: ignore[arg-type]
         if summary.submitted == 0 and summary.already_done == 0:  # not one valid request: the batch failed
-            errors = [{"code": str(e.error_code), "message": e.error_message, "line": None}
+            errors = [{"code": str(e.error_code), "message": e.error_message, "line": e.line_no or None}
                       for e in summary.errors[:20]]
     if errors:
         meta["openai"]["errors"] = {"object": "list", "data": errors}

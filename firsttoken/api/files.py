@@ -1,11 +1,14 @@
 """Files, as the OpenAI Batch API has them: upload a batch's input (`POST /v1/files`, purpose
-"batch"), read it back, and read a batch's output and error files (`file-output-<batch>`,
-`file-errors-<batch>`: its succeeded, and its failed or cancelled, lines in input order, made
-from its rows when asked for)."""
+"batch"), list (`GET /v1/files`), read back and delete the caller's files, and read a batch's
+output and error files (`file-output-<batch>`, `file-errors-<batch>`: its succeeded, and its
+failed or cancelled, lines in input order, made from its rows when asked for; their `bytes` are
+counted once the batch has ended, and kept with it)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
@@ -96,18 +99,75 @@ def _generated(state: ApiState, who: Principal, file_id: str) -> tuple[BatchReco
     return None
 
 
+class FileList(BaseModel):
+    object: str = "list"
+    data: list[FileView]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: str = "file"
+    deleted: bool = True
+
+
+@router.get("/v1/files", response_model=FileList)
+def list_files(
+    who: Who,
+    state: State,
+    purpose: str | None = Query(default=None, max_length=32),
+    limit: int = Query(default=100, ge=1, le=10_000),
+    after: str | None = Query(default=None, max_length=200),
+    order: Literal["asc", "desc"] = "desc",
+) -> FileList:
+    """The caller's uploaded files, newest first (`order=asc`: oldest first), a page at a time."""
+    page = state.st.list_files(owner=who.owner, purpose=purpose, limit=limit + 1, after=after,
+                               newest_first=order == "desc")
+    data = [_view(f) for f in page[:limit]]
+    return FileList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                    has_more=len(page) > limit)
+
+
+def _generated_bytes(state: ApiState, b: BatchRecord, file_id: str, statuses: set[JobStatus]) -> int:
+    """The size of a batch's output or error file: counted from its lines, and kept in the batch's
+    metadata once the batch has ended (its rows never change again)."""
+    sizes = b.metadata.get("file_bytes", {}) if isinstance(b.metadata, dict) else {}
+    if file_id in sizes:
+        return int(sizes[file_id])
+    n = sum(len(line.encode()) for line in result_lines(state.st, b.id, batch_format(b.input_format), statuses=statuses))
+    if b.status.ended:
+        state.st.set_batch_metadata(b.id, {**b.metadata, "file_bytes": {**sizes, file_id: n}})
+    return n
+
+
 @router.get("/v1/files/{file_id}", response_model=FileView)
 def get_file(file_id: str, who: Who, state: State) -> FileView:
-    """An uploaded file's description, or a batch's output or error file's."""
+    """An uploaded file's description, or a batch's output or error file's (with its real size)."""
     gen = _generated(state, who, file_id)
     if gen is not None:
-        b = gen[0]
-        return FileView(id=file_id, bytes=0, created_at=int(b.finished_at or b.created_at),
-                        filename=f"{file_id}.jsonl", purpose="batch_output")
+        b, statuses = gen
+        return FileView(id=file_id, bytes=_generated_bytes(state, b, file_id, statuses),
+                        created_at=int(b.finished_at or b.created_at), filename=f"{file_id}.jsonl",
+                        purpose="batch_output")
     f = state.st.get_file(file_id)
     if f is None or not who.may_see(f.owner):
         raise ApiError(404, "not_found", "no such file")
     return _view(f)
+
+
+@router.delete("/v1/files/{file_id}", response_model=FileDeleted)
+def delete_file(file_id: str, who: Who, state: State) -> FileDeleted:
+    """Delete one of the caller's uploaded files (a batch made from it keeps its jobs). A batch's
+    output and error files are made from its rows: they go with the batch, not alone."""
+    if _generated(state, who, file_id) is not None:
+        raise ApiError(400, ErrorCode.INVALID_REQUEST, "a batch's output and error files are made from its rows: "
+                       "they cannot be deleted alone")
+    f = state.st.get_file(file_id)
+    if f is None or not who.may_see(f.owner) or not state.st.delete_file(f.id):
+        raise ApiError(404, "not_found", "no such file")
+    return FileDeleted(id=f.id)
 
 
 @router.get("/v1/files/{file_id}/content")

@@ -252,6 +252,24 @@ def test_files_and_batches(client):
     assert b.id in [x.id for x in client.batches.list(limit=100)]
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_nope")
+    # the output and error files' real sizes, as files.retrieve gives them
+    for fid in (b.output_file_id, b.error_file_id):
+        assert client.files.retrieve(fid).bytes == len(client.files.content(fid).content) > 0
+    # files.list pages through the caller's files (newest first), files.delete removes one
+    f_extra = client.files.create(file=("extra.jsonl", io.BytesIO(data)), purpose="batch")
+    listed = [x.id for x in client.files.list()]
+    assert listed.index(f_extra.id) < listed.index(f.id)
+    first = client.files.list(limit=1)
+    assert [x.id for x in first.data] == [listed[0]] and first.has_more
+    assert [x.id for x in client.files.list(limit=1, after=listed[0]).data] == [listed[1]]
+    gone = client.files.delete(f_extra.id)
+    assert gone.deleted and gone.id == f_extra.id and f_extra.id not in [x.id for x in client.files.list()]
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f_extra.id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete(f_extra.id)
+    with pytest.raises(openai.BadRequestError):
+        client.files.delete(b.output_file_id)  # made from the batch's rows
 
     # cancel: long jobs, cancelled at once
     long = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",

@@ -345,6 +345,24 @@ class StoreContract:
         rest = [b.id for b in store.open_batches(created_before=later, after=(page[0].created_at, page[0].id))]
         assert page[0].id not in rest and set(rest) | {page[0].id} == set(ids)
 
+    def test_files_are_listed_by_owner_a_page_at_a_time_and_deleted(self, store: ResultStore):
+        ids = []
+        for i in range(4):
+            rec = store.put_file(f"file-{i}", owner="ann" if i != 2 else "bob", purpose="batch",
+                                 filename=f"f{i}.jsonl", content=b"x" * (i + 1))
+            ids.append(rec.id)
+        assert store.get_file("file-3").bytes == 4  # type: ignore[union-attr]
+        ann = [f.id for f in store.list_files(owner="ann")]
+        assert ann == ["file-3", "file-1", "file-0"]  # newest first, bob's left out
+        assert [f.id for f in store.list_files(owner="ann", limit=1, after="file-3")] == ["file-1"]
+        assert [f.id for f in store.list_files(owner="ann", newest_first=False, after="file-0")] == ["file-1", "file-3"]
+        assert store.list_files(owner="ann", after="file-2") == []  # another owner's cursor: nothing
+        assert [f.id for f in store.list_files(purpose="batch")] == ["file-3", "file-2", "file-1", "file-0"]
+        assert store.list_files(owner="ann", purpose="fine-tune") == []
+        assert store.delete_file("file-1") and not store.delete_file("file-1")
+        assert store.get_file("file-1") is None and store.file_content("file-1") is None
+        assert [f.id for f in store.list_files(owner="ann")] == ["file-3", "file-0"]
+
     def test_latency_stats_of_one_owner_or_batch(self, store: ResultStore):
         store.upsert_results(
             [ok("o1", ttft=10.0, batch_id="B1"), ok("o2", ttft=20.0, batch_id="B2"), ok("o3", ttft=30.0)],

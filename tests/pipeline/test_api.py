@@ -295,7 +295,7 @@ def test_openai_batches_fail_when_no_line_is_valid_and_expire_after_their_window
         bad = upload(b'{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}\nnot json\n')
         b = c.post("/v1/batches", json={"input_file_id": bad, "endpoint": "/v1/completions"}, headers=ALICE).json()
         assert b["status"] == "failed" and b["failed_at"] is not None and b["request_counts"]["failed"] == 2
-        assert [e["code"] for e in b["errors"]["data"]] == ["invalid_request", "invalid_request"]
+        assert [(e["code"], e["line"]) for e in b["errors"]["data"]] == [("invalid_request", 1), ("invalid_request", 2)]
         good = upload(b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n')
         b = c.post("/v1/batches", json={"input_file_id": good, "endpoint": "/v1/completions"}, headers=ALICE).json()
         assert b["status"] == "in_progress" and b["expires_at"] == b["created_at"] + 24 * 3600
@@ -508,3 +508,33 @@ def test_without_firsttoken_model_the_api_serves_the_real_default(store, queue, 
                                replies=None)) as c:
         assert [m["id"] for m in c.get("/v1/models", headers=ALICE).json()["data"]] == ["tiny"]
         assert c.get("/v1/models/smollm2-135m", headers=ALICE).json()["error"]["code"] == "model_not_found"
+
+
+def test_files_are_listed_and_deleted_by_their_owner_only(client):
+    def upload(headers: dict, body: bytes) -> str:
+        r = client.post("/v1/files", files={"file": ("in.jsonl", body)}, data={"purpose": "batch"}, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.json()["id"]
+
+    a1, a2 = upload(ALICE, b"{}\n"), upload(ALICE, b"{}\n{}\n")
+    b1 = upload(BOB, b"{}\n")
+    mine = {a1, a2}  # (the store is shared with other tests, which upload as alice too)
+
+    def ids(query: str = "", headers: dict = ALICE) -> list[str]:
+        page = client.get(f"/v1/files{query}", headers=headers).json()
+        assert page["object"] == "list"
+        return [f["id"] for f in page["data"]]
+
+    listed = client.get("/v1/files", headers=ALICE).json()["data"]
+    assert [(f["id"], f["bytes"]) for f in listed if f["id"] in mine] == [(a2, 6), (a1, 3)]  # newest first
+    assert b1 not in ids() and [i for i in ids("?order=asc") if i in mine] == [a1, a2]
+    assert ids("?limit=1") == [a2] and client.get("/v1/files?limit=1", headers=ALICE).json()["has_more"]
+    assert ids(f"?limit=1&after={a2}") == [a1]
+    assert ids(f"?after={b1}") == []  # bob's cursor: nothing
+    for method in ("get", "delete"):  # another owner's file is as a missing one
+        r = getattr(client, method)(f"/v1/files/{b1}", headers=ALICE)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+    r = client.delete(f"/v1/files/{a1}", headers=ALICE)
+    assert r.status_code == 200 and r.json() == {"id": a1, "object": "file", "deleted": True}
+    assert client.get(f"/v1/files/{a1}", headers=ALICE).status_code == 404
+    assert a1 not in ids() and a2 in ids() and b1 in ids(headers=BOB) and a2 not in ids(headers=BOB)
