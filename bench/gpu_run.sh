@@ -14,12 +14,12 @@
 #   layouts     the same for the FP8 layouts with group scales (fp8-g128, fp8-block)     ~5 min
 #   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens: bf16, FP8         ~6 min
 #   quality     FP8 on SmolLM2 with the real kernels (needs the model: bench/restore_smollm2.py)  ~2.5 min
-#   load        TTFT under load, bf16: targets none/15/20/30 ms at 8/16/24/32 req/s       ~8 min
+#   load        TTFT under load, bf16: targets none/15/20/30 ms at 8/16/24/32 req/s, 8 s each  ~3 min
 #   goodput     the highest rate within MLPerf's interactive and server limits, bf16      ~3 min
-#   goodput_t25 the interactive search with an engine TPOT target of 25 ms (no server search)  ~2.5 min
+#   goodput_t25 the interactive search with an engine TPOT target of 25 ms (no server search)  ~1 min
 #   goodput_pg  the interactive search, no target, mixed steps of up to 128 sequences / 2048 tokens replayed
-#               as prefill graphs (the default is 16 / 1024: larger mixed steps run eager)          ~3 min
-#   goodput_core  the same through the worker's engine core in its own process (ProcessCore)  ~3 min
+#               as prefill graphs (the default is 16 / 1024: larger mixed steps run eager)          ~1 min
+#   goodput_core  the same through the worker's engine core in its own process (ProcessCore)  ~2.5 min
 #   load_fp8    goodput with FP8 projections and an fp8 KV cache                            ~3 min
 # The SmolLM2 checkpoint does not fit one call: carry .ckpt_a (the GGUF's first 49 MB and the small
 # files) and copy it to /tmp there, then in the next call (the machine still warm) carry .ckpt_b and
