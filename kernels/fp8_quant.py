@@ -10,6 +10,7 @@ unfused path gives: the same rounding to the activation dtype before the scales 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -54,17 +55,27 @@ tl: Any = None  # triton.language, bound at the first launch by kernels._triton.
 
 
 @lazy_helper
-def _quantize_groups(y, FP8_MAX_: tl.constexpr):
+def _round_e4m3(q, HW_CAST: tl.constexpr):
+    """q: fp32 in [-448, 448] -> q on the e4m3 grid (fp32), or q as is where the caller's cast to
+    e4m3 rounds it (HW_CAST: the GPU's cvt, round to nearest even). Otherwise rounded here
+    (nearest, half away from zero), so that the cast is exact and does not hang on a backend's fp8
+    rounding (Triton's interpreter rounds values just under a power of two down a whole binade);
+    below 2^-6 the grid is e4m3's subnormal step, 2^-9. The log2/exp2 per element cost the
+    prefill's silu_and_mul_quant most of its time on the H200 (bench/bench_fp8_quant.py)."""
+    if HW_CAST:
+        return q
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(q), 0.015625))) - 3.0)
+    return tl.where(q < 0, -1.0, 1.0) * tl.floor(tl.abs(q) / step + 0.5) * step
+
+
+@lazy_helper
+def _quantize_groups(y, FP8_MAX_: tl.constexpr, HW_CAST: tl.constexpr):
     """y: [groups, GROUP] fp32 -> (q on the e4m3 grid, fp32; scale [groups]): each group scaled so
     that its largest magnitude maps to FP8_MAX_."""
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12)  # [groups]
     scale = amax / FP8_MAX_
     q = tl.minimum(tl.maximum(y / scale[:, None], -FP8_MAX_), FP8_MAX_)
-    # rounded to the e4m3 grid here (nearest, half away from zero), so the caller's cast is exact and
-    # does not hang on a backend's fp8 rounding (Triton's interpreter rounds values just under a
-    # power of two down a whole binade); below 2^-6 the grid is e4m3's subnormal step, 2^-9
-    step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(q), 0.015625))) - 3.0)
-    return tl.where(q < 0, -1.0, 1.0) * tl.floor(tl.abs(q) / step + 0.5) * step, scale
+    return _round_e4m3(q, HW_CAST), scale
 
 
 @lazy_jit
@@ -81,6 +92,7 @@ def _rms_norm_quant_kernel(
     n_groups,  # scales per row: 1 (per token) or H / GROUP
     eps,  # variance epsilon
     FP8_MAX_: tl.constexpr,  # 448: e4m3's largest value
+    HW_CAST: tl.constexpr,  # the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
     HAS_RESIDUAL: tl.constexpr,  # fuse new_residual = x + residual
     GROUP: tl.constexpr,  # columns per scale (BLOCK_H for one scale per row)
     BLOCK_H: tl.constexpr,  # power of two >= H: one program handles one whole row
@@ -101,16 +113,17 @@ def _rms_norm_quant_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     # the unfused path rounds the weighted output to the activation dtype before quantizing it
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
-    q, scale = _quantize_groups(y, FP8_MAX_)
+    q, scale = _quantize_groups(y, FP8_MAX_, HW_CAST)
     tl.store(q_ptr + row * H + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * n_groups + gi, scale, mask=gi < n_groups)
 
 
 def rms_norm_quant_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-    group: int | None = None,
+    group: int | None = None, hw_cast: bool | None = None,
 ) -> tuple[Quantized, torch.Tensor]:
-    """Triton `rms_norm_quant_ref`: one pass per row; residual add, norm and quantization fused."""
+    """Triton `rms_norm_quant_ref`: one pass per row; residual add, norm and quantization fused.
+    `hw_cast`: round to e4m3 with the GPU's cast (None: on a GPU, not under the interpreter)."""
     check(x.dim() == 2, "rms_norm_quant: x must be [T, H], got {}", tuple(x.shape))
     t, h = x.shape
     check(weight.shape == (h,) and weight.is_contiguous(), "rms_norm_quant: weight must be a contiguous [{}]", h)
@@ -130,7 +143,8 @@ def rms_norm_quant_triton(
     _rms_norm_quant_kernel.launch((t,), (
         x, residual if residual is not None else x, weight, q, scale, new_res,
         x.stride(0), residual.stride(0) if residual is not None else 0, h, n_groups, eps,
-    ), {"FP8_MAX_": FP8_MAX, "HAS_RESIDUAL": residual is not None, "GROUP": group_cols, "BLOCK_H": block_h},
+    ), {"FP8_MAX_": FP8_MAX, "HW_CAST": _hw_cast(x, hw_cast), "HAS_RESIDUAL": residual is not None,
+        "GROUP": group_cols, "BLOCK_H": block_h},
         min(16, max(1, block_h // 256)), 3, x.device.type == "cuda")
     return (q, scale), new_res
 
@@ -144,6 +158,7 @@ def _silu_and_mul_quant_kernel(
     inter,  # I: the intermediate size
     n_groups,  # scales per row: 1 (per token) or I / GROUP
     FP8_MAX_: tl.constexpr,  # 448
+    HW_CAST: tl.constexpr,  # the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
     GROUP: tl.constexpr,  # columns per scale (BLOCK for one scale per row)
     BLOCK: tl.constexpr,  # power of two >= I: one program handles one whole row
 ):
@@ -157,13 +172,67 @@ def _silu_and_mul_quant_kernel(
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     # rounded to the activation dtype, as the unfused silu_and_mul writes it
     y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-    q, scale = _quantize_groups(y, FP8_MAX_)
+    q, scale = _quantize_groups(y, FP8_MAX_, HW_CAST)
     tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * n_groups + gi, scale, mask=gi < n_groups)
 
 
-def silu_and_mul_quant_triton(x: torch.Tensor, group: int | None = None) -> Quantized:
-    """Triton `silu_and_mul_quant_ref`: x [T, 2 * I] -> (q [T, I] e4m3, scale [T, 1] or [T, I / group])."""
+@lazy_jit
+def _silu_and_mul_quant_chunked_kernel(
+    x_ptr,  # x: [T, 2 * I] (gate | up), last dim contiguous
+    q_ptr,  # out: [T, I] e4m3, contiguous
+    scale_ptr,  # out: [T, 1] fp32
+    stride_x,  # row stride of x (elements)
+    inter,  # I: the intermediate size
+    FP8_MAX_: tl.constexpr,  # 448
+    HW_CAST: tl.constexpr,  # the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
+    CHUNK: tl.constexpr,  # columns per iteration (power of two)
+):
+    """One scale per row, the row in chunks: a pass for its largest magnitude, then a pass that
+    computes the activation again and writes it quantized (the second read of the row mostly hits
+    L2: a row of gate | up is 57 KB at I = 14336). The whole-row kernel holds a row in registers:
+    16384 columns over 512 threads."""
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    amax = tl.zeros([CHUNK], dtype=tl.float32)
+    for c0 in range(0, inter, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        mask = cols < inter
+        gate = tl.load(base + cols, mask=mask, other=0.0)
+        up = tl.load(base + inter + cols, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(y))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX_
+    for c0 in range(0, inter, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        mask = cols < inter
+        gate = tl.load(base + cols, mask=mask, other=0.0)
+        up = tl.load(base + inter + cols, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+        q = _round_e4m3(tl.minimum(tl.maximum(y / scale, -FP8_MAX_), FP8_MAX_), HW_CAST)
+        tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def _hw_cast(x: torch.Tensor, hw_cast: bool | None) -> bool:
+    """Round with the GPU's e4m3 cast: asked, or (None) on a GPU and not under the interpreter.
+    FIRSTTOKEN_FP8_QUANT_LEGACY=1 keeps the in-kernel rounding everywhere (an A/B switch)."""
+    if hw_cast is not None:
+        return hw_cast
+    if os.environ.get("FIRSTTOKEN_FP8_QUANT_LEGACY") == "1":
+        return False
+    return x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def silu_and_mul_quant_triton(x: torch.Tensor, group: int | None = None, hw_cast: bool | None = None,
+                              chunk: int | None = None) -> Quantized:
+    """Triton `silu_and_mul_quant_ref`: x [T, 2 * I] -> (q [T, I] e4m3, scale [T, 1] or [T, I / group]).
+    `hw_cast`: as in rms_norm_quant_triton. `chunk`: with one scale per row, the row in chunks of
+    this many columns (two passes; None: 2048 where the GPU casts, else the whole row; 0: the whole row)."""
     check(x.dim() == 2 and x.shape[1] % 2 == 0, "silu_and_mul_quant: x must be [T, 2 * I], got {}", tuple(x.shape))
     check(x.stride(1) == 1, "silu_and_mul_quant: x's last dim must be contiguous")
     t, two_i = x.shape
@@ -175,8 +244,17 @@ def silu_and_mul_quant_triton(x: torch.Tensor, group: int | None = None) -> Quan
     scale = torch.empty((t, n_groups), dtype=torch.float32, device=x.device)
     if t == 0 or inter == 0:
         return q, scale
+    hw = _hw_cast(x, hw_cast)
+    if chunk is None:
+        chunk = 2048 if hw else 0
+    if group is None and chunk:
+        check(chunk >= 16 and chunk & (chunk - 1) == 0, "silu_and_mul_quant: chunk {} is not a power of two >= 16", chunk)
+        _silu_and_mul_quant_chunked_kernel.launch((t,), (x, q, scale, x.stride(0), inter),
+                                                  {"FP8_MAX_": FP8_MAX, "HW_CAST": hw, "CHUNK": chunk},
+                                                  min(8, max(1, chunk // 256)), 3, x.device.type == "cuda")
+        return q, scale
     _silu_and_mul_quant_kernel.launch((t,), (x, q, scale, x.stride(0), inter, n_groups),
-                                      {"FP8_MAX_": FP8_MAX, "GROUP": group_cols, "BLOCK": block},
+                                      {"FP8_MAX_": FP8_MAX, "HW_CAST": hw, "GROUP": group_cols, "BLOCK": block},
                                       min(16, max(1, block // 256)), 3, x.device.type == "cuda")
     return q, scale
 
@@ -192,6 +270,7 @@ def _quantize_kernel(
     C,  # columns
     n_groups,  # scales per row: 1 (per token) or C / GROUP
     FP8_MAX_: tl.constexpr,  # 448
+    HW_CAST: tl.constexpr,  # the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
     GROUP: tl.constexpr,  # columns per scale (BLOCK for one scale per row)
     BLOCK: tl.constexpr,  # power of two >= C: one program handles one whole row
 ):
@@ -200,12 +279,12 @@ def _quantize_kernel(
     cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = cols < C
     y = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    q, scale = _quantize_groups(y, FP8_MAX_)
+    q, scale = _quantize_groups(y, FP8_MAX_, HW_CAST)
     tl.store(q_ptr + row * C + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * n_groups + gi, scale, mask=gi < n_groups)
 
 
-def quantize_triton(x: torch.Tensor, group: int | None = None) -> Quantized:
+def quantize_triton(x: torch.Tensor, group: int | None = None, hw_cast: bool | None = None) -> Quantized:
     """Triton `kernels.fp8_linear.quantize`: x [T, C] -> (q [T, C] e4m3, scale [T, 1] or [T, C / group])
     in one launch (the torch composition is ~8 kernels: o_proj's input took that in every layer)."""
     check(x.dim() == 2, "quantize: x must be [T, C], got {}", tuple(x.shape))
@@ -219,6 +298,6 @@ def quantize_triton(x: torch.Tensor, group: int | None = None) -> Quantized:
     if t == 0 or c == 0:
         return q, scale
     _quantize_kernel.launch((t,), (x, q, scale, x.stride(0), c, n_groups),
-                            {"FP8_MAX_": FP8_MAX, "GROUP": group_cols, "BLOCK": block},
+                            {"FP8_MAX_": FP8_MAX, "HW_CAST": _hw_cast(x, hw_cast), "GROUP": group_cols, "BLOCK": block},
                             min(16, max(1, block // 256)), 3, x.device.type == "cuda")
     return q, scale

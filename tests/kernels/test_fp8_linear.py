@@ -183,6 +183,23 @@ def test_silu_and_mul_quant_triton_matches_the_unfused_path(poison_empty, t, int
     _same_up_to_one_step(q, s, qr, sr, dtype)
 
 
+@pytest.mark.parametrize(("t", "inter", "dtype", "chunk"), [(1, 6, torch.float32, 16), (7, 42, torch.float32, 16),
+                                                           (33, 431, torch.bfloat16, 64), (4, 128, torch.float16, 32)])
+def test_silu_and_mul_quant_in_chunks_matches_the_unfused_path(poison_empty, t, inter, dtype, chunk):
+    """The two-pass kernel (the row in chunks: its largest magnitude, then the quantized row):
+    rows of one chunk, of several, and a last chunk cut short."""
+    from kernels.fp8_quant import silu_and_mul_quant_ref, silu_and_mul_quant_triton
+
+    g = torch.Generator().manual_seed(t * inter + chunk)
+    x = (torch.randn(t, 2 * inter, generator=g) * 2).to(dtype)
+    x[0, inter - 1] = 9.0  # the row's largest value in its last column: a pass that skips the tail misses it
+    x[0, 2 * inter - 1] = 9.0
+    q, s = silu_and_mul_quant_triton(x, chunk=chunk)
+    qr, sr = silu_and_mul_quant_ref(x)
+    torch.testing.assert_close(s, sr, rtol=_scale_rtol(dtype), atol=0)
+    _same_up_to_one_step(q, s, qr, sr, dtype)
+
+
 def _scale_rtol(dtype):
     # 16-bit outputs are rounded twice before the scale is taken, and Triton's interpreter truncates
     # fp32 -> 16-bit where torch rounds (kernel_testutil.py): two 16-bit ulps apart at most
