@@ -166,7 +166,8 @@ def bench_overhead(
         # spin against them), and a longer step is a longer wait for the next admission.
         torch.set_num_threads(torch_threads)
     # The worker as deployed: the engine core in a child process (or on a thread of this one)
-    ws = WorkerSettings(model="tiny", device="cpu", torch_threads=torch_threads, engine_process=engine_process)
+    ws = WorkerSettings(model="tiny", device="cpu", torch_threads=torch_threads, engine_process=engine_process,
+                        metrics_port=0)
     worker = build_worker(s.model_copy(update={"worker_name": "bench"}), ws)
     queue = KafkaQueue(s)
     store = ResultStore.from_url(s.database_url)

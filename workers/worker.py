@@ -162,6 +162,7 @@ class Worker:
         self.model_name = model_name or self.core.model_name
         self.replies = replies  # live replies to the jobs that ask for them (JobRequest.reply)
         self.registry, self.metrics = worker_registry(self)  # Prometheus: serve with serve_metrics()
+        self.metrics_port: int | None = None  # where serve_metrics serves them
         self._wall = wall_clock
         self.counters = WorkerCounters()
         # Guards what the intake, the results thread and control calls share: the in-flight
@@ -278,12 +279,22 @@ class Worker:
         """Jobs handed to the engine and not written yet."""
         return len(self._inflight)
 
-    def serve_metrics(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Serve this worker's Prometheus metrics at http://addr:port/metrics (a daemon thread)."""
+    def serve_metrics(self, port: int, addr: str = "0.0.0.0", tries: int = 16) -> int | None:
+        """Serve this worker's Prometheus metrics at http://addr:port/metrics (a daemon thread); a
+        port in use moves it to the next one, up to `tries` ports. Returns the port, or None when
+        none was free (the worker runs on without metrics, and says so)."""
         from prometheus_client import start_http_server
 
-        start_http_server(port, addr=addr, registry=self.registry)
-        log.info("metrics on %s:%d/metrics", addr, port)
+        for p in range(port, port + tries):
+            try:
+                start_http_server(p, addr=addr, registry=self.registry)
+            except OSError:
+                continue
+            log.info("metrics on %s:%d/metrics", addr, p)
+            self.metrics_port = p
+            return p
+        log.warning("metrics not served: ports %d-%d are all in use", port, port + tries - 1)
+        return None
 
     def stats(self) -> dict[str, Any]:
         """The engine's latest stats and this worker's counters, JSON-ready."""
@@ -664,6 +675,9 @@ def _token_logprobs(lp: TokenLogprob, texts: dict[int, str] | None) -> TokenLogp
                          top=[TopLogprob(token=texts.get(t, ""), id=t, logprob=v) for t, v in lp.top])
 
 
+DEFAULT_METRICS_PORT = 9400  # a GPU worker's Prometheus port (FIRSTTOKEN_METRICS_PORT; compose scrapes it)
+
+
 class WorkerSettings(BaseSettings):
     """The GPU worker's own settings, from FIRSTTOKEN_* variables (shared ones live in
     pipeline.settings.Settings): which model, on which device, and the worker's bounds."""
@@ -688,7 +702,9 @@ class WorkerSettings(BaseSettings):
     # GIL of the intake and the Kafka client; False: on a thread of the worker's process.
     engine_process: bool = True
     torch_threads: int | None = None  # torch's intra-op threads in the engine (CPU engines); None: torch's default
-    metrics_port: int | None = None  # serve Prometheus metrics on this port (/metrics); None: not served
+    # Prometheus metrics at http://<host>:<port>/metrics, on by default; a port another process
+    # holds (two workers on one host) moves the server to the next free one of the 16 after it. 0: off.
+    metrics_port: int = DEFAULT_METRICS_PORT
 
 
 def build_worker(
@@ -736,7 +752,7 @@ def build_worker(
         sink=SinkConfig(batch_rows=s.store_batch_rows, max_buffer=ws.sink_max_buffer),
     )
     worker = Worker(core, consumer, store, config, model_name=ws.model, replies=ReplyPublisher(s.redis_url))
-    if ws.metrics_port is not None:
+    if ws.metrics_port:
         worker.serve_metrics(ws.metrics_port)
     freeze_startup_heap()
     return worker

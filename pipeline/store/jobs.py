@@ -294,6 +294,19 @@ class JobRows(BulkWrites):
             ).scalar()
         return counts, oldest
 
+    def succeeded_since(self, since: float, *, limit: int = 5000) -> list[tuple[str, float, float | None, int, int]]:
+        """Jobs that succeeded with their rows written at or after `since` (updated_at, the writer's
+        clock), oldest write first, at most `limit`: (id, updated_at, ttft_ms, prompt tokens,
+        cached prompt tokens). An index range (ix_jobs_updated_at): what the API's metrics read."""
+        q = (
+            select(jobs.c.id, jobs.c.updated_at, jobs.c.ttft_ms, jobs.c.prompt_tokens, jobs.c.cached_prompt_tokens)
+            .where(jobs.c.updated_at >= since, jobs.c.status == JobStatus.SUCCEEDED.value)
+            .order_by(jobs.c.updated_at)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [(r[0], r[1], r[2], r[3] or 0, r[4] or 0) for r in conn.execute(q)]
+
     def count_unfinished(self, owner: str | None) -> int:
         """Jobs of `owner` queued or running (an index range: ix_jobs_owner_status)."""
         with self.engine.connect() as conn:

@@ -87,6 +87,7 @@ jobs = Table(
     Index("ix_jobs_batch_line", "batch_id", "line_no"),
     Index("ix_jobs_owner", "owner"),
     Index("ix_jobs_owner_status", "owner", "status"),  # revision 0005: an owner's unfinished jobs
+    Index("ix_jobs_updated_at", "updated_at"),  # revision 0008: rows written since (the API's metrics)
 )
 
 batches = Table(

@@ -111,7 +111,7 @@ def in_process_worker(settings: Settings, engine, name: str):
 
     w = build_worker(
         settings.model_copy(update={"worker_name": name}),
-        WorkerSettings(model="tiny", drain_timeout_s=10),
+        WorkerSettings(model="tiny", drain_timeout_s=10, metrics_port=0),
         engine=engine,
     )
     w.sink.config = SinkConfig(batch_rows=w.sink.config.batch_rows, backoff_initial_s=0.1, backoff_max_s=1.0)
@@ -135,6 +135,8 @@ def worker_env(settings: Settings, name: str) -> dict[str, str]:
             # jobs run in waves (the default, 512, admits a 300-job batch at once and finishes it
             # all in the same step: a kill after the first rows would find nothing left to do)
             "FIRSTTOKEN_MAX_NUM_SEQS": "64",
+            # no metrics server unless a test asks for one (the default, 9400 and up, is shared by the host)
+            "FIRSTTOKEN_METRICS_PORT": "0",
         }
     )
     return env

@@ -348,20 +348,21 @@ class StoreContract:
     def test_files_are_listed_by_owner_a_page_at_a_time_and_deleted(self, store: ResultStore):
         ids = []
         for i in range(4):
-            rec = store.put_file(f"file-{i}", owner="ann" if i != 2 else "bob", purpose="batch",
+            rec = store.put_file(f"lf-{i}", owner="lf-ann" if i != 2 else "lf-bob", purpose="batch",
                                  filename=f"f{i}.jsonl", content=b"x" * (i + 1))
             ids.append(rec.id)
-        assert store.get_file("file-3").bytes == 4  # type: ignore[union-attr]
-        ann = [f.id for f in store.list_files(owner="ann")]
-        assert ann == ["file-3", "file-1", "file-0"]  # newest first, bob's left out
-        assert [f.id for f in store.list_files(owner="ann", limit=1, after="file-3")] == ["file-1"]
-        assert [f.id for f in store.list_files(owner="ann", newest_first=False, after="file-0")] == ["file-1", "file-3"]
-        assert store.list_files(owner="ann", after="file-2") == []  # another owner's cursor: nothing
-        assert [f.id for f in store.list_files(purpose="batch")] == ["file-3", "file-2", "file-1", "file-0"]
-        assert store.list_files(owner="ann", purpose="fine-tune") == []
-        assert store.delete_file("file-1") and not store.delete_file("file-1")
-        assert store.get_file("file-1") is None and store.file_content("file-1") is None
-        assert [f.id for f in store.list_files(owner="ann")] == ["file-3", "file-0"]
+        assert store.get_file("lf-3").bytes == 4  # type: ignore[union-attr]
+        ann = [f.id for f in store.list_files(owner="lf-ann")]
+        assert ann == ["lf-3", "lf-1", "lf-0"]  # newest first, bob's left out
+        assert [f.id for f in store.list_files(owner="lf-ann", limit=1, after="lf-3")] == ["lf-1"]
+        assert [f.id for f in store.list_files(owner="lf-ann", newest_first=False, after="lf-0")] == ["lf-1", "lf-3"]
+        assert store.list_files(owner="lf-ann", after="lf-2") == []  # another owner's cursor: nothing
+        mine = {"lf-0", "lf-1", "lf-2", "lf-3"}  # (other tests' files may share the store)
+        assert [f.id for f in store.list_files(purpose="batch") if f.id in mine] == ["lf-3", "lf-2", "lf-1", "lf-0"]
+        assert store.list_files(owner="lf-ann", purpose="fine-tune") == []
+        assert store.delete_file("lf-1") and not store.delete_file("lf-1")
+        assert store.get_file("lf-1") is None and store.file_content("lf-1") is None
+        assert [f.id for f in store.list_files(owner="lf-ann")] == ["lf-3", "lf-0"]
 
     def test_latency_stats_of_one_owner_or_batch(self, store: ResultStore):
         store.upsert_results(
