@@ -61,6 +61,20 @@ def test_worker_metrics_count_its_results_and_show_its_engine(queue, store):
     assert _value(m, "firsttoken:jobs_in_flight", **labels) == 0
 
 
+def test_a_worker_whose_metrics_port_is_taken_serves_them_on_the_next_free_one(queue, store):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    w = Worker(make_engine_tiny(), queue.consumer(), store, WorkerConfig(name="w-port"), model_name="tiny")
+    try:
+        got = w.serve_metrics(port, addr="127.0.0.1")
+        assert got is not None and got > port and w.metrics_port == got
+        assert "firsttoken:jobs_in_flight" in httpx.get(f"http://127.0.0.1:{got}/metrics", timeout=5).text
+    finally:
+        holder.close()
+
+
 def test_api_metrics_show_requests_and_the_backlog(store, queue):
     app = create_app(Settings(api_no_auth=True), store=store, queue=queue, canceller=None, replies=None)
     with TestClient(app) as c:
