@@ -135,6 +135,8 @@ def _start_worker(
 
 
 def _wait_until_done(queue: LocalQueue, worker: object, progress: bool | None) -> None:
+    """Until every job's offset is committed; the bar counts results as they are written (offsets
+    are committed in order, up to the lowest job still running: they lag the results)."""
     from tqdm import tqdm
 
     end = queue.end_offsets()
@@ -143,9 +145,10 @@ def _wait_until_done(queue: LocalQueue, worker: object, progress: bool | None) -
               dynamic_ncols=True) as bar:
         while True:
             committed = queue.committed()
-            bar.n = sum(committed.values())
+            done = committed == end
+            bar.n = total if done else min(total, worker.sink.results_durable)  # type: ignore[attr-defined]
             bar.refresh()
-            if committed == end:
+            if done:
                 return
             failed = worker.failed_with  # type: ignore[attr-defined]
             if failed is not None:

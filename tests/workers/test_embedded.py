@@ -423,3 +423,48 @@ def test_an_empty_input_is_a_completed_batch(tmp_path, capsys):
     assert "# batch E completed: 0 lines" in capsys.readouterr().err
     assert main(["status", "E", "--db", db]) == EXIT_OK
     assert capsys.readouterr().out.strip() == "batch E completed: 0/0 done (no jobs yet)"
+
+
+def test_the_progress_bar_counts_results_as_they_are_written(monkeypatch):
+    """Offsets are committed in order, up to the lowest job still running: the bar follows the
+    results written instead (it once showed 0/48 with 5 results stored)."""
+    from types import SimpleNamespace
+
+    import tqdm as tqdm_module
+
+    from firsttoken import embedded
+
+    shown: list[int] = []
+
+    class Bar:
+        def __init__(self, total: int, **kw: object) -> None:
+            self.total, self.n = total, 0
+
+        def __enter__(self) -> Bar:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def refresh(self) -> None:
+            shown.append(self.n)
+
+    monkeypatch.setattr(tqdm_module, "tqdm", Bar)
+    monkeypatch.setattr(embedded.time, "sleep", lambda s: None)
+    polls = iter([{0: 0}, {0: 0}, {0: 0}, {0: 4}])  # the first job runs longest: nothing committed until the end
+    queue = SimpleNamespace(end_offsets=lambda: {0: 4})
+
+    class Worker:
+        sink = SimpleNamespace(results_durable=0)
+        failed_with = None
+
+    worker = Worker()
+
+    def committed() -> dict[int, int]:
+        out = next(polls)
+        worker.sink.results_durable += 1  # a result written per poll
+        return out
+
+    queue.committed = committed
+    embedded._wait_until_done(queue, worker, progress=True)  # type: ignore[arg-type]
+    assert shown == [1, 2, 3, 4]  # by the offsets: 0, 0, 0, 4
