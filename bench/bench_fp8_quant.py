@@ -57,10 +57,10 @@ def main() -> None:
         qr, sr = silu_and_mul_quant_ref(x)
         nbytes = x.numel() * 2 + t * args.inter + t * 4
         for name, kw in (("legacy whole row", {"hw_cast": False, "chunk": 0}),
-                         ("hw cast whole row", {"hw_cast": True, "chunk": 0}),
+                         ("hw cast whole row (default)", {"hw_cast": True, "chunk": 0}),
                          ("legacy chunks 2048", {"hw_cast": False, "chunk": 2048}),
                          ("hw cast chunks 1024", {"hw_cast": True, "chunk": 1024}),
-                         ("hw cast chunks 2048 (default)", {"hw_cast": True, "chunk": 2048}),
+                         ("hw cast chunks 2048", {"hw_cast": True, "chunk": 2048}),
                          ("hw cast chunks 4096", {"hw_cast": True, "chunk": 4096})):
             q, s = silu_and_mul_quant_triton(x, **kw)
             ms = bench(lambda kw=kw, x=x: silu_and_mul_quant_triton(x, **kw))

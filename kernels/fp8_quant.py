@@ -61,7 +61,8 @@ def _round_e4m3(q, HW_CAST: tl.constexpr):
     (nearest, half away from zero), so that the cast is exact and does not hang on a backend's fp8
     rounding (Triton's interpreter rounds values just under a power of two down a whole binade);
     below 2^-6 the grid is e4m3's subnormal step, 2^-9. The log2/exp2 per element cost the
-    prefill's silu_and_mul_quant most of its time on the H200 (bench/bench_fp8_quant.py)."""
+    prefill's silu_and_mul_quant more than half its time on the H200: 117 -> 48.7 us at T = 2048,
+    I = 14336 with the cast (bench/results/2026-12-02-fp8-quant-h200.md)."""
     if HW_CAST:
         return q
     step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(q), 0.015625))) - 3.0)
@@ -189,9 +190,10 @@ def _silu_and_mul_quant_chunked_kernel(
     CHUNK: tl.constexpr,  # columns per iteration (power of two)
 ):
     """One scale per row, the row in chunks: a pass for its largest magnitude, then a pass that
-    computes the activation again and writes it quantized (the second read of the row mostly hits
-    L2: a row of gate | up is 57 KB at I = 14336). The whole-row kernel holds a row in registers:
-    16384 columns over 512 threads."""
+    computes the activation again and writes it quantized. Not the default: on the H200 at
+    T = 2048, I = 14336 it took 72 us against the whole-row kernel's 48.7 (both with the GPU's
+    cast; bench/results/2026-12-02-fp8-quant-h200.md); kept for rows past the whole-row kernel's
+    registers."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
     amax = tl.zeros([CHUNK], dtype=tl.float32)
@@ -232,7 +234,7 @@ def silu_and_mul_quant_triton(x: torch.Tensor, group: int | None = None, hw_cast
                               chunk: int | None = None) -> Quantized:
     """Triton `silu_and_mul_quant_ref`: x [T, 2 * I] -> (q [T, I] e4m3, scale [T, 1] or [T, I / group]).
     `hw_cast`: as in rms_norm_quant_triton. `chunk`: with one scale per row, the row in chunks of
-    this many columns (two passes; None: 2048 where the GPU casts, else the whole row; 0: the whole row)."""
+    this many columns (two passes); None or 0: the whole row in one program (faster on the H200)."""
     check(x.dim() == 2 and x.shape[1] % 2 == 0, "silu_and_mul_quant: x must be [T, 2 * I], got {}", tuple(x.shape))
     check(x.stride(1) == 1, "silu_and_mul_quant: x's last dim must be contiguous")
     t, two_i = x.shape
@@ -246,7 +248,7 @@ def silu_and_mul_quant_triton(x: torch.Tensor, group: int | None = None, hw_cast
         return q, scale
     hw = _hw_cast(x, hw_cast)
     if chunk is None:
-        chunk = 2048 if hw else 0
+        chunk = 0
     if group is None and chunk:
         check(chunk >= 16 and chunk & (chunk - 1) == 0, "silu_and_mul_quant: chunk {} is not a power of two >= 16", chunk)
         _silu_and_mul_quant_chunked_kernel.launch((t,), (x, q, scale, x.stride(0), inter),
