@@ -2,7 +2,7 @@
 
 These definitions are what the store's queries are written against; the schema itself is created
 and changed only by the Alembic migrations under migrations/, which must agree with this file
-(tests/pipeline/test_store_sqlite.py checks that they do).
+(tests/pipeline/store/test_store_sqlite.py checks that they do).
 """
 
 from __future__ import annotations

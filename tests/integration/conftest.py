@@ -28,7 +28,7 @@ with warnings.catch_warnings():
     import kafka.admin  # noqa: F401
 
 # The store's dialect-independent tests live beside the unit tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline" / "store"))
 
 HINT = 'start them with: scripts/services.sh start && eval "$(scripts/services.sh env)"'
 

@@ -355,7 +355,7 @@ def test_partitions_are_served_in_turn_whatever_order_they_arrive(queue, store):
     """A partition's backlog handed to the engine first does not make the others wait behind it
     all: jobs of equal priority take fair ranks (a partition's k-th job beside the other
     partitions' k-th), so a partition that arrives later is served beside the first one."""
-    from tests.pipeline.test_queue_local import _on
+    from tests.pipeline.queue.test_queue_local import _on
 
     eng = make_engine_tiny(max_num_seqs=2)
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

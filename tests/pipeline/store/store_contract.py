@@ -1,5 +1,5 @@
 """ResultStore behaviour every dialect must show. Subclassed with a `store` fixture by
-tests/pipeline/test_store_sqlite.py (SQLite) and tests/integration/test_store_postgres.py (Postgres)."""
+tests/pipeline/store/test_store_sqlite.py (SQLite) and tests/integration/test_store_postgres.py (Postgres)."""
 
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def test_the_pinned_kafka_python_is_the_one_installed_and_checked():
 
     import kafka
 
-    deps = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["dependencies"]
+    deps = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())["project"]["dependencies"]
     pins = [d for d in deps if d.startswith("kafka-python")]
     assert pins == [f"kafka-python[crc32c]=={KAFKA_PYTHON_VERSION}"]
     assert kafka.__version__ == KAFKA_PYTHON_VERSION
@@ -89,7 +89,7 @@ def test_kafka_pythons_internals_are_reached_from_one_module_only():
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     private = {"_accumulator", "_sender", "_coordinator", "_transaction_manager", "_builder", "_next_offset",
                "_appends_in_progress", "_tp_lock", "_incomplete", "_write_buffer", "_writing", "_sock",
                "_client", "_fetcher", "_subscription", "_manager", "_net"}
