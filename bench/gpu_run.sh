@@ -7,7 +7,7 @@
 #   SMOKE=1 OUT=/tmp/x bash bench/gpu_run.sh engine load goodput   # the plumbing on a CPU: tiny model, seconds
 #
 # Stages (run each as its own device command; a failure does not stop the next):
-#   tests       GPU tests (tests/engine/test_gpu.py), measurements to measure.jsonl      ~3 min
+#   tests       GPU tests (tests/workers/engine/test_gpu.py), measurements to measure.jsonl      ~3 min
 #   kernels     FP8 GEMMs: _scaled_mm per channel, Triton groups vs bf16 (bench_kernels --sweep)  ~3 min
 #   decode_gemms  a decode step's GEMMs: bf16, _scaled_mm, the small-M kernel's configs (bench_fp8_decode)  ~1 min
 #   engine      TTFT and decode: bf16, FP8 (per channel), FP8 with _scaled_mm only; transformers  ~5 min
@@ -81,7 +81,7 @@ for stage in "${STAGES[@]}"; do
     tests)
       [ "${SMOKE:-0}" = 1 ] && continue
       FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 560 \
-        $PY -m pytest -q -s -m gpu tests/engine/test_gpu.py -p no:cacheprovider -rA ;;
+        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
     kernels)
       [ "${SMOKE:-0}" = 1 ] && continue
       run kernels 560 $PY bench/bench_kernels.py --sections fp8 --sweep --out "$OUT" --commit "$FIRSTTOKEN_COMMIT" ;;

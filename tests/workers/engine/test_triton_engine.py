@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from schemas.sampling import SamplingParams
-from tests.engine.conftest import hf_greedy, prompt_set, run_prompts
+from tests.workers.engine.conftest import hf_greedy, prompt_set, run_prompts
 from workers.engine import EngineConfig, LLMEngine
 
 MAX_NEW = 6

@@ -1,18 +1,17 @@
-"""Checkpoint loading (sharded, errors) and `firsttoken generate` with a preset and a checkpoint."""
+"""Checkpoint loading: sharded checkpoints, and the errors of broken ones (`firsttoken generate`:
+tests/firsttoken/test_cli_generate.py)."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from kernels.ops import get_ops
 from schemas.sampling import SamplingParams
-from tests.engine.conftest import make_tokenizer, prompt_set
+from tests.workers.engine.conftest import make_tokenizer, prompt_set
 from workers.engine import LLM, EngineConfig
 from workers.engine.config import ModelConfig
 from workers.engine.errors import CheckpointError
@@ -83,27 +82,3 @@ def test_checkpoint_errors(tmp_path, llama_dir):
     save_file(st, f / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="lacks weights"):
         load_checkpoint(f, ops, cpu)
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "firsttoken.cli", *args], capture_output=True, text=True, timeout=300)
-
-
-def test_generate_cli_with_preset_and_checkpoint(tmp_path, llama_dir):
-    src = tmp_path / "p.jsonl"
-    src.write_text('{"id": "a", "prompt": "The quick brown fox"}\n'
-                   '{"id": "b", "prompt": "Kafka partitions carry jobs"}\n'
-                   "not json\n"
-                   '{"id": "c", "prompt": "x", "sampling": {"top_p": 3}}\n')
-    for model in ("tiny", str(llama_dir)):
-        r = _cli("generate", str(src), "--model", model, "--max-tokens", "6", "--device", "cpu")
-        assert r.returncode == 3, r.stderr  # it ran; some lines failed
-        rows = [json.loads(x) for x in r.stdout.splitlines()]
-        assert [x["id"] for x in rows] == ["a", "b", None, "c"] and [x["line"] for x in rows] == [1, 2, 3, 4]
-        assert rows[0]["status"] == rows[1]["status"] == "succeeded"
-        assert rows[0]["usage"]["completion_tokens"] == 6 or rows[0]["finish_reason"] == "stop"
-        assert isinstance(rows[0]["text"], str)
-        assert rows[2]["error_code"] == "invalid_request" and "not valid JSON" in rows[2]["error"]
-        assert rows[3]["status"] == "failed" and rows[3]["error_code"] == "invalid_sampling"
-    # with the trained tokenizer the text is real text pieces
-    assert rows[0]["text"].strip() != ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from schemas.sampling import SamplingParams
-from tests.engine.conftest import hf_greedy, prompt_set
+from tests.workers.engine.conftest import hf_greedy, prompt_set
 from workers.engine import LLM, EngineConfig
 
 MAX_NEW = 12

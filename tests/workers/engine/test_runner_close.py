@@ -1,6 +1,6 @@
 """Closing an engine gives back what its runner holds (weights, KV cache, graphs): on a CPU, seen
 through weak references to those tensors; the GPU side (memory back to the driver, a second
-engine of the same size) is tests/engine/test_gpu.py's."""
+engine of the same size) is tests/workers/engine/test_gpu.py's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import gc
 import weakref
 
 from schemas.sampling import SamplingParams
-from tests.engine.conftest import prompt_set, run_prompts
+from tests.workers.engine.conftest import prompt_set, run_prompts
 from workers.engine import EngineConfig, LLMEngine
 
 SP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -60,7 +60,7 @@ def test_close_with_fp8_projections_drops_the_quantized_weights(llama_dir):
 
 def test_step_device_time_is_none_on_a_cpu(llama_dir):
     """SampledTokens.device_seconds() comes from CUDA events; a CPU step has none (the GPU side:
-    tests/engine/test_gpu.py)."""
+    tests/workers/engine/test_gpu.py)."""
     eng = LLMEngine(str(llama_dir), _config())
     launched = []
     execute = eng.runner.execute

@@ -1,6 +1,6 @@
 """On a CUDA GPU (never in CI): Triton kernels + CUDA graphs give transformers' exact greedy tokens.
 
-Run there with `FIRSTTOKEN_GPU_TESTS=1 python3 -m pytest -m gpu tests/engine/test_gpu.py`.
+Run there with `FIRSTTOKEN_GPU_TESTS=1 python3 -m pytest -m gpu tests/workers/engine/test_gpu.py`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from schemas.sampling import SamplingParams
-from tests.engine.conftest import prompt_set, run_prompts
+from tests.workers.engine.conftest import prompt_set, run_prompts
 from workers.engine import EngineConfig, LLMEngine
 
 pytestmark = pytest.mark.gpu

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from schemas.sampling import SamplingParams
-from tests.engine.conftest import run_prompts
+from tests.workers.engine.conftest import run_prompts
 from workers.engine import EngineConfig, LLMEngine
 from workers.engine.scheduler import ScheduledRequest
 from workers.engine.slo import SloBudget, StepCostModel, StepShape

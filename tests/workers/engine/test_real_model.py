@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from schemas.sampling import SamplingParams
-from tests.engine.conftest import hf_greedy, run_prompts
+from tests.workers.engine.conftest import hf_greedy, run_prompts
 from workers.engine import EngineConfig, LLMEngine
 from workers.engine.config import ModelConfig
 from workers.engine.downloads import DOWNLOADABLE, ensure_model, hf_name, unpermute_rows
