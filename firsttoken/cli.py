@@ -20,10 +20,6 @@ EXIT_ERROR = 1  # the command could not run: a missing file, an unknown model, a
 EXIT_USAGE = 2  # bad arguments (argparse's own code)
 EXIT_SOME_FAILED = 3  # it ran, but some lines failed or were cancelled: their errors are in the output
 
-# the model of `run`, `generate` and (without FIRSTTOKEN_MODEL) `worker`: pipeline.settings.DEFAULT_MODEL,
-# written out so that the parser imports nothing heavy (a test holds the two equal)
-DEFAULT_MODEL = "smollm2-135m"
-
 
 class CliError(Exception):
     """An error the user can fix, printed as one line (no traceback) with EXIT_ERROR."""
@@ -65,9 +61,9 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     from workers.engine.prompts import prompt_token_ids
 
     path = _input_file(args.file)
-    cfg = _engine_config(args)
+    es = _engine_settings(args)
     t0 = time.perf_counter()
-    engine = LLMEngine(args.model, cfg)
+    engine = LLMEngine(es.model, es.engine_config())
     load_s = time.perf_counter() - t0
     order: list[str] = []
     results: dict[str, dict[str, Any]] = {}
@@ -126,13 +122,11 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_SOME_FAILED if failed else EXIT_OK
 
 
-def _engine_config(args: argparse.Namespace) -> Any:
-    from workers.engine import EngineConfig
+def _engine_settings(args: argparse.Namespace) -> Any:
+    """The engine's options: the flags given, then FIRSTTOKEN_* variables, then the defaults."""
+    from workers.settings import EngineSettings
 
-    return EngineConfig(device=args.device, max_model_len=args.max_model_len, dtype=args.dtype,
-                        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                        tpot_target_ms=args.tpot_target_ms, fp8_weight_group=args.fp8_weight_group,
-                        fp8_act_group=args.fp8_act_group)
+    return EngineSettings.from_args(args)
 
 
 def _db_url(args: argparse.Namespace) -> str:
@@ -159,16 +153,17 @@ def cmd_run(args: argparse.Namespace, out: TextIO) -> int:
     output = _output_file(args.output, path)
     db = _normalized_db(args.db) if args.db else "sqlite:///firsttoken.db"
     t0 = time.perf_counter()
+    es = _engine_settings(args)
     with contextlib.ExitStack() as stack:
         f = stack.enter_context(atomic_output(output)) if output is not None else out
         s = run_file(
             path,
-            model=args.model,
+            model=es.model,
             db_url=db,
             output=f,
             batch_id=args.batch_id,
             default_max_tokens=args.max_tokens,
-            engine_config=_engine_config(args),
+            engine_config=es.engine_config(),
             progress=False if args.no_progress else None,
         )
     counts = ", ".join(f"{n} {k}" for k, n in sorted(s.counts.items())) or "no jobs"
@@ -298,21 +293,10 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
     """A GPU worker without Celery: Kafka intake, engine loop, result sink; SIGTERM drains."""
     import logging
 
-    from pipeline.settings import get_settings
     from workers.worker import WorkerSettings, build_worker, run_until_signalled
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {
-        k: v
-        for k, v in (
-            ("model", args.model or get_settings().model),  # FIRSTTOKEN_MODEL, else the real default
-            ("device", args.device),
-            ("dtype", args.dtype),
-            ("max_model_len", args.max_model_len),
-        )
-        if v is not None
-    }
-    ws = WorkerSettings(**overrides)
+    ws = WorkerSettings.from_args(args)  # every engine flag given, then FIRSTTOKEN_*, then the defaults
     from workers.engine.prompts import model_context
 
     model_context(ws.model, ws.max_model_len)  # an unknown model or a bad checkpoint: one line, before any process starts
@@ -384,36 +368,25 @@ def cmd_results(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK if p.count(JobStatus.SUCCEEDED) == total else EXIT_SOME_FAILED
 
 
-def _engine_args(a: argparse.ArgumentParser, model_default: str | None = DEFAULT_MODEL,
-                 model_help: str = f"default: {DEFAULT_MODEL}") -> None:
-    a.add_argument(
-        "--model", default=model_default,
-        help=f"a real model ({DEFAULT_MODEL}: fetched and converted once), a Hugging Face checkpoint "
-             f"directory, or a random-weight preset named explicitly (tiny, llama3-8b, ...: garbage text, for "
-             f"tests and benchmarks); {model_help}",
-    )
-    a.add_argument("--max-model-len", type=int, default=None)
-    a.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    a.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    a.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="KV cache: the model's dtype (auto) or fp8 e4m3 (twice the tokens; outputs may differ slightly)")
-    a.add_argument("--tpot-target-ms", type=float, default=None,
-                   help="while requests decode, size each step to keep time per output token under this")
-    a.add_argument("--fp8-weight-group", type=int, default=None,
-                   help="with --quantization fp8: a weight scale per this many input columns (e.g. 64)")
-    a.add_argument("--fp8-act-group", type=int, default=None,
-                   help="with --quantization fp8: activation scales per token and this many columns too (block-wise "
-                        "FP8, closer to bf16; sets the weight group to the same)")
-    a.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: W8A8 e4m3 projections (per-channel weight scales, per-token activations)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _engine_args(a: argparse.ArgumentParser, wanted: bool) -> None:
+    """The engine's flags (workers.settings.EngineSettings), on the command being run: the other
+    commands import nothing of the engine's settings (a quicker start)."""
+    if not wanted:
+        return
+    from workers.settings import EngineSettings
+
+    EngineSettings.add_arguments(a)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; `command`: the command about to run (None: every command's flags)."""
     p = argparse.ArgumentParser(prog="firsttoken", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate for a JSONL file of {id, prompt} lines, in this process")
     g.add_argument("file", help='JSONL file, one {"id": ..., "prompt": ...} per line')
-    _engine_args(g)
+    _engine_args(g, command in (None, "generate"))
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.set_defaults(func=cmd_generate)
@@ -424,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "file", help="JSONL batch file: plain {id, prompt|messages, ...} or OpenAI Batch API lines"
     )
-    _engine_args(r)
+    _engine_args(r, command in (None, "run"))
     r.add_argument("--output", "-o", default=None, help="output JSONL, in input order (default: stdout)")
     r.add_argument("--db", default=None, help="database URL (default: sqlite:///firsttoken.db)")
     r.add_argument("--batch-id", default=None, help="default: derived from the file's path (re-runs resume)")
@@ -446,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_submit)
 
     w = sub.add_parser("worker", help="a GPU worker without Celery (Kafka -> engine -> database)")
-    _engine_args(w, model_default=None, model_help=f"default: FIRSTTOKEN_MODEL, else {DEFAULT_MODEL}")
+    _engine_args(w, command in (None, "worker"))
     w.set_defaults(func=cmd_worker)
 
     a = sub.add_parser("api", help="serve the HTTP API")
@@ -508,7 +481,9 @@ def _service_error(exc: BaseException) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    first = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(first if first is not None else "").parse_args(argv)
     try:
         return args.func(args, sys.stdout)
     except _user_errors() as exc:

@@ -27,11 +27,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
 from pipeline.queue import JobConsumer, Message
 from pipeline.replies import ReplyPublisher, delta_message, final_message
-from pipeline.settings import DEFAULT_MODEL, Settings
+from pipeline.settings import Settings
 from pipeline.store import ResultStore
 from pipeline.store.records import Admission
 from schemas.job import (
@@ -57,6 +55,7 @@ from workers.engine_core import (
 )
 from workers.intake import Intake, error_code_of
 from workers.metrics import worker_registry
+from workers.settings import WorkerSettings
 from workers.sink import Outcome, ResultSink, SinkConfig
 
 log = logging.getLogger(__name__)
@@ -675,38 +674,6 @@ def _token_logprobs(lp: TokenLogprob, texts: dict[int, str] | None) -> TokenLogp
                          top=[TopLogprob(token=texts.get(t, ""), id=t, logprob=v) for t, v in lp.top])
 
 
-DEFAULT_METRICS_PORT = 9400  # a GPU worker's Prometheus port (FIRSTTOKEN_METRICS_PORT; compose scrapes it)
-
-
-class WorkerSettings(BaseSettings):
-    """The GPU worker's own settings, from FIRSTTOKEN_* variables (shared ones live in
-    pipeline.settings.Settings): which model, on which device, and the worker's bounds."""
-
-    model_config = SettingsConfigDict(env_prefix="FIRSTTOKEN_", extra="ignore", frozen=True)
-
-    model: str = DEFAULT_MODEL  # a real model, a checkpoint directory, or a random-weight preset named as such
-    device: str | None = None  # cuda or cpu; None: cuda when available
-    dtype: str | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 512  # as EngineConfig: the larger decode batch gave ~7% more offline throughput on an H200
-    kv_cache_dtype: str = "auto"  # or "fp8": twice the cached tokens (see EngineConfig)
-    quantization: str | None = None  # or "fp8": W8A8 projections (see EngineConfig)
-    tpot_target_ms: float | None = None  # SLO-aware step sizing (see EngineConfig)
-    fp8_weight_group: int | None = None  # with quantization="fp8": weight scales per group (see EngineConfig)
-    fp8_act_group: int | None = None  # with quantization="fp8": activation scales per group too (see EngineConfig)
-    max_waiting: int = 512
-    drain_timeout_s: float = 30.0
-    sink_max_buffer: int = 10_000
-    max_deliveries: int | None = 3  # see WorkerConfig; 0: no admission lookup
-    # The engine in a child process of its own (workers.engine_core.ProcessCore), away from the
-    # GIL of the intake and the Kafka client; False: on a thread of the worker's process.
-    engine_process: bool = True
-    torch_threads: int | None = None  # torch's intra-op threads in the engine (CPU engines); None: torch's default
-    # Prometheus metrics at http://<host>:<port>/metrics, on by default; a port another process
-    # holds (two workers on one host) moves the server to the next free one of the 16 after it. 0: off.
-    metrics_port: int = DEFAULT_METRICS_PORT
-
-
 def build_worker(
     settings: Settings | None = None,
     worker_settings: WorkerSettings | None = None,
@@ -720,7 +687,6 @@ def build_worker(
     LLMEngine on a thread of this process instead."""
     from pipeline.queue.kafka import KafkaQueue
     from pipeline.settings import get_settings
-    from workers.engine import EngineConfig
 
     s = settings or get_settings()
     ws = worker_settings or WorkerSettings()
@@ -728,11 +694,7 @@ def build_worker(
     if engine is not None:
         core = engine
     else:
-        cfg = EngineConfig(
-            device=ws.device, dtype=ws.dtype, max_model_len=ws.max_model_len, max_num_seqs=ws.max_num_seqs,
-            kv_cache_dtype=ws.kv_cache_dtype, quantization=ws.quantization, tpot_target_ms=ws.tpot_target_ms,
-            fp8_weight_group=ws.fp8_weight_group, fp8_act_group=ws.fp8_act_group,
-        )
+        cfg = ws.engine_config()
         if ws.engine_process:
             core = ProcessCore(ws.model, cfg, torch_threads=ws.torch_threads)
         else:

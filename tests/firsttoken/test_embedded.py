@@ -361,10 +361,11 @@ def test_status_and_report_of_a_batch(tmp_path, capsys):
 @pytest.mark.slow
 def test_run_without_model_answers_with_the_real_model(tmp_path, capsys):
     """No --model: SmolLM2-135M-Instruct answers (not the random-weight `tiny` preset's garbage)."""
-    from firsttoken.cli import DEFAULT_MODEL as CLI_DEFAULT
     from pipeline.settings import DEFAULT_MODEL, Settings
+    from workers.settings import EngineSettings
 
-    assert CLI_DEFAULT == DEFAULT_MODEL == Settings.model_fields["model"].default == "smollm2-135m"
+    assert EngineSettings.model_fields["model"].default == DEFAULT_MODEL == Settings.model_fields["model"].default
+    assert DEFAULT_MODEL == "smollm2-135m"
     src = tmp_path / "q.jsonl"
     _write(src, [{"id": "fr", "messages": [{"role": "user", "content": "What is the capital of France?"}],
                   "max_tokens": 12, "temperature": 0}])
