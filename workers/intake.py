@@ -5,8 +5,6 @@ slices so that a busy GPU never keeps the group from hearing from this worker, p
 partition while the engine (or the sink) is over its bound and resumes them when it drains, and
 commits the offsets the sink reports durable. Poison messages never reach the engine: the
 consumer sends them to the dead-letter topic.
-
-Also here: the engine's error codes as ErrorCodes.
 """
 
 from __future__ import annotations
@@ -22,20 +20,13 @@ from schemas.job import ErrorCode
 
 log = logging.getLogger(__name__)
 
-# LLMEngine's InvalidRequestError codes -> the stored ErrorCode.
-ENGINE_ERROR_CODES: dict[str, ErrorCode] = {
-    "prompt_too_long": ErrorCode.PROMPT_TOO_LONG,
-    "max_tokens_out_of_range": ErrorCode.PROMPT_TOO_LONG,  # prompt + max_tokens beyond the context
-    "invalid_sampling": ErrorCode.INVALID_SAMPLING,
-    "empty_prompt": ErrorCode.INVALID_REQUEST,
-    "invalid_prompt": ErrorCode.INVALID_REQUEST,
-    "chat_template": ErrorCode.INVALID_REQUEST,
-}
-
-
 def error_code_of(engine_code: str) -> ErrorCode:
-    """The ErrorCode stored for an engine error code."""
-    return ENGINE_ERROR_CODES.get(engine_code, ErrorCode.ENGINE_ERROR)
+    """The ErrorCode of a request the engine refused (its InvalidRequestError's code, which crossed
+    the engine core's pipe as a string)."""
+    try:
+        return ErrorCode(engine_code)
+    except ValueError:
+        return ErrorCode.ENGINE_ERROR
 
 
 class Intake:

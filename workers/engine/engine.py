@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from schemas.job import ErrorCode
 from schemas.sampling import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.errors import InvalidRequestError
@@ -27,7 +28,7 @@ from workers.engine.outputs import (
     TokenLogprob,
     Usage,
 )
-from workers.engine.prompts import load_tokenizer
+from workers.engine.prompts import length_problem, load_tokenizer, sampling_problem
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.sequence import PENDING_TOKEN, Request, RequestStatus, RequestTimes
 from workers.engine.slo import SloBudget, StepShape
@@ -118,43 +119,28 @@ class LLMEngine:
         equal priority, lower ranks are admitted first (the worker's round-robin over its queue
         partitions), then first come first served."""
         if request_id in self.requests:
-            raise InvalidRequestError("duplicate_request_id", f"request {request_id!r} is already in the engine")
+            raise InvalidRequestError(ErrorCode.DUPLICATE_ID, f"request {request_id!r} is already in the engine")
         sp = self._validate_sampling(sampling)
-        if sp.top_k is not None and sp.top_k > self.model_config.vocab_size:
-            raise InvalidRequestError(
-                "invalid_sampling",
-                f"top_k must be at most the vocabulary ({self.model_config.vocab_size}), or -1 for no cut",
-            )
+        vocab = self.model_config.vocab_size
+        problem = sampling_problem(sp, vocab_size=vocab)
+        if problem is not None:
+            raise InvalidRequestError(*problem)
         if prompt_token_ids is None:
             if prompt is None:
-                raise InvalidRequestError("empty_prompt", "give a prompt or prompt_token_ids")
+                raise InvalidRequestError(ErrorCode.INVALID_REQUEST, "give a prompt or prompt_token_ids")
             ids = self.tokenizer.encode(prompt)
         else:
             try:
                 ids = array("q", prompt_token_ids).tolist()  # ints checked and converted in C
             except (TypeError, OverflowError, ValueError) as e:
-                raise InvalidRequestError("invalid_prompt", f"prompt_token_ids must be integers ({e})") from None
-        if not ids:
-            raise InvalidRequestError("empty_prompt", "the prompt has no tokens")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidRequestError("invalid_prompt", f"token ids must be in [0, {vocab})")
+                raise InvalidRequestError(ErrorCode.INVALID_REQUEST, f"prompt_token_ids must be integers ({e})") from None
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise InvalidRequestError(ErrorCode.INVALID_REQUEST, f"token ids must be in [0, {vocab})")
         n = len(ids)
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt_too_long", f"prompt has {n} tokens; the model's context is {self.max_model_len}"
-            )
-        if n + sp.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens_out_of_range",
-                f"prompt ({n} tokens) + max_tokens ({sp.max_tokens}) exceeds the context ({self.max_model_len})",
-            )
-        capacity = self.runner.num_blocks * self.config.block_size
-        if n + sp.max_tokens > capacity:
-            raise InvalidRequestError(
-                "prompt_too_long",
-                f"prompt + max_tokens ({n + sp.max_tokens}) exceeds the KV cache ({capacity} tokens)",
-            )
+        problem = length_problem(n, sp, max_model_len=self.max_model_len,
+                                 kv_capacity=self.runner.num_blocks * self.config.block_size)
+        if problem is not None:
+            raise InvalidRequestError(*problem)
         req = Request(
             request_id=request_id,
             token_ids=ids,
@@ -183,17 +169,17 @@ class LLMEngine:
             try:
                 return SamplingParams.model_validate(dict(sampling))
             except ValidationError as e:
-                raise InvalidRequestError("invalid_sampling", _pydantic_message(e)) from None
+                raise InvalidRequestError(ErrorCode.INVALID_SAMPLING, _pydantic_message(e)) from None
         # re-check what model_construct() could have skipped
         s = sampling
         if s.max_tokens < 1:
-            raise InvalidRequestError("max_tokens_out_of_range", "max_tokens must be at least 1")
+            raise InvalidRequestError(ErrorCode.INVALID_SAMPLING, "max_tokens must be at least 1")
         if s.temperature < 0:
-            raise InvalidRequestError("invalid_sampling", "temperature must be >= 0")
+            raise InvalidRequestError(ErrorCode.INVALID_SAMPLING, "temperature must be >= 0")
         if not 0 < s.top_p <= 1:
-            raise InvalidRequestError("invalid_sampling", "top_p must be in (0, 1]")
+            raise InvalidRequestError(ErrorCode.INVALID_SAMPLING, "top_p must be in (0, 1]")
         if s.top_k is not None and s.top_k < 0:
-            raise InvalidRequestError("invalid_sampling", "top_k must be >= 0")
+            raise InvalidRequestError(ErrorCode.INVALID_SAMPLING, "top_k must be >= 0")
         return s
 
     def abort(self, request_id: str) -> bool:

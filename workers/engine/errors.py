@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from schemas.job import ErrorCode
+
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses; `code` is a stable machine-readable error code."""
+    """A request the engine refuses; `code` is the job's ErrorCode (the one set of codes the
+    submission checks, the engine and the stored rows share)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message

@@ -5,8 +5,10 @@ one); chat turns are rendered with the checkpoint's template, which writes its o
 tokens, and encoded without adding them again: the ids transformers' `apply_chat_template`
 gives. A model without a template (the random presets) gets a `role: content` transcript.
 
-`SubmitCheck` runs the engine's context checks at submission, where the model is known, so a
-prompt that cannot fit is that line's `prompt_too_long` at once, not minutes later on a worker.
+The admission checks (`sampling_problem`, `length_problem`) are the engine's and the
+submission's alike, with the same error codes: `SubmitCheck` runs them at submission, where the
+model is known, so a prompt that cannot fit is that line's `prompt_too_long` at once, not minutes
+later on a worker, and LLMEngine.add_request runs them again on the worker.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from schemas.job import ErrorCode, JobRequest
+from schemas.sampling import SamplingParams
 from workers.engine.chat_template import ChatTemplateError
 from workers.engine.config import ModelConfig
 from workers.engine.downloads import resolve_model, unknown_model_message
@@ -65,7 +68,7 @@ def prompt_token_ids(
 ) -> list[int]:
     """The token ids of a job's prompt (text, or (role, content) chat turns).
 
-    Raises InvalidRequestError("chat_template") when the template refuses the turns.
+    Raises InvalidRequestError (invalid_request) when the chat template refuses the turns.
     """
     if prompt is not None:
         return tokenizer.encode(prompt)
@@ -76,8 +79,38 @@ def prompt_token_ids(
     try:
         text = tokenizer.apply_chat_template(turns)
     except ChatTemplateError as exc:
-        raise InvalidRequestError("chat_template", f"chat template: {exc}") from None
+        raise InvalidRequestError(ErrorCode.INVALID_REQUEST, f"chat template: {exc}") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+Problem = tuple[ErrorCode, str]
+
+
+def sampling_problem(sp: SamplingParams, *, vocab_size: int | None) -> Problem | None:
+    """What the model makes of a request's sampling, before its prompt is tokenized (top_k past
+    the vocabulary): None when it can run, else (ErrorCode, message)."""
+    if sp.top_k is not None and vocab_size is not None and sp.top_k > vocab_size:
+        return ErrorCode.INVALID_SAMPLING, f"top_k must be at most the vocabulary ({vocab_size}), or -1 for no cut"
+    return None
+
+
+def length_problem(n: int, sp: SamplingParams, *, max_model_len: int, kv_capacity: int | None = None) -> Problem | None:
+    """Whether a prompt of `n` tokens and its max_tokens fit the context (and the KV cache, when
+    its capacity is given): None when they do, else (ErrorCode, message). In this order: no
+    tokens, the prompt alone past the context, max_tokens alone, both together."""
+    if n == 0:
+        return ErrorCode.INVALID_REQUEST, "the prompt has no tokens"
+    if n >= max_model_len:
+        return ErrorCode.PROMPT_TOO_LONG, f"prompt has {n} tokens; the model's context is {max_model_len}"
+    if sp.max_tokens >= max_model_len:  # (a request that cannot fit the context, as the others below)
+        return (ErrorCode.PROMPT_TOO_LONG,
+                f"max_tokens ({sp.max_tokens}) must be below the model's context ({max_model_len} tokens, prompt included)")
+    if n + sp.max_tokens > max_model_len:
+        return (ErrorCode.PROMPT_TOO_LONG,
+                f"prompt ({n} tokens) + max_tokens ({sp.max_tokens}) exceeds the context ({max_model_len})")
+    if kv_capacity is not None and n + sp.max_tokens > kv_capacity:
+        return ErrorCode.PROMPT_TOO_LONG, f"prompt + max_tokens ({n + sp.max_tokens}) exceeds the KV cache ({kv_capacity} tokens)"
+    return None
 
 
 class SubmitCheck:
@@ -97,32 +130,13 @@ class SubmitCheck:
         mc = _model_config(model)
         return cls(load_tokenizer(model), max_model_len or mc.max_position_embeddings, mc.vocab_size)
 
-    def __call__(self, job: JobRequest) -> tuple[ErrorCode, str] | None:
-        ctx = self.max_model_len
-        max_tokens = job.sampling.max_tokens
-        top_k = job.sampling.top_k
-        if top_k is not None and self.vocab_size is not None and top_k > self.vocab_size:
-            return (
-                ErrorCode.INVALID_SAMPLING,
-                f"top_k must be at most the vocabulary ({self.vocab_size}), or -1 for no cut",
-            )
-        if max_tokens >= ctx:
-            return (
-                ErrorCode.INVALID_SAMPLING,
-                f"max_tokens ({max_tokens}) must be below the model's context ({ctx} tokens, prompt included)",
-            )
+    def __call__(self, job: JobRequest) -> Problem | None:
+        problem = sampling_problem(job.sampling, vocab_size=self.vocab_size)
+        if problem is not None:
+            return problem
         turns = None if job.messages is None else [(m.role, m.content) for m in job.messages]
         try:
             n = len(prompt_token_ids(self.tokenizer, job.prompt, turns))
         except InvalidRequestError as exc:
-            return ErrorCode.INVALID_REQUEST, exc.message
-        if n == 0:
-            return ErrorCode.INVALID_REQUEST, "the prompt has no tokens"
-        if n >= ctx:
-            return ErrorCode.PROMPT_TOO_LONG, f"prompt has {n} tokens; the model's context is {ctx}"
-        if n + max_tokens > ctx:
-            return (
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the context ({ctx})",
-            )
-        return None
+            return exc.code, exc.message
+        return length_problem(n, job.sampling, max_model_len=self.max_model_len)

@@ -109,16 +109,17 @@ def test_eos_stops_unless_ignored(engine):
 @pytest.mark.parametrize(
     "kwargs, code",
     [
-        ({"prompt": ""}, "empty_prompt"),
-        ({"prompt_token_ids": []}, "empty_prompt"),
-        ({"prompt_token_ids": [1, 2, 100000]}, "invalid_prompt"),
+        ({"prompt": ""}, "invalid_request"),
+        ({"prompt_token_ids": []}, "invalid_request"),
+        ({"prompt_token_ids": [1, 2, 100000]}, "invalid_request"),
         ({"prompt_token_ids": [5] * 256}, "prompt_too_long"),
-        ({"prompt_token_ids": [5] * 200, "sampling": {"max_tokens": 100}}, "max_tokens_out_of_range"),
+        ({"prompt_token_ids": [5] * 200, "sampling": {"max_tokens": 100}}, "prompt_too_long"),
+        ({"prompt": "hi", "sampling": {"max_tokens": 256}}, "prompt_too_long"),  # max_tokens past the context alone
         ({"prompt": "hi", "sampling": {"max_tokens": 0}}, "invalid_sampling"),
         ({"prompt": "hi", "sampling": {"temperature": -1}}, "invalid_sampling"),
         ({"prompt": "hi", "sampling": {"top_p": 0}}, "invalid_sampling"),
         ({"prompt": "hi", "sampling": {"top_p": 1.5}}, "invalid_sampling"),
-        ({"prompt": "hi", "sampling": SamplingParams.model_construct(max_tokens=0)}, "max_tokens_out_of_range"),
+        ({"prompt": "hi", "sampling": SamplingParams.model_construct(max_tokens=0)}, "invalid_sampling"),
         ({"prompt": "hi", "sampling": SamplingParams.model_construct(max_tokens=4, temperature=-2.0, top_p=1.0,
                                                                      top_k=None)}, "invalid_sampling"),
     ],
@@ -137,7 +138,7 @@ def test_duplicate_id_rejected(engine):
     engine.add_request("dup", prompt="a", sampling=SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError) as ei:
         engine.add_request("dup", prompt="b")
-    assert ei.value.code == "duplicate_request_id"
+    assert ei.value.code == "duplicate_id"
     drain(engine)
 
 
@@ -165,3 +166,28 @@ def test_timings_and_stats(engine):
     s = engine.stats()
     assert s.running == 0 and s.waiting == 0 and s.kv_blocks_used == 0
     assert s.kv_blocks_free == s.kv_blocks_total
+
+
+@pytest.mark.parametrize("job", [
+    {"prompt": "x" * 300},
+    {"prompt": "hi", "sampling": {"max_tokens": 256}},
+    {"prompt": "x" * 200, "sampling": {"max_tokens": 100}},
+    {"prompt": "hi", "sampling": {"max_tokens": 4, "top_k": 1000}},
+    {"prompt": "fine", "sampling": {"max_tokens": 4}},
+])
+def test_the_submission_check_and_the_engine_refuse_alike(engine, job):
+    """One admission check with one set of codes: what SubmitCheck says at submission is what the
+    engine says on the worker (the same code and message, or both let the job in)."""
+    from schemas.job import JobRequest
+    from workers.engine.prompts import SubmitCheck
+
+    request = JobRequest(id="j", prompt=job["prompt"], sampling=SamplingParams(**job.get("sampling", {})))
+    check = SubmitCheck(engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size)
+    at_submission = check(request)
+    try:
+        engine.add_request("j", prompt=request.prompt, sampling=request.sampling)
+        in_engine = None
+    except InvalidRequestError as exc:
+        in_engine = (exc.code, exc.message)
+    assert at_submission == in_engine
+    drain(engine)
