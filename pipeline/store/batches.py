@@ -24,12 +24,11 @@ from pipeline.store.records import (
 from pipeline.store.rows import (
     NOT_TERMINAL,
     StoreBase,
+    cancelled_row,
     count_rows,
 )
 from pipeline.store.tables import batches, jobs
 from schemas.job import (
-    ErrorCode,
-    FinishReason,
     JobStatus,
 )
 
@@ -190,14 +189,7 @@ class Batches(StoreBase):
             stmt = (
                 update(jobs)
                 .where(jobs.c.batch_id == batch_id, jobs.c.status.in_(NOT_TERMINAL))
-                .values(
-                    status=JobStatus.CANCELLED.value,
-                    finish_reason=FinishReason.ABORT.value,
-                    error_code=ErrorCode.CANCELLED.value,
-                    error_message=reason,
-                    finished_at=now,
-                    updated_at=now,
-                )
+                .values(**cancelled_row(reason, now))
             )
             return count_rows(conn, stmt.returning(jobs.c.id))
 

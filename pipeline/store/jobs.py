@@ -24,6 +24,7 @@ from pipeline.store.records import (
 )
 from pipeline.store.rows import (
     NOT_TERMINAL,
+    cancelled_row,
     count_rows,
     first_by_id,
     job_record,
@@ -32,8 +33,6 @@ from pipeline.store.rows import (
 )
 from pipeline.store.tables import batches, jobs
 from schemas.job import (
-    ErrorCode,
-    FinishReason,
     JobRequest,
     JobResult,
     JobStatus,
@@ -188,14 +187,7 @@ class JobRows(BulkWrites):
         stmt = (
             update(jobs)
             .where(cond)
-            .values(
-                status=JobStatus.CANCELLED.value,
-                finish_reason=FinishReason.ABORT.value,
-                error_code=ErrorCode.CANCELLED.value,
-                error_message=reason,
-                finished_at=now,
-                updated_at=now,
-            )
+            .values(**cancelled_row(reason, now))
         )
         with self.engine.begin() as conn:
             n = count_rows(conn, stmt.returning(jobs.c.id))

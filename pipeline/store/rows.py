@@ -198,6 +198,18 @@ def job_record(row: Row[Any]) -> JobRecord:
     )
 
 
+def cancelled_row(reason: str, now: float) -> dict[str, Any]:
+    """The column values of a job cancelled now (by its owner, or with its batch)."""
+    return {
+        "status": JobStatus.CANCELLED.value,
+        "finish_reason": FinishReason.ABORT.value,
+        "error_code": ErrorCode.CANCELLED.value,
+        "error_message": reason,
+        "finished_at": now,
+        "updated_at": now,
+    }
+
+
 class StoreBase:
     """What every part of ResultStore works with (set by ResultStore.__init__)."""
 

@@ -5,24 +5,11 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 
 from firsttoken.api import create_app
 from pipeline.settings import Settings
-
-
-def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def _value(samples, name: str, **labels: str) -> float:
-    hits = [v for (n, ls), v in samples.items() if n == name and all((k, v_) in ls for k, v_ in labels.items())]
-    assert hits, (name, labels)
-    return sum(hits)
+from tests.prometheus_text import samples as _samples
+from tests.prometheus_text import value as _value
 
 
 def test_api_metrics_show_requests_and_the_backlog(store, queue):

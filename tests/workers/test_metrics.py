@@ -7,25 +7,12 @@ import socket
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from schemas.job import JobRequest
+from tests.prometheus_text import samples as _samples
+from tests.prometheus_text import value as _value
 from tests.workers.conftest import all_committed, jobs, make_engine_tiny, wait_until
 from workers.worker import Worker, WorkerConfig
-
-
-def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def _value(samples, name: str, **labels: str) -> float:
-    hits = [v for (n, ls), v in samples.items() if n == name and all((k, v_) in ls for k, v_ in labels.items())]
-    assert hits, (name, labels)
-    return sum(hits)
 
 
 def test_worker_metrics_count_its_results_and_show_its_engine(queue, store):
