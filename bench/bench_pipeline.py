@@ -158,7 +158,8 @@ def bench_overhead(
 ) -> dict:
     import torch
 
-    from workers.worker import WorkerSettings, build_worker
+    from workers.settings import WorkerSettings
+    from workers.wiring import build_worker
 
     if torch_threads:
         # The tiny model stands in for a GPU engine: intra-op threads only make its steps slower

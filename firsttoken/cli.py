@@ -293,7 +293,8 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
     """A GPU worker without Celery: Kafka intake, engine loop, result sink; SIGTERM drains."""
     import logging
 
-    from workers.worker import WorkerSettings, build_worker, run_until_signalled
+    from workers.settings import WorkerSettings
+    from workers.wiring import build_worker, run_until_signalled
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ws = WorkerSettings.from_args(args)  # every engine flag given, then FIRSTTOKEN_*, then the defaults

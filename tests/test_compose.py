@@ -57,7 +57,7 @@ def test_the_schema_check_catches_a_wrong_field(tmp_path: Path):
 
 def test_every_firsttoken_variable_is_a_setting(services: dict):
     from pipeline.settings import Settings
-    from workers.worker import WorkerSettings
+    from workers.settings import WorkerSettings
 
     known = {f"FIRSTTOKEN_{name.upper()}" for name in {*Settings.model_fields, *WorkerSettings.model_fields}}
     used = {

@@ -46,7 +46,7 @@ class GPUWorkerStep(bootsteps.StartStopStep):
         return _consumes_gpu(w)
 
     def start(self, w: Any) -> None:
-        from workers.worker import build_worker
+        from workers.wiring import build_worker
 
         with _lock:
             if _current["worker"] is not None:

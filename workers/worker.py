@@ -29,33 +29,25 @@ from typing import Any
 
 from pipeline.queue import JobConsumer, Message
 from pipeline.replies import ReplyPublisher, delta_message, final_message
-from pipeline.settings import Settings
 from pipeline.store import ResultStore
 from pipeline.store.records import Admission
 from schemas.job import (
     ErrorCode,
-    FinishReason,
     JobRequest,
     JobResult,
     JobStatus,
-    JobTimings,
-    TokenLogprobs,
-    TopLogprob,
-    Usage,
 )
 from workers.engine import FinishedRequest, LLMEngine
-from workers.engine.outputs import EngineStats, TokenLogprob
+from workers.engine.outputs import EngineStats
 from workers.engine_core import (
     AddRequest,
     CoreOutputs,
     EngineCoreClient,
     InThreadCore,
-    ProcessCore,
-    freeze_startup_heap,
 )
 from workers.intake import Intake, error_code_of
 from workers.metrics import worker_registry
-from workers.settings import WorkerSettings
+from workers.results import finished_result
 from workers.sink import Outcome, ResultSink, SinkConfig
 
 log = logging.getLogger(__name__)
@@ -603,58 +595,17 @@ class Worker:
         return Outcome(result, job, messages)
 
     def _outcome(self, entry: _InFlight, f: FinishedRequest) -> Outcome:
-        t = f.timings
-
-        def wall(mono: float | None) -> float | None:
-            return None if mono is None else entry.admitted_at + (mono - entry.admitted_mono)
-
-        first_mono = entry.first_token_mono if entry.first_token_mono is not None else t.first_token
-        transit_ms = max(0.0, (entry.admitted_at - entry.submitted_at) * 1e3)
-        paused_ms = min(transit_ms, entry.paused_s * 1e3)
-        queue_ms = None
-        if t.first_scheduled is not None:  # back-pressure wait, then the engine's waiting queue
-            queue_ms = paused_ms + max(0.0, (t.first_scheduled - entry.admitted_mono) * 1e3)
-        timings = JobTimings.from_instants(
-            submitted_at=entry.submitted_at,
-            admitted_at=entry.admitted_at,
-            scheduled_at=wall(t.first_scheduled),
-            first_token_at=wall(first_mono),
-            finished_at=wall(t.finished),
-            completion_tokens=f.usage.completion_tokens,
-            engine_ttft_ms=None if first_mono is None else max(0.0, (first_mono - entry.admitted_mono) * 1e3),
-            prefill_ms=t.prefill_ms,
-            tpot_ms=f.tpot_ms,
-            queue_ms=queue_ms,
-            overhead_ms=transit_ms - paused_ms,
+        first_mono = entry.first_token_mono if entry.first_token_mono is not None else f.timings.first_token
+        result = finished_result(
+            entry.request, f, submitted_at=entry.submitted_at, admitted_at=entry.admitted_at,
+            admitted_mono=entry.admitted_mono, paused_s=entry.paused_s, first_token_mono=first_mono,
+            worker=self.name, model=self.model_name,
         )
-        job = entry.request
-        cancelled = f.finish_reason == "abort"
-        if cancelled:
+        if result.status is JobStatus.CANCELLED:
             self.counters.cancelled += 1
         else:
             self.counters.succeeded += 1
-        result = JobResult(
-            id=job.id,
-            batch_id=job.batch_id,
-            status=JobStatus.CANCELLED if cancelled else JobStatus.SUCCEEDED,
-            # NUL is valid output but no Postgres text value may hold it
-            text=f.text.replace("\x00", "\ufffd"),
-            finish_reason=FinishReason(f.finish_reason),
-            usage=Usage(
-                prompt_tokens=f.usage.prompt_tokens,
-                cached_prompt_tokens=min(f.usage.cached_prompt_tokens, f.usage.prompt_tokens),
-                completion_tokens=f.usage.completion_tokens,
-            ),
-            timings=timings,
-            worker=self.name,
-            model=self.model_name,
-            error_code=ErrorCode.CANCELLED if cancelled else None,
-            error_message="cancelled while running" if cancelled else None,
-            logprobs=None if f.logprobs is None else [_token_logprobs(lp, f.token_texts) for lp in f.logprobs],
-            prompt_logprobs=None if f.prompt_logprobs is None else [
-                None if lp is None else _token_logprobs(lp, f.token_texts) for lp in f.prompt_logprobs],
-        )
-        return Outcome(result, job, entry.messages)
+        return Outcome(result, entry.request, entry.messages)
 
     def _hand_back(self) -> None:
         """Drain deadline: abort what still runs; those jobs get no row and stay uncommitted."""
@@ -665,76 +616,3 @@ class Worker:
                 self.core.abort(ids)
         if ids:
             log.info("drain: handing back %d jobs uncommitted", len(ids))
-
-
-def _token_logprobs(lp: TokenLogprob, texts: dict[int, str] | None) -> TokenLogprobs:
-    """The engine's log-probability of a token as the result's, with the tokens' texts."""
-    texts = texts or {}
-    return TokenLogprobs(token=texts.get(lp.token_id, ""), id=lp.token_id, logprob=lp.logprob,
-                         top=[TopLogprob(token=texts.get(t, ""), id=t, logprob=v) for t, v in lp.top])
-
-
-def build_worker(
-    settings: Settings | None = None,
-    worker_settings: WorkerSettings | None = None,
-    *,
-    engine: LLMEngine | None = None,
-    group: str | None = None,
-) -> Worker:
-    """A Worker on Kafka (settings' topic and group) and the settings' database. The model is
-    loaded in the engine's child process (`engine_process`, the default) or here; either way,
-    call this in the worker process after it started, never at import. `engine`: run this
-    LLMEngine on a thread of this process instead."""
-    from pipeline.queue.kafka import KafkaQueue
-    from pipeline.settings import get_settings
-
-    s = settings or get_settings()
-    ws = worker_settings or WorkerSettings()
-    core: LLMEngine | EngineCoreClient
-    if engine is not None:
-        core = engine
-    else:
-        cfg = ws.engine_config()
-        if ws.engine_process:
-            core = ProcessCore(ws.model, cfg, torch_threads=ws.torch_threads)
-        else:
-            if ws.torch_threads:
-                import torch
-
-                torch.set_num_threads(ws.torch_threads)
-            core = LLMEngine(ws.model, cfg)
-    store = ResultStore.from_url(s.database_url, batch_rows=s.store_batch_rows)
-    consumer = KafkaQueue(s).consumer(group)
-    config = WorkerConfig(
-        name=s.worker_name,
-        max_waiting=ws.max_waiting,
-        drain_timeout_s=ws.drain_timeout_s,
-        max_deliveries=ws.max_deliveries or None,
-        max_poll_messages=s.max_poll_records,
-        sink=SinkConfig(batch_rows=s.store_batch_rows, max_buffer=ws.sink_max_buffer),
-    )
-    worker = Worker(core, consumer, store, config, model_name=ws.model, replies=ReplyPublisher(s.redis_url))
-    if ws.metrics_port:
-        worker.serve_metrics(ws.metrics_port)
-    freeze_startup_heap()
-    return worker
-
-
-def run_until_signalled(worker: Worker) -> int:
-    """Start `worker`, and on SIGTERM or SIGINT drain it and return 0 (1 if the engine failed)."""
-    import signal
-
-    stop = threading.Event()
-
-    def _handler(signum: int, _frame: object) -> None:
-        log.info("signal %d: draining", signum)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _handler)
-    worker.start()
-    while not stop.is_set():
-        if worker.wait(0.2):  # the engine loop ended by itself: it failed
-            break
-    worker.stop(drain=True)
-    return 1 if worker.failed_with is not None else 0

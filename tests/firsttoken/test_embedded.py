@@ -382,12 +382,12 @@ def test_run_without_model_answers_with_the_real_model(tmp_path, capsys):
     (["--model", "tiny"], "smollm2-135m", "tiny"),  # --model over the environment
 ])
 def test_worker_model_is_the_real_one_unless_named(monkeypatch, argv, env, expect):
-    import workers.worker
+    import workers.wiring
     from pipeline.settings import get_settings
 
     built = []
-    monkeypatch.setattr(workers.worker, "build_worker", lambda worker_settings: built.append(worker_settings))
-    monkeypatch.setattr(workers.worker, "run_until_signalled", lambda worker: 0)
+    monkeypatch.setattr(workers.wiring, "build_worker", lambda worker_settings: built.append(worker_settings))
+    monkeypatch.setattr(workers.wiring, "run_until_signalled", lambda worker: 0)
     if env is None:
         monkeypatch.delenv("FIRSTTOKEN_MODEL", raising=False)
     else:

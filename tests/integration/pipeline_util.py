@@ -106,8 +106,9 @@ def terminal_count(store: ResultStore, batch_id: str) -> int:
 
 
 def in_process_worker(settings: Settings, engine, name: str):
+    from workers.settings import WorkerSettings
     from workers.sink import SinkConfig
-    from workers.worker import WorkerSettings, build_worker
+    from workers.wiring import build_worker
 
     w = build_worker(
         settings.model_copy(update={"worker_name": name}),

@@ -15,7 +15,8 @@ from schemas.job import ChatMessage, ErrorCode, JobRequest, JobStatus
 from schemas.sampling import SamplingParams
 from tests.workers.conftest import all_committed, jobs, make_engine_tiny, wait_until
 from workers.sink import SinkConfig
-from workers.worker import Worker, WorkerConfig, run_until_signalled
+from workers.wiring import run_until_signalled
+from workers.worker import Worker, WorkerConfig
 
 
 @pytest.fixture(scope="module")
