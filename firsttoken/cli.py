@@ -78,7 +78,7 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
             job = item.job
             base = {"id": job.id, "line": item.line_no}
             sp = job.sampling
-            if "max_tokens" not in sp.model_fields_set:
+            if args.max_tokens is not None and "max_tokens" not in sp.model_fields_set:
                 sp = sp.model_copy(update={"max_tokens": args.max_tokens})
             if "temperature" not in sp.model_fields_set:
                 sp = sp.model_copy(update={"temperature": args.temperature})
@@ -388,7 +388,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate for a JSONL file of {id, prompt} lines, in this process")
     g.add_argument("file", help='JSONL file, one {"id": ..., "prompt": ...} per line')
     _engine_args(g, command in (None, "generate"))
-    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="for lines that do not set max_tokens (default: SamplingParams', 256, as run and submit)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.set_defaults(func=cmd_generate)
 
