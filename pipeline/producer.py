@@ -122,6 +122,10 @@ def message_too_large(job: JobRequest) -> tuple[ErrorCode, str] | None:
     return ErrorCode.TOO_LARGE, f"the job is {size} bytes as a queue message; the limit is {MAX_MESSAGE_BYTES}"
 
 
+class QueueRefused(RuntimeError):
+    """The queue did not take a job (unreachable, or it refused the message)."""
+
+
 class Producer:
     """Submits jobs to `queue` (Kafka or local); records them as queued in `store` when given."""
 
@@ -143,6 +147,22 @@ class Producer:
                 self.queue.publish(stamped)
                 n += len(stamped)
         return n
+
+    def submit_one(self, job: JobRequest) -> bool:
+        """Record one job queued and publish it, stamped now (`job.submitted_at`, the server's
+        clock, set on the job itself). False when its id has a row already: nothing is sent. When
+        the queue refuses it, its row is removed again (the same id may be sent again) and
+        QueueRefused raised (from the queue's error)."""
+        job.submitted_at = time.time()
+        if self.store is not None and not self.store.record_queued([job]):
+            return False
+        try:
+            self.queue.publish([job])
+        except Exception as exc:
+            if self.store is not None:
+                self.store.forget_queued([job.id])
+            raise QueueRefused(type(exc).__name__) from exc
+        return True
 
     def submit_file(
         self,

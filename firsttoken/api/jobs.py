@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -12,6 +11,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from firsttoken.api.deps import ApiError, ApiState, Principal, State, Who, read_body
+from pipeline.producer import Producer, QueueRefused
 from pipeline.store import JobRecord
 from pipeline.store.tables import LATENCY_METRICS
 from schemas.batchfile import BatchLineError, parse_json_object, parse_line
@@ -111,15 +111,13 @@ def job_view(rec: JobRecord) -> JobView:
 def queue_one(state: ApiState, job: JobRequest, custom_id: str | None) -> None:
     """Record and publish one job stamped now; 409 when the caller already has its id, 503 when
     the queue is unreachable (the row is removed: the same id may be sent again)."""
-    job.submitted_at = time.time()  # the server's clock, never the client's
-    if not state.st.record_queued([job]):
-        raise ApiError(409, ErrorCode.DUPLICATE_ID, "you already have a job with this id", job_id=job.id)
     try:
-        state.queue.publish([job])  # type: ignore[union-attr]
-    except Exception as exc:
-        state.st.forget_queued([job.id])
-        log.warning("job %s not queued: %s", job.id, type(exc).__name__)
+        queued = Producer(state.queue, state.st).submit_one(job)  # type: ignore[arg-type]
+    except QueueRefused as exc:
+        log.warning("job %s not queued: %s", job.id, exc)
         raise ApiError(503, "unavailable", "the job queue is unreachable; send the job again") from None
+    if not queued:
+        raise ApiError(409, ErrorCode.DUPLICATE_ID, "you already have a job with this id", job_id=job.id)
 
 
 def job_id_for(who: Principal, custom_id: str | None) -> str:

@@ -538,3 +538,25 @@ def test_files_are_listed_and_deleted_by_their_owner_only(client):
     assert r.status_code == 200 and r.json() == {"id": a1, "object": "file", "deleted": True}
     assert client.get(f"/v1/files/{a1}", headers=ALICE).status_code == 404
     assert a1 not in ids() and a2 in ids() and b1 in ids(headers=BOB) and a2 not in ids(headers=BOB)
+
+
+def test_a_job_the_queue_refuses_is_503_and_leaves_no_row(store):
+    """Producer.submit_one (what POST /v1/jobs and the completions use): the row is recorded, the
+    queue refuses the message, the row goes again, so the same id may be sent again."""
+    class DownQueue(LocalQueue):
+        down = True
+
+        def publish(self, jobs):
+            if self.down:
+                raise ConnectionError("broker unreachable")
+            return super().publish(jobs)
+
+    queue = DownQueue(partitions=1)
+    app = create_app(Settings(api_keys=f"alice:{KEY_A}"), store=store, queue=queue, canceller=None)
+    with TestClient(app) as c:
+        r = c.post("/v1/jobs", json={"id": "q503", "prompt": "hi"}, headers=ALICE)
+        assert r.status_code == 503 and "send the job again" in r.json()["error"]["message"], r.text
+        assert c.get("/v1/jobs/q503", headers=ALICE).status_code == 404  # no row left behind
+        queue.down = False
+        assert c.post("/v1/jobs", json={"id": "q503", "prompt": "hi"}, headers=ALICE).status_code == 202
+        assert c.post("/v1/jobs", json={"id": "q503", "prompt": "hi"}, headers=ALICE).status_code == 409
