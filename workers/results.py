@@ -49,7 +49,7 @@ def finished_result(
         queue_ms=queue_ms,
         overhead_ms=transit_ms - paused_ms,
     )
-    cancelled = f.finish_reason == "abort"
+    cancelled = f.finish_reason == FinishReason.ABORT
     return JobResult(
         id=job.id,
         batch_id=job.batch_id,

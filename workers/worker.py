@@ -33,6 +33,7 @@ from pipeline.store import ResultStore
 from pipeline.store.records import Admission
 from schemas.job import (
     ErrorCode,
+    FinishReason,
     JobRequest,
     JobResult,
     JobStatus,
@@ -546,11 +547,11 @@ class Worker:
                     continue
                 if f.request_id in self._handing_back:
                     self._handing_back.discard(f.request_id)
-                    if f.finish_reason == "abort":  # no result, no commit: the queue delivers it again
+                    if f.finish_reason == FinishReason.ABORT:  # no result, no commit: the queue delivers it again
                         self.counters.handed_back += 1
                         handed_back.append(f.request_id)
                         continue
-                if f.finish_reason == "error":  # it made engine steps fail, alone: it fails, the others go on
+                if f.finish_reason == FinishReason.ERROR:  # it made engine steps fail, alone: it fails, the others go on
                     outcomes.append(self._failure(entry.request, entry.messages, ErrorCode.ENGINE_ERROR,
                                                   f.error or "the engine failed on this job", entry.submitted_at))
                     continue

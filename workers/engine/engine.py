@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from schemas.job import ErrorCode
+from schemas.job import ErrorCode, FinishReason
 from schemas.sampling import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.errors import InvalidRequestError
@@ -183,11 +183,11 @@ class LLMEngine:
         return s
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is and free its blocks; the next step reports it finished ("abort")."""
+        """Stop a request wherever it is and free its blocks; the next step reports it finished (FinishReason.ABORT)."""
         req = self.requests.get(request_id)
         if req is None:
             return False
-        self.scheduler.finish(req, "abort")
+        self.scheduler.finish(req, FinishReason.ABORT)
         self._pending_finished.append(self._finish(req, time.monotonic()))
         return True
 
@@ -259,7 +259,7 @@ class LLMEngine:
             req = live[0]
             log.warning("engine step failed on request %s alone (%s): it fails", req.request_id, what)
             self.scheduler.reset(req)
-            self.scheduler.finish(req, "error")
+            self.scheduler.finish(req, FinishReason.ERROR)
             req.error = f"the engine failed on this request ({what})"
             result.finished.append(self._finish(req, time.monotonic()))
             return
@@ -346,12 +346,12 @@ class LLMEngine:
             elif req.stream:
                 self._stream_delta(req, pos + 1 - req.num_prompt_tokens, result)
 
-    def _check_stop(self, req: Request, tok: int, num_tokens: int) -> str | None:
+    def _check_stop(self, req: Request, tok: int, num_tokens: int) -> FinishReason | None:
         """Why the request stops at `tok`, its token number `num_tokens` (prompt included), if it does."""
         sp = req.sampling
         if tok in sp.stop_token_ids or tok in req.eos_token_ids:
             req.stop_reason = tok
-            return "stop"
+            return FinishReason.STOP
         detok = self._detok.get(req.request_id)
         if detok is not None:
             delta = detok.add(tok)
@@ -363,9 +363,9 @@ class LLMEngine:
                     if pos != -1:
                         req.text = req.text[:pos]
                         req.stop_reason = s
-                        return "stop"
+                        return FinishReason.STOP
         if num_tokens - req.num_prompt_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     @staticmethod
@@ -392,7 +392,7 @@ class LLMEngine:
             request_id=req.request_id,
             output_token_ids=list(out_ids),
             text=text,
-            finish_reason=req.finish_reason or "abort",
+            finish_reason=req.finish_reason or FinishReason.ABORT,
             stop_reason=req.stop_reason,
             usage=Usage(req.num_prompt_tokens, req.num_cached_tokens or 0, len(out_ids)),
             timings=EngineTimings(t.arrival, t.first_scheduled, t.first_token, now),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from schemas.job import FinishReason
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -71,7 +73,7 @@ class FinishedRequest:
     request_id: str
     output_token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason
     stop_reason: int | str | None  # the token id or stop string that ended it
     usage: Usage
     timings: EngineTimings

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from schemas.job import FinishReason
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.sequence import Request, RequestStatus
 
@@ -272,7 +273,7 @@ class Scheduler:
             preempted=preempted,
         )
 
-    def finish(self, req: Request, reason: str) -> None:
+    def finish(self, req: Request, reason: FinishReason) -> None:
         """Take a request out of the scheduler for good and free its blocks."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)

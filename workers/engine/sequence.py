@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.job import FinishReason
 from schemas.sampling import SamplingParams
 
 PENDING_TOKEN = -1  # token_ids placeholder for a token sampled on the device, not yet read back
@@ -53,7 +54,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
     num_indexed_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     error: str | None = None  # why it failed (finish_reason "error")
     fair_rank: int = 0  # among equal priorities, lower first (LLMEngine.add_request's fair_rank)
     stop_reason: int | str | None = None  # the token id or stop string that ended it
