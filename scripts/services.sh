@@ -118,6 +118,8 @@ kafka_write_config() {
   mkdir -p "$KAFKA_DIR/data"
   local pw jaas
   pw=$(credential KAFKA)
+  # the password sits inside a quoted JAAS value: a quote, a backslash or a line break would break it
+  case $pw in *[\"\\]* | *$'\n'* | "") die "FIRSTTOKEN_KAFKA_PASSWORD may not be empty or hold \", \\ or a line break";; esac
   jaas="org.apache.kafka.common.security.plain.PlainLoginModule required username=\"$KAFKA_USER\" password=\"$pw\" user_$KAFKA_USER=\"$pw\";"
   # the password is in this file and the marker: mode 600 both (made anew: an older file kept its mode)
   rm -f "$KAFKA_DIR/server.properties" "$KAFKA_DIR/sasl"

@@ -43,7 +43,9 @@ class BacklogCollector(Collector):
         self._lock = threading.Lock()
         self._last: tuple[float, tuple[dict[JobStatus, int], float | None]] | None = None
 
-    def _backlog(self, store: object) -> tuple[dict[JobStatus, int], float | None] | None:
+    def refresh(self, store: object) -> tuple[dict[JobStatus, int], float | None] | None:
+        """The backlog (and the jobs finished since), read again when the last reading is older
+        than max_age_s; None while another scrape makes the first reading."""
         last = self._last
         if last is not None and time.monotonic() - last[0] < self.max_age_s:
             return last[1]
@@ -65,7 +67,7 @@ class BacklogCollector(Collector):
         store = self.store_of()
         if store is None:
             return
-        backlog = self._backlog(store)
+        backlog = self.refresh(store)
         if backlog is None:
             return
         counts, oldest = backlog
@@ -165,7 +167,7 @@ class ApiMetrics:
         the order it was built: the job histogram would show the reading before last)."""
         store = self.backlog.store_of()
         if store is not None:
-            self.backlog._backlog(store)
+            self.backlog.refresh(store)
         return generate_latest(self.registry)
 
     async def middleware(self, request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

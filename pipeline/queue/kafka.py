@@ -74,7 +74,10 @@ class _NoPasswords(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if self.secrets:
-            message = record.getMessage()
+            try:
+                message = record.getMessage()
+            except Exception:  # a record whose arguments do not fit its format: the handler reports it
+                return True
             if any(secret in message for secret in self.secrets):
                 for secret in self.secrets:
                     message = message.replace(secret, "***")

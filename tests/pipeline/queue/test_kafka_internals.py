@@ -106,3 +106,16 @@ def test_kafka_pythons_internals_are_reached_from_one_module_only():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kafka.net"):
                 offenders.append(f"{path.relative_to(root)}:{node.lineno} from {node.module}")
     assert offenders == []
+
+
+def test_the_password_filter_redacts_and_never_raises_on_a_malformed_record():
+    import logging
+
+    from pipeline.queue.kafka import _NoPasswords
+
+    _NoPasswords.secrets.add("s3cret-for-the-filter-test")
+    f = _NoPasswords()
+    ok = logging.LogRecord("kafka.net.connection", logging.DEBUG, __file__, 1, "auth %s", ("x s3cret-for-the-filter-test",), None)
+    assert f.filter(ok) and ok.getMessage() == "auth x ***"
+    bad = logging.LogRecord("kafka.net.connection", logging.DEBUG, __file__, 1, "two %s %s", ("one",), None)
+    assert f.filter(bad)  # left for the handler to report, not raised into kafka-python's call
