@@ -40,9 +40,11 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import header, md_table, write_report
+from bench.common import header, load_floor_s, md_table, measure_ceilings, write_report
 from schemas.sampling import SamplingParams
 from workers.engine import EngineConfig, LLMEngine
 from workers.engine.presets import PRESETS
@@ -330,6 +332,10 @@ def main() -> None:
     cfg = EngineConfig(device=args.device, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                        max_model_len=args.max_prompt + 512,
                        tpot_target_ms=30.0 if args.core == "inline" else core_target, **extra)
+    # the GPU's ceilings, measured before the engine takes its memory: each probe's floor (what a
+    # perfect engine would need of the device for that workload) is counted at them
+    ceil = measure_ceilings(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    print(f"# ceilings {ceil}", flush=True)
     engine: LLMEngine | None = None
     core: ProcessCore | None = None
     trace: StepTrace | None = None
@@ -345,7 +351,11 @@ def main() -> None:
         device = str(engine.runner.device)
         trace = StepTrace(engine)
     cuda = device.startswith("cuda")
-    data: dict[str, Any] = {**header(), "bench": "load", "preset": args.preset, "quantization": args.quantization,
+    mc = PRESETS[args.preset] if core is not None else engine.model_config  # type: ignore[union-attr]
+    fp8 = args.quantization == "fp8"
+    floor_rates = (ceil["bf16_matmul_tflops"] * 1e12, ceil["copy_gbps"] * 1e9, 1 if args.kv_cache_dtype == "fp8" else 2,
+                   ceil.get("fp8_matmul_tflops", ceil["bf16_matmul_tflops"]) * 1e12 if fp8 else None)
+    data: dict[str, Any] = {**header(), "bench": "load", "ceilings": ceil, "preset": args.preset, "quantization": args.quantization,
                             "kv_cache_dtype": args.kv_cache_dtype, "core": args.core,
                             "step_timing": "device (CUDA events)" if cuda else "host", "engine_config": {
                                 "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
@@ -371,9 +381,14 @@ def main() -> None:
             r = run_rate(engine, reqs, give_up, tag=tag)  # type: ignore[arg-type]
         row = summarize(r, target, rate, slo)
         row["probe"] = n_probe[0]
+        # the share of the probe's duration a perfect engine would keep the device busy: at 1 or more
+        # no schedule keeps the queues bounded; rate / floor_util is the rate at which it reaches 1
+        util = load_floor_s(mc, reqs, floor_rates[0], floor_rates[1], floor_rates[2], floor_rates[3],
+                            cfg.block_size) / args.duration
+        row["floor_util"], row["capacity_rps"] = util, rate / util
         print(f"# {row['tpot_target']} @ {rate} req/s: ttft p50/p99 {row['ttft_p50']}/{row['ttft_p99']} ms, "
               f"tpot p50/p99 {row['tpot_p50']}/{row['tpot_p99']} ms, gave_up {row['gave_up']}, "
-              f"model err {row['model_err']}", flush=True)
+              f"model err {row['model_err']}, floor utilisation {util:.2f}", flush=True)
         return row
 
     rows: list[dict[str, Any]] = []
@@ -404,7 +419,7 @@ def main() -> None:
     else:
         engine.close()  # type: ignore[union-attr]
     cols = ["tpot_target", "rate", "requests", "gave_up", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99",
-            "out_tok_s", "goodput_rps", "slo_met", "model_err"]
+            "out_tok_s", "goodput_rps", "slo_met", "model_err", "floor_util", "capacity_rps"]
     if args.goodput:
         cols.insert(0, "limits")
     md = md_table(rows, cols)

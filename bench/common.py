@@ -123,6 +123,39 @@ def throughput_floor_s(cfg: ModelConfig, lens_in: list[int], lens_out: list[int]
     return seconds + kv_bytes(cfg, kv_tokens, kv_dtype_bytes) / bw
 
 
+def load_floor_s(cfg: ModelConfig, reqs: list[tuple[float, list[int], int]], rate: float, bw: float,
+                 kv_dtype_bytes: int = 2, linear_rate: float | None = None, block_size: int = 16) -> float:
+    """Device seconds no engine can beat for an online workload of (arrival, prompt ids, output
+    tokens) requests: `throughput_floor_s`'s count (FLOPs at `rate`, the projections' at
+    `linear_rate`; every decode's KV read at `bw`), with each prompt's prefill reduced by the
+    full blocks a perfect prefix cache holds from the requests before it (a block is cached once
+    an earlier prompt had the same tokens up to its end; at least the last token is computed).
+    Weight reads are left out (under compute in mixed steps), so it is a lower bound.
+
+    floor / duration is the utilisation a perfect engine would have at that load: at 1 or more
+    the offered load exceeds the GPU and every queue grows whatever the schedule."""
+    seen: set[int] = set()
+    seconds, kv_tokens = 0.0, 0.0
+    per_token_linear = 2 * linear_params(cfg)
+    per_ctx = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers  # attention FLOPs per (query, key) pair
+    for _arrival, ids, n_out in reqs:
+        n_in, h, cached = len(ids), 0, 0
+        hit = True
+        for b in range(n_in // block_size):
+            h = hash((h, tuple(ids[b * block_size : (b + 1) * block_size])))
+            if hit and h in seen and (b + 1) * block_size < n_in:
+                cached = (b + 1) * block_size
+            else:
+                hit = False
+            seen.add(h)
+        seconds += prefill_compute_s(cfg, n_in - cached, cached, rate, linear_rate)
+        ctx = (n_out - 1) * n_in + (n_out - 1) * n_out / 2  # keys the decodes read, summed
+        kv_tokens += ctx
+        rest = (n_out - 1) * 2 * cfg.hidden_size * cfg.vocab_size + per_ctx * ctx
+        seconds += (n_out - 1) * per_token_linear / (linear_rate or rate) + rest / rate
+    return seconds + kv_bytes(cfg, int(kv_tokens), kv_dtype_bytes) / bw
+
+
 def git_commit() -> str:
     """FIRSTTOKEN_COMMIT when set (a device copy's git metadata can be stale), else git's HEAD."""
     if os.environ.get("FIRSTTOKEN_COMMIT"):

@@ -96,6 +96,36 @@ def test_bench_load_probes_share_the_prefixes_and_nothing_else():
     assert not full(a) & full(b)
 
 
+def test_the_load_floor_counts_prefix_hits_and_grows_with_the_load():
+    """load_floor_s: a prompt that repeats an earlier one's full blocks computes only the rest
+    (its last token at least); twice the requests, twice the floor; an fp8 KV cache and FP8
+    projections lower it."""
+    from bench.common import load_floor_s, prefill_compute_s
+    from workers.engine.presets import PRESETS
+
+    cfg = PRESETS["llama3-8b"]
+    rate, bw = 700e12, 4.27e12
+    a = list(range(100, 164))  # 4 blocks of 16
+    alone = load_floor_s(cfg, [(0.0, a, 1)], rate, bw)
+    assert alone == pytest.approx(prefill_compute_s(cfg, 64, 0, rate))
+    # the same prompt again: 3 blocks cached (the last block holds the token that is computed)
+    again = load_floor_s(cfg, [(0.0, a, 1), (1.0, a, 1)], rate, bw) - alone
+    assert again == pytest.approx(prefill_compute_s(cfg, 16, 48, rate))
+    # a shared first block, then different tokens: only the first block is cached
+    b = a[:16] + list(range(500, 548))
+    assert load_floor_s(cfg, [(0.0, a, 1), (1.0, b, 1)], rate, bw) - alone == pytest.approx(
+        prefill_compute_s(cfg, 48, 16, rate))
+    # decodes read the KV cache: 8 output tokens cost more than 1
+    assert load_floor_s(cfg, [(0.0, a, 8)], rate, bw) > alone
+    from bench.bench_load import workload
+
+    w1 = workload(8, 10, 1000, 0, draw=1, prefix_len=32, prompt_range=(48, 96))
+    w2 = workload(16, 10, 1000, 0, draw=1, prefix_len=32, prompt_range=(48, 96))
+    f1, f2 = (load_floor_s(cfg, w, rate, bw) for w in (w1, w2))
+    assert 1.5 < f2 / f1 < 2.5
+    assert load_floor_s(cfg, w2, rate, bw, kv_dtype_bytes=1, linear_rate=2 * rate) < 0.6 * f2
+
+
 def test_bench_load_goodput_through_the_engine_core_process_on_cpu(tmp_path):
     _run(["bench/bench_load.py", "--device", "cpu", "--preset", "tiny", "--goodput", "--duration", "2",
           "--max-prompt", "256", "--search-rates", "2,4", "--search-steps", "0", "--core", "process"], tmp_path)
