@@ -105,7 +105,7 @@ class StepTrace:
     engine feeds the model those) and what the model predicted for it just before, so a model can
     be judged again offline (bench/fit_cost_model.py) on the steps the H200 ran."""
 
-    PATHS: ClassVar[dict[str, int]] = {"decode_graph": 0, "prefill_graph": 1, "eager": 2}
+    PATHS: ClassVar[dict[str, int]] = {"decode_graph": 0, "prefill_graph": 1, "eager": 2, "mixed_graph": 3}
 
     def __init__(self, engine: LLMEngine) -> None:
         self.rows: list[list] = []  # per step: probe, path, prompt tokens, decodes, context, pairs, us, predicted us
@@ -316,6 +316,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--prefill-graph-max-tokens", type=int, default=None, help="EngineConfig's (mixed steps replayed)")
     ap.add_argument("--prefill-graph-max-seqs", type=int, default=None, help="EngineConfig's")
+    ap.add_argument("--mixed-graph-max-tokens", type=int, default=None, help="EngineConfig's (0: mixed steps eager)")
     ap.add_argument("--core", default="inline", choices=["inline", "process"],
                     help="process: through the worker's engine core in its own process (one TPOT target only)")
     ap.add_argument("--seed", type=int, default=0)
@@ -324,7 +325,8 @@ def main() -> None:
     extra = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
                                ("max_num_seqs", args.max_num_seqs),
                                ("prefill_graph_max_tokens", args.prefill_graph_max_tokens),
-                               ("prefill_graph_max_seqs", args.prefill_graph_max_seqs)) if v is not None}
+                               ("prefill_graph_max_seqs", args.prefill_graph_max_seqs),
+                               ("mixed_graph_max_tokens", args.mixed_graph_max_tokens)) if v is not None}
     targets = [t for t in (args.goodput_targets if args.goodput else args.tpot_targets).split(",") if t != "skip"]
     core_target = None if targets[0] == "none" else float(targets[0])
     if args.core == "process" and len(set(targets)) > 1:
@@ -360,7 +362,9 @@ def main() -> None:
                             "step_timing": "device (CUDA events)" if cuda else "host", "engine_config": {
                                 "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
                                 "prefill_graph_max_tokens": cfg.prefill_graph_max_tokens,
-                                "prefill_graph_max_seqs": cfg.prefill_graph_max_seqs},
+                                "prefill_graph_max_seqs": cfg.prefill_graph_max_seqs,
+                                "mixed_graph_max_tokens": cfg.mixed_graph_max_tokens,
+                                "mixed_graph_max_prefills": cfg.mixed_graph_max_prefills},
                             "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}, "rates": []}
     if core is not None:
         core_warm_up(core, args.max_prompt)
@@ -385,7 +389,7 @@ def main() -> None:
         # no schedule keeps the queues bounded; rate / floor_util is the rate at which it reaches 1
         util = load_floor_s(mc, reqs, floor_rates[0], floor_rates[1], floor_rates[2], floor_rates[3],
                             cfg.block_size) / args.duration
-        row["floor_util"], row["capacity_rps"] = util, rate / util
+        row["floor_util"], row["capacity_rps"] = util, rate / util if util > 0 else None
         print(f"# {row['tpot_target']} @ {rate} req/s: ttft p50/p99 {row['ttft_p50']}/{row['ttft_p99']} ms, "
               f"tpot p50/p99 {row['tpot_p50']}/{row['tpot_p99']} ms, gave_up {row['gave_up']}, "
               f"model err {row['model_err']}, floor utilisation {util:.2f}", flush=True)
@@ -414,6 +418,8 @@ def main() -> None:
             for rate in (float(r) for r in args.rates.split(",")):
                 rows.append(probe(rate, (args.ttft_slo_ms, args.tpot_slo_ms), target))
     data["rates"] = rows
+    if engine is not None:
+        data["path_steps"] = dict(engine.runner.path_steps)  # steps per path over the whole run
     if core is not None:
         core.stop()
     else:
@@ -429,9 +435,11 @@ def main() -> None:
     name = (f"bench_load_{args.preset}{'_' + args.quantization if args.quantization else ''}"
             f"{'_core' if core is not None else ''}{'_goodput' if args.goodput else ''}"
             f"{'_t' + targets[0] if args.goodput and targets and targets[0] != 'none' else ''}"
-            f"{f'_pg{cfg.prefill_graph_max_seqs}x{cfg.prefill_graph_max_tokens}' if 'prefill_graph_max_seqs' in extra else ''}")
+            f"{f'_pg{cfg.prefill_graph_max_seqs}x{cfg.prefill_graph_max_tokens}' if 'prefill_graph_max_seqs' in extra else ''}"
+            f"{f'_mg{cfg.mixed_graph_max_tokens}' if 'mixed_graph_max_tokens' in extra else ''}"
+            f"{f'_bt{cfg.max_num_batched_tokens}' if 'max_num_batched_tokens' in extra else ''}")
     if trace is not None and os.environ.get("OUT"):
-        cols_t = ["probe", "path (0 decode graph, 1 prefill graph, 2 eager)", "prefill_tokens", "decodes",
+        cols_t = ["probe", "path (0 decode graph, 1 prefill graph, 2 eager, 3 mixed graph)", "prefill_tokens", "decodes",
                   "decode_context", "prefill_pairs", "device_us", "predicted_us"]
         Path(os.environ["OUT"], f"{name}_steps.json").write_text(
             json.dumps({"commit": data.get("commit"), "columns": cols_t, "steps": trace.rows}))

@@ -186,6 +186,11 @@ class EngineConfig:
     # dominates them); larger steps run eagerly
     prefill_graph_max_tokens: int = 1024
     prefill_graph_max_seqs: int = 16
+    # steps of decodes (any number up to cuda_graph_max_batch) beside at most mixed_graph_max_prefills
+    # prompt chunks of at most mixed_graph_max_tokens tokens in all replay a mixed graph (decodes
+    # through the decode kernel, the chunks through the prefill kernel); 0: such steps run eagerly
+    mixed_graph_max_tokens: int = 2048
+    mixed_graph_max_prefills: int = 8
     # one uncached prompt of at least this many tokens uses dense causal attention (CUDA); None: never
     dense_prefill_min_tokens: int | None = 1025
     # overlap the host's work for the next step (schedule, inputs, post-processing) with the
@@ -240,5 +245,7 @@ class EngineConfig:
                 raise ValueError("fp8_act_group must equal fp8_weight_group (the GEMM's K step serves both)")
             if self.fp8_act_group < 16 or self.fp8_act_group & (self.fp8_act_group - 1):
                 raise ValueError("fp8_act_group must be a power of two >= 16")
+        if self.mixed_graph_max_tokens < 0 or self.mixed_graph_max_prefills < 1:
+            raise ValueError("mixed_graph_max_tokens must be >= 0 and mixed_graph_max_prefills >= 1")
         if self.quantization not in (None, "fp8"):
             raise ValueError("quantization must be None or 'fp8'")

@@ -277,3 +277,179 @@ class PrefillGraphs:
         g, logits = self.graphs[(t, splits)]
         g.replay()
         return logits[: len(logit_rows)]
+
+
+def mixed_decode_buckets(max_decodes: int) -> list[int]:
+    """Decode rows of the mixed graphs: powers of two from 16 up to max_decodes (itself included).
+    Coarser than the decode graphs' buckets: a padded decode row costs one row of each GEMM (free
+    beside a prompt chunk) and a one-block attention read."""
+    out, b = [], 16
+    while b < max_decodes:
+        out.append(b)
+        b *= 2
+    out.append(max_decodes)
+    return out
+
+
+def mixed_token_buckets(max_tokens: int) -> list[int]:
+    """Prompt-token rows of the mixed graphs: powers of two from 64 up to max_tokens (itself included)."""
+    out, b = [], 64
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    out.append(max_tokens)
+    return out
+
+
+class MixedGraphs:
+    """Captured mixed steps: many decodes beside a few prompt chunks, as a server runs under load.
+
+    A graph per (decode bucket, prompt-token bucket, prefill splits) holds `db` decode rows, which
+    go through the decode kernel (one query per sequence, the grouped heads in one tile), then `t`
+    prompt-token rows of at most `max_prefills` chunks through the varlen prefill kernel. Padded
+    decode rows attend to the scratch block and write to its slot; padded prompt rows belong to no
+    chunk. The graph ends at the sampled rows' hidden states: the final norm and lm_head run after
+    it, eagerly (three kernels), so that no graph keeps a [rows, vocab] logits buffer of its own.
+
+    Without graphs such a step launches ~500 kernels from the host (~15 ms on the H200 beside ~60
+    decodes: bench/results/2026-12-01-load-h200-session2.md), longer than its GPU work unless the
+    chunk is large.
+    """
+
+    def __init__(self, runner: ModelRunner, max_decodes: int, max_tokens: int, max_prefills: int) -> None:
+        self.runner = runner
+        self.decode_buckets = mixed_decode_buckets(max_decodes)
+        self.token_buckets = mixed_token_buckets(max_tokens)
+        self.max_prefills = max_prefills
+        dev = runner.device
+        d_max, t_max = self.decode_buckets[-1], self.token_buckets[-1]
+        rows = d_max + t_max
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((rows,), runner.pad_slot, dtype=torch.int64, device=dev)
+        w = runner.max_blocks_per_seq
+        self.decode_tables = torch.full((d_max, w), runner.num_blocks, dtype=torch.int32, device=dev)
+        self.decode_seq_lens = torch.ones(d_max, dtype=torch.int32, device=dev)
+        self.prefill_tables = torch.full((max_prefills, w), runner.num_blocks, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.zeros(max_prefills + 1, dtype=torch.int32, device=dev)
+        self.prefill_seq_lens = torch.zeros(max_prefills, dtype=torch.int32, device=dev)
+        self.sample_rows = torch.zeros(d_max + max_prefills, dtype=torch.int64, device=dev)
+        # (decode bucket, token bucket, prefill splits) -> (graph, (hidden, residual) of the sampled rows)
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.split_of: dict[int, int] = {}  # token bucket -> prefill splits of its worst-case graph
+        self.decode_splits: dict[int, int | None] = {}  # decode bucket -> its flash-decoding splits
+        self.last_key: tuple[int, int, int] | None = None  # the last replayed graph (diagnostics, tests)
+
+    def fits(self, out: SchedulerOutput) -> bool:
+        nd = out.num_decodes
+        prefills = len(out.scheduled) - nd
+        return (0 < nd <= self.decode_buckets[-1] and 0 < prefills <= self.max_prefills
+                and out.num_batched_tokens - nd <= self.token_buckets[-1])
+
+    def close(self) -> None:
+        """Free the captured graphs and the static buffers."""
+        _close_graphs(self)  # type: ignore[arg-type]
+
+    def _prefill_splits(self, t: int, ctx_bound: int) -> int:
+        r = self.runner
+        return r.ops.prefill_splits(r.dtype, r.model_config.num_heads, r.kv_caches[0][0], self.max_prefills, t, t,
+                                    ctx_bound, None)
+
+    def forward(self, db: int, t: int, prefill_splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured work of graph (db, t): the model over the static inputs' first db + t rows,
+        then the sampled rows' (hidden, residual)."""
+        r = self.runner
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[: db + t],
+            num_decodes=db,
+            num_decode_tokens=db,
+            decode_block_tables=self.decode_tables[:db],
+            decode_seq_lens=self.decode_seq_lens[:db],
+            prefill_block_tables=self.prefill_tables,
+            prefill_query_start_loc=self.query_start_loc,
+            prefill_seq_lens=self.prefill_seq_lens,
+            prefill_max_query_len=t,
+            decode_num_splits=self.decode_splits.get(db),
+            prefill_num_splits=prefill_splits,
+        )
+        hidden, residual = r.model(self.input_ids[: db + t], self.positions[: db + t], r.cos_sin, r.kv_caches, meta)
+        rows = self.sample_rows[: db + self.max_prefills]
+        return hidden[rows], residual[rows]
+
+    @torch.inference_mode()
+    def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
+        """Per (decode bucket, token bucket): a graph whose prefill attention splits the key range
+        as the worst-case context needs, and, where that splits, one that does not."""
+        r = self.runner
+        worst = r.max_blocks_per_seq * r.block_size
+        for db in self.decode_buckets:
+            self.decode_splits[db] = r.decode_num_splits(db)
+        for t in reversed(self.token_buckets):
+            self.split_of[t] = self._prefill_splits(t, worst)
+        for db in reversed(self.decode_buckets):
+            for t in reversed(self.token_buckets):
+                # warm-up inputs: scratch decodes, then one chunk holding every prompt row
+                self.query_start_loc.fill_(t)
+                self.query_start_loc[0] = 0
+                self.prefill_seq_lens.zero_()
+                self.prefill_seq_lens[0] = t
+                for splits in sorted({self.split_of[t], 1}, reverse=True):
+                    for _ in range(2):
+                        self.forward(db, t, splits)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool, stream=stream):
+                        outs = self.forward(db, t, splits)
+                    self.graphs[(db, t, splits)] = (g, outs)
+
+    def load(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> tuple[int, int, int, int]:
+        """Write the step into the static inputs in the graphs' layout: returns (decode bucket,
+        token bucket, prefill splits for its contexts, sampled rows)."""
+        r = self.runner
+        ids, positions, slots, tables, cu, seq_lens, logit_rows = r.host_inputs(out)
+        nd = out.num_decodes
+        n_p = len(ids) - nd  # prompt rows
+        s_p = len(seq_lens) - nd  # prompt chunks
+        db = next(x for x in self.decode_buckets if x >= nd)
+        t = next(x for x in self.token_buckets if x >= n_p)
+        rows = db + t
+
+        def padded(src: np.ndarray, fill: int) -> torch.Tensor:
+            a = np.full(rows, fill, dtype=np.int64)
+            a[:nd] = src[:nd]
+            a[db : db + n_p] = src[nd:]
+            return torch.from_numpy(a)
+
+        self.input_ids[:rows].copy_(padded(ids, 0), non_blocking=True)
+        r.fill_pending(self.input_ids, pending)  # decodes are the first rows in both layouts
+        self.positions[:rows].copy_(padded(positions, 0), non_blocking=True)
+        self.slot_mapping[:rows].copy_(padded(slots, r.pad_slot), non_blocking=True)
+        w = tables.shape[1]
+        dt = np.full((db, w), r.num_blocks, dtype=np.int32)
+        dt[:nd] = tables[:nd]
+        self.decode_tables[:db, :w].copy_(torch.from_numpy(dt), non_blocking=True)
+        ds = np.ones(db, dtype=np.int32)
+        ds[:nd] = seq_lens[:nd]
+        self.decode_seq_lens[:db].copy_(torch.from_numpy(ds), non_blocking=True)
+        self.prefill_tables[:s_p, :w].copy_(torch.from_numpy(np.ascontiguousarray(tables[nd:])), non_blocking=True)
+        q = np.full(self.max_prefills + 1, n_p, dtype=np.int32)
+        q[: s_p + 1] = cu[nd:] - cu[nd]
+        self.query_start_loc.copy_(torch.from_numpy(q), non_blocking=True)
+        sl = np.zeros(self.max_prefills, dtype=np.int32)
+        sl[:s_p] = seq_lens[nd:]
+        self.prefill_seq_lens.copy_(torch.from_numpy(sl), non_blocking=True)
+        # a sampled row's place in the graph's layout: decode rows stay, prompt rows move by db - nd
+        sr = np.zeros(db + self.max_prefills, dtype=np.int64)
+        sr[: len(logit_rows)] = np.where(logit_rows < nd, logit_rows, logit_rows + (db - nd))
+        self.sample_rows[: len(sr)].copy_(torch.from_numpy(sr), non_blocking=True)
+        splits = self.split_of.get(t, 1)
+        if splits > 1 and s_p and self._prefill_splits(t, int(seq_lens[nd:].max())) == 1:
+            splits = 1
+        return db, t, splits, len(logit_rows)
+
+    def run(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the smallest graph that holds the step; returns the sampled rows' (hidden, residual)."""
+        db, t, splits, n = self.load(out, pending)
+        self.last_key = (db, t, splits)
+        g, (hidden, residual) = self.graphs[(db, t, splits)]
+        g.replay()
+        return hidden[:n], residual[:n]

@@ -78,7 +78,8 @@ class LLMEngine:
         # a TPOT target sizes each step from a cost model of measured steps (workers/engine/slo.py)
         self.slo = (
             None if c.tpot_target_ms is None else SloBudget(c.tpot_target_ms / 1e3, c.max_num_batched_tokens,
-                                                            prefill_graph=self.runner.prefill_graph_limits)
+                                                            prefill_graph=self.runner.prefill_graph_limits,
+                                                            mixed_graph=self.runner.mixed_graph_limits)
         )
         self._last_done = 0.0
         self.scheduler = Scheduler(

@@ -15,7 +15,7 @@ import torch
 from kernels.ops import KernelOps, get_ops
 from workers.engine.attention import AttentionMetadata
 from workers.engine.config import EngineConfig, ModelConfig
-from workers.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_graphs
+from workers.engine.cuda_graphs import DecodeGraphs, MixedGraphs, PrefillGraphs, capture_graphs
 from workers.engine.downloads import resolve_model, unknown_model_message
 from workers.engine.errors import CheckpointError
 from workers.engine.loader import load_checkpoint, random_model, resolve_dtype
@@ -162,9 +162,11 @@ class ModelRunner:
         self.dense_prefill_min_tokens = config.dense_prefill_min_tokens if self.device.type == "cuda" else None
         self.sampler = Sampler(self.device, config.seed)
         self._generators: dict[str, torch.Generator] = {}
-        self.last_path = ""  # how the last step ran: decode_graph, prefill_graph or eager (diagnostics)
+        self.last_path = ""  # how the last step ran: decode_graph, prefill_graph, mixed_graph or eager
+        self.path_steps: dict[str, int] = {}  # steps run on each path (diagnostics, benchmarks)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         if self.device.type == "cuda":
             self._warm_up()
         if config.cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton":
@@ -172,7 +174,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, max_bs)
             max_t = min(config.prefill_graph_max_tokens, config.max_num_batched_tokens)
             self.prefill_graphs = PrefillGraphs(self, max_t, min(config.prefill_graph_max_seqs, config.max_num_seqs))
-            capture_graphs(self.graphs, self.prefill_graphs)
+            mixed_t = min(config.mixed_graph_max_tokens, config.max_num_batched_tokens)
+            if mixed_t > 0 and max_bs > 1:
+                self.mixed_graphs = MixedGraphs(self, max_bs, mixed_t, min(config.mixed_graph_max_prefills,
+                                                                            config.max_num_seqs))
+            capture_graphs(*(g for g in (self.graphs, self.prefill_graphs, self.mixed_graphs) if g is not None))
         if self.dense_prefill_min_tokens is not None:
             self._warm_dense_attention()
 
@@ -359,10 +365,10 @@ class ModelRunner:
         if self.closed:
             return
         self.closed = True
-        for graphs in (self.graphs, self.prefill_graphs):
+        for graphs in (self.graphs, self.prefill_graphs, self.mixed_graphs):
             if graphs is not None:
                 graphs.close()
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.prefill_graphs = self.mixed_graphs = None
         self.kv_caches = []
         self.cos_sin = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]
@@ -382,6 +388,13 @@ class ModelRunner:
         """(tokens, sequences) up to which a mixed step replays a prefill graph; None: no graphs."""
         pg = self.prefill_graphs
         return None if pg is None else (pg.buckets[-1], pg.max_seqs)
+
+    @property
+    def mixed_graph_limits(self) -> tuple[int, int, int] | None:
+        """(prompt tokens, prompt chunks, decodes) up to which decodes beside prompt chunks replay a
+        mixed graph; None: no mixed graphs."""
+        mg = self.mixed_graphs
+        return None if mg is None else (mg.token_buckets[-1], mg.max_prefills, mg.decode_buckets[-1])
 
     def pending_inputs(self, out: SchedulerOutput, prev: SampledTokens | None) -> PendingInputs | None:
         """Decode inputs that are tokens the previous step sampled but the host has not read yet."""
@@ -419,6 +432,12 @@ class ModelRunner:
         return sampled
 
     def _execute(self, out: SchedulerOutput, prev: SampledTokens | None) -> SampledTokens:
+        try:
+            return self._run_step(out, prev)
+        finally:
+            self.path_steps[self.last_path] = self.path_steps.get(self.last_path, 0) + 1
+
+    def _run_step(self, out: SchedulerOutput, prev: SampledTokens | None) -> SampledTokens:
         sampling_reqs = [e.request for e in out.scheduled if e.samples]
         n_seq = len(out.scheduled)
         pending = self.pending_inputs(out, prev)
@@ -430,6 +449,10 @@ class ModelRunner:
         elif not plan and self.prefill_graphs is not None and self.prefill_graphs.fits(out.num_batched_tokens, n_seq):
             self.last_path = "prefill_graph"
             logits = self.prefill_graphs.run(out, pending)
+        elif not plan and self.mixed_graphs is not None and self.mixed_graphs.fits(out):
+            self.last_path = "mixed_graph"
+            hidden, residual = self.mixed_graphs.run(out, pending)
+            logits = self.model.compute_logits(hidden, residual)
         else:  # (a step that scores prompt tokens runs eagerly: the graphs keep logits of sampled rows only)
             self.last_path = "eager"
             input_ids, positions, meta, logit_rows = self.prepare(out)

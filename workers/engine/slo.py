@@ -40,10 +40,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PATHS = ("decode_graph", "prefill_graph", "eager")  # how the runner runs a step (ModelRunner.last_path)
+PATHS = ("decode_graph", "prefill_graph", "eager", "mixed_graph")  # how the runner runs a step (ModelRunner.last_path)
 # features, each scaled to be of order 1 on an 8B model's steps: 1, prompt tokens / 1e3, decodes / 1e2,
-# KV tokens the decodes read / 1e5, query-key pairs of the prompt chunks / 1e7, prefill graph, eager
-_N = 7
+# KV tokens the decodes read / 1e5, query-key pairs of the prompt chunks / 1e7, prefill graph, eager,
+# mixed graph
+_N = 8
 _SCALE = (1.0, 1e-3, 1e-2, 1e-5, 1e-7)
 
 
@@ -55,7 +56,7 @@ class StepShape:
     decodes: int = 0  # decoding sequences, one token each
     decode_context: int = 0  # KV tokens the decodes attend to (the sum of their contexts)
     prefill_pairs: int = 0  # query-key pairs of the prompt chunks' causal attention
-    path: str = "eager"  # decode_graph, prefill_graph or eager
+    path: str = "eager"  # decode_graph, prefill_graph, mixed_graph or eager
 
     @classmethod
     def of(cls, scheduled: list, num_decodes: int, path: str) -> StepShape:
@@ -71,7 +72,8 @@ class StepShape:
     def features(self) -> np.ndarray:
         return np.array((1.0, self.prefill_tokens * _SCALE[1], self.decodes * _SCALE[2],
                          self.decode_context * _SCALE[3], self.prefill_pairs * _SCALE[4],
-                         float(self.path == "prefill_graph"), float(self.path == "eager")))
+                         float(self.path == "prefill_graph"), float(self.path == "eager"),
+                         float(self.path == "mixed_graph")))
 
 
 class StepCostModel:
@@ -134,7 +136,7 @@ class StepCostModel:
 
     def fixed_cost(self, path: str = "eager") -> float:
         """The per-step cost on `path` that does not depend on the work, never below 0."""
-        extra = {"prefill_graph": self.theta[5], "eager": self.theta[6]}.get(path, 0.0)
+        extra = {"prefill_graph": self.theta[5], "eager": self.theta[6], "mixed_graph": self.theta[7]}.get(path, 0.0)
         return max(0.0, float(self.theta[0] + extra) / 1e3)
 
     @property
@@ -162,6 +164,7 @@ class StepCostModel:
         """The fit, for reports: ms, us and ns per unit."""
         t = self.theta
         return {"fixed_ms": float(t[0]), "prefill_graph_ms": float(t[5]), "eager_ms": float(t[6]),
+                "mixed_graph_ms": float(t[7]),
                 "per_token_us": float(t[1]), "per_decode_us": float(t[2] * 10), "per_context_ns": float(t[3] * 10),
                 "per_pair_ps": float(t[4] * 100)}
 
@@ -175,7 +178,9 @@ class SloBudget:
     `warmup_steps`: steps measured before the model is trusted (until then: the full budget);
     `max_starve_s`: how long steps may use all of the target's prefill share before it grows
     (linearly, to the whole budget over as long again); `prefill_graph`: (tokens, sequences) up
-    to which a mixed step replays a prefill graph (None: every mixed step is eager); `burst`:
+    to which a mixed step replays a prefill graph (None: every mixed step is eager); `mixed_graph`:
+    (prompt tokens, prompt chunks, decodes) up to which decodes beside chunks replay a mixed graph
+    (None: none); `burst`:
     the most credit a step may bank or owe, in targets (0: every step under the target);
     `min_chunk` (0: never): while fewer prompt tokens than this fit and a decode-only step would bank
     credit (it is predicted under the target), the step decodes only, for up to `max_starve_s`
@@ -190,6 +195,7 @@ class SloBudget:
     model: StepCostModel | None = None
     max_starve_s: float = 0.25
     prefill_graph: tuple[int, int] | None = None
+    mixed_graph: tuple[int, int, int] | None = None
     burst: float = 5.0
     min_chunk: int = 256
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
@@ -228,6 +234,9 @@ class SloBudget:
         pg = self.prefill_graph
         if pg is not None and num_decodes + 1 <= pg[1]:
             share = max(share, min(pg[0] - num_decodes, fits("prefill_graph")))
+        mg = self.mixed_graph
+        if mg is not None and 0 < num_decodes <= mg[2]:
+            share = max(share, min(mg[0], fits("mixed_graph")))
         return share
 
     def __call__(self, num_decodes: int, decode_context: int = 0) -> int:

@@ -143,6 +143,41 @@ def test_cuda_prefill_graph_splits_only_long_contexts(llama_dir):
     assert splits[2] == 1  # 30 tokens, nothing cached: unsplit
 
 
+def _staggered(eng, prompts, per_step: int, max_tokens: int) -> list[list[int]]:
+    """Serve the prompts arriving `per_step` a step while earlier ones decode (mixed steps)."""
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    todo, done = list(enumerate(prompts)), {}
+    while todo or eng.has_unfinished():
+        for _ in range(per_step):
+            if todo:
+                i, p = todo.pop(0)
+                eng.add_request(f"s{i}", prompt_token_ids=p, sampling=sp)
+        for f in eng.step().finished:
+            done[f.request_id] = f.output_token_ids
+    return [done[f"s{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_mixed_graphs_replay_what_eager_steps_compute(llama_dir):
+    """Prompts arriving while dozens of requests decode: the steps that mix them replay mixed
+    graphs (decode kernel for the decodes, prefill kernel for the chunks, padded to buckets) and
+    give the tokens of the same steps run eagerly, and of transformers."""
+    prompts = prompt_set(48, seed=41, min_len=20, max_len=160)
+    prompts[40] = prompts[3][:96] + [5, 6, 7]  # a prefix hit inside a mixed step
+    cfg = dict(device="cuda", dtype="float32", kernel_backend="triton", num_blocks=2048, max_model_len=512,
+               max_num_seqs=64, max_num_batched_tokens=512, prefill_graph_max_seqs=4, mixed_graph_max_tokens=256,
+               mixed_graph_max_prefills=4, async_scheduling=True)
+    eager = LLMEngine(str(llama_dir), EngineConfig(cuda_graphs=False, **cfg))
+    want = _staggered(eager, prompts, 3, MAX_NEW)
+    eager.close()
+    eng = LLMEngine(str(llama_dir), EngineConfig(**cfg))
+    got = _staggered(eng, prompts, 3, MAX_NEW)
+    steps = eng.runner.path_steps
+    assert steps.get("mixed_graph", 0) >= 5, steps
+    assert got == want
+    assert got[:12] == hf_greedy_cuda(llama_dir, prompts[:12])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_engine_in_its_own_process_matches_in_process():
     """The worker's default: the engine core in a spawned child (CUDA initialised there, graphs
