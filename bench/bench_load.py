@@ -348,7 +348,10 @@ def main() -> None:
         vocab = PRESETS[args.preset].vocab_size  # the same workload as inline; each id sent as one printable byte
         device = core.info.get("device", "?")
     else:
+        t_build = time.perf_counter()
         engine = LLMEngine(args.preset, cfg)
+        print(f"# engine built in {time.perf_counter() - t_build:.1f} s (weights, KV cache, graph captures: "
+              f"{ {k: len(g.graphs) for k, g in (('decode', engine.runner.graphs), ('prefill', engine.runner.prefill_graphs), ('mixed', engine.runner.mixed_graphs)) if g is not None} })", flush=True)
         vocab = engine.model_config.vocab_size
         device = str(engine.runner.device)
         trace = StepTrace(engine)

@@ -188,8 +188,10 @@ class EngineConfig:
     prefill_graph_max_seqs: int = 16
     # steps of decodes (any number up to cuda_graph_max_batch) beside at most mixed_graph_max_prefills
     # prompt chunks of at most mixed_graph_max_tokens tokens in all replay a mixed graph (decodes
-    # through the decode kernel, the chunks through the prefill kernel); 0: such steps run eagerly
-    mixed_graph_max_tokens: int = 2048
+    # through the decode kernel, the chunks through the prefill kernel); 0: such steps run eagerly.
+    # Larger steps are GPU-bound (on the H200 ~25 ms of work at 1024 bf16 tokens): their launches
+    # overlap the device under async scheduling, and a graph would pad them to a bucket
+    mixed_graph_max_tokens: int = 1024
     mixed_graph_max_prefills: int = 8
     # one uncached prompt of at least this many tokens uses dense causal attention (CUDA); None: never
     dense_prefill_min_tokens: int | None = 1025

@@ -280,23 +280,26 @@ class PrefillGraphs:
 
 
 def mixed_decode_buckets(max_decodes: int) -> list[int]:
-    """Decode rows of the mixed graphs: powers of two from 16 up to max_decodes (itself included).
-    Coarser than the decode graphs' buckets: a padded decode row costs one row of each GEMM (free
-    beside a prompt chunk) and a one-block attention read."""
+    """Decode rows of the mixed graphs: 16, 32, 64, then 1.5x and 2x each power of two (96, 128,
+    192, 256, 384, ...) up to max_decodes (itself included). Coarser than the decode graphs'
+    buckets: a padded decode row costs one row of each GEMM and a one-block attention read."""
     out, b = [], 16
     while b < max_decodes:
         out.append(b)
-        b *= 2
+        b = b * 3 // 2 if b >= 64 and b & (b - 1) == 0 else (b * 4 // 3 if b >= 64 else b * 2)
     out.append(max_decodes)
     return out
 
 
 def mixed_token_buckets(max_tokens: int) -> list[int]:
-    """Prompt-token rows of the mixed graphs: powers of two from 64 up to max_tokens (itself included)."""
+    """Prompt-token rows of the mixed graphs: 64, 128, 256, then every 128 up to max_tokens
+    (itself included). A padded row costs a row of every GEMM, so above 256 the buckets are
+    linear: on the H200 power-of-two buckets up to 2048 made 1024-1536-token steps 55 ms
+    against 36 ms eager (bench/results/2026-12-02-load-h200.md)."""
     out, b = [], 64
     while b < max_tokens:
         out.append(b)
-        b *= 2
+        b = b * 2 if b < 256 else b + 128
     out.append(max_tokens)
     return out
 

@@ -17,10 +17,11 @@ from workers.engine.cuda_graphs import MixedGraphs, mixed_decode_buckets, mixed_
 
 
 def test_mixed_buckets():
-    assert mixed_decode_buckets(512) == [16, 32, 64, 128, 256, 512]
-    assert mixed_decode_buckets(100) == [16, 32, 64, 100]
+    assert mixed_decode_buckets(512) == [16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert mixed_decode_buckets(100) == [16, 32, 64, 96, 100]
     assert mixed_decode_buckets(8) == [8]
-    assert mixed_token_buckets(2048) == [64, 128, 256, 512, 1024, 2048]
+    assert mixed_token_buckets(1024) == [64, 128, 256, 384, 512, 640, 768, 896, 1024]
+    assert mixed_token_buckets(300) == [64, 128, 256, 300]
     assert mixed_token_buckets(48) == [48]
 
 
