@@ -154,7 +154,10 @@ def test_a_broker_killed_for_10_s_costs_seconds_of_results_once_it_is_back(
     s = settings_for(kafka_settings, postgres_url)
     batch = f"broker-{tag()}"
     store.create_batch(batch)
-    jobs = make_jobs(3000, batch, batch_id=batch, max_tokens=64)
+    # short jobs (16 tokens): what is measured is the broker's cost, not the engine's speed (with
+    # 64 tokens and four CPU hogs on the 2-core box the engine had not drained its window when
+    # the broker was back, and a job took 5 s to run: 14.9 s, of which Kafka's part was 0.1 s)
+    jobs = make_jobs(3000, batch, batch_id=batch, max_tokens=16)
     probe_settings = s.model_copy(update={"jobs_topic": s.jobs_topic + ".probe", "dlq_topic": s.dlq_topic + ".probe",
                                           "jobs_partitions": 1})
     KafkaQueue(probe_settings).close()
@@ -174,6 +177,9 @@ def test_a_broker_killed_for_10_s_costs_seconds_of_results_once_it_is_back(
     worker.start()
     try:
         wait_until(lambda: terminal_count(store, batch) >= 50, 120, "progress before the kill")
+        # (a client stuck after a quick rejoin at its first join, kafka-python's bug that the
+        # consumer's watchdog works around, may have been rebuilt before this: not the outage's)
+        rebuilt_before = worker.intake.consumer.recreated
         os.kill(_kafka_pid(), signal.SIGKILL)
         time.sleep(10)
         services("start", "kafka")  # returns once the broker answers requests
@@ -198,14 +204,26 @@ def test_a_broker_killed_for_10_s_costs_seconds_of_results_once_it_is_back(
 
         wait_until(lambda: fetched_after_restart(), 60, "a result of a job fetched after the restart")
         first = min(r.timings.finished_at for r in fetched_after_restart())
-        print(f"results resumed {first - ready:.1f} s after the broker was ready")
-        # issue 21 wants at most 10 s. Measured on the 2-core box: 2.7-2.9 s quiet and 5.6 s beside
-        # two CPU hogs (052e5b7, the same client throughout), but 47.4 s in a fresh-clone suite run
-        # with other tests running beside it (fc0d031: the rejoin after the restart did not finish
-        # within stuck_after_s, 25 s, and the client was rebuilt). Not met under load yet (static
-        # group membership, KIP-345, is the lead); checked here: results do resume
-        assert first - ready <= 120.0, f"results resumed {first - ready:.1f} s after the broker was ready"
-        print(f"consumer clients rebuilt: {worker.intake.consumer.recreated}")
+        rows = rows_of(store, batch)
+        busy = sum(1 for r in rows if r.timings.admitted_at and r.timings.admitted_at <= ready
+                   and r.timings.finished_at and r.timings.finished_at > ready)
+        admitted = min(r.timings.admitted_at for r in fetched_after_restart())
+        scheduled = min(r.timings.scheduled_at or 1e18 for r in fetched_after_restart())
+        print(f"results resumed {first - ready:.1f} s after the broker was ready (first job fetched after "
+              f"it admitted at +{admitted - ready:.1f} s, run at +{scheduled - ready:.1f} s; {busy} jobs "
+              f"fetched before it finished after it)")
+        # issue 21: at most 10 s. The consumer keeps its client and its member id through the
+        # outage: its watchdog probes the broker from two heartbeat intervals of silence on, once
+        # a second until it is back, and the outage does not count against the client. Measured
+        # on the 2-core box (its restart after the kill takes 15-24 s): 0.5-1.3 s quiet, 1.0 s
+        # beside two CPU hogs, 1.6 s beside four, 1.9 s beside two and the kernel and worker unit
+        # tests, 2.0 s after a 53 s outage; the first job fetched after the restart was admitted
+        # 0.0-0.4 s after the broker was ready, the rest is the engine. Before, the watchdog
+        # probed only after 25 s of silence, about when the broker was back: found up, the client
+        # was rebuilt, joined as a new member and waited out the old one's session (23.5 s quiet,
+        # 47.4 s in a fresh-clone suite run).
+        assert first - ready <= 10.0, f"results resumed {first - ready:.1f} s after the broker was ready"
+        assert worker.intake.consumer.recreated == rebuilt_before, "the outage rebuilt the consumer's client"
     finally:
         services("start", "kafka")
         worker.stop(drain=False)
