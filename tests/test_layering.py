@@ -70,6 +70,18 @@ def test_the_store_parts_import_downwards_only():
             assert "pipeline.store" not in ours and "pipeline.store.repository" not in ours, (path.name, ours)
 
 
+def test_the_model_runner_sits_above_its_parts():
+    """workers/engine: the runner imports its parts (step inputs, CUDA graphs, KV sizing, sampled
+    tokens, sampler); none of them imports the runner, at any depth, type checking included. The
+    graphs get the model's forward from a GraphContext, not from the runner."""
+    engine = ROOT / "workers" / "engine"
+    for part in ("cuda_graphs", "step_inputs", "kv_sizing", "sampled", "sampler", "attention"):
+        assert "workers.engine.model_runner" not in imports_of(engine / f"{part}.py"), part
+    runner = imports_of(engine / "model_runner.py")
+    for part in ("cuda_graphs", "step_inputs", "kv_sizing", "sampled", "sampler"):
+        assert f"workers.engine.{part}" in runner, part
+
+
 def test_the_tests_mirror_the_code_tree():
     """A unit test file sits under tests/ where its subject sits in the code (tests/pipeline/store/
     for pipeline/store/, tests/workers/engine/ for workers/engine/, ...); tests/integration holds the

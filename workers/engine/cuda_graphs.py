@@ -1,33 +1,55 @@
-"""CUDA graphs of the decode step, captured per batch-size bucket and replayed with padded inputs."""
+"""CUDA graphs of steps, captured per bucket and replayed with padded inputs: decode steps, short
+prefill or mixed steps, and the mixed steps of a loaded server. The runner hands them a
+GraphContext (the model's forward over its KV cache, the logits, the cache layout); inputs come
+from workers/engine/step_inputs.py, as the eager step's do."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from workers.engine.attention import AttentionMetadata
+from workers.engine.step_inputs import CacheLayout, PendingInputs, fill_pending, host_batch
 
 if TYPE_CHECKING:
-    from workers.engine.model_runner import ModelRunner, PendingInputs
     from workers.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 
-def _close_graphs(gs: DecodeGraphs | PrefillGraphs) -> None:
+@dataclass(frozen=True)
+class GraphContext:
+    """What the graphs capture and replay, handed over by the model runner: no graph reaches into it.
+
+    forward(input_ids, positions, meta) -> (hidden, residual): the model over the KV cache;
+    logits(hidden, residual): the final norm and lm_head; decode_splits(batch): the flash-decoding
+    splits of a captured decode batch; prefill_splits(sequences, tokens, context bound): the
+    prefill attention's key-range splits for those shapes.
+    """
+
+    layout: CacheLayout
+    forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]]
+    logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    decode_splits: Callable[[int], int]
+    prefill_splits: Callable[[int, int, int], int]
+
+
+def _close_graphs(gs: DecodeGraphs | PrefillGraphs | MixedGraphs) -> None:
     """Reset every graph of a set (CUDAGraph.reset frees its captured allocations) and drop the
-    set's device tensors and its reference to the runner."""
+    set's device tensors and its context (the model's forward)."""
     for g, _logits in gs.graphs.values():
         g.reset()
     gs.graphs.clear()
     for name, value in list(vars(gs).items()):
         if isinstance(value, torch.Tensor):
             setattr(gs, name, None)
-    gs.runner = None  # type: ignore[assignment]
+    gs.ctx = None  # type: ignore[assignment]
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -54,7 +76,7 @@ def _capture_stream(device: int) -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[device]
 
 
-def capture_graphs(*graph_sets: DecodeGraphs | PrefillGraphs) -> None:
+def capture_graphs(*graph_sets: DecodeGraphs | PrefillGraphs | MixedGraphs) -> None:
     """Capture every graph set on one side stream, sharing one memory pool (largest graphs first)."""
     t0 = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
@@ -72,16 +94,17 @@ def capture_graphs(*graph_sets: DecodeGraphs | PrefillGraphs) -> None:
 class DecodeGraphs:
     """One captured decode graph per bucket; prefill and mixed steps stay eager."""
 
-    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
-        self.runner = runner
+    def __init__(self, ctx: GraphContext, max_bs: int) -> None:
+        self.ctx = ctx
+        lay = ctx.layout
         self.max_bs = max_bs
         self.buckets = graph_buckets(max_bs)
-        dev = runner.device
+        dev = lay.device
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((max_bs,), runner.pad_slot, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_bs,), lay.pad_slot, dtype=torch.int64, device=dev)
         self.block_tables = torch.full(
-            (max_bs, runner.max_blocks_per_seq), runner.num_blocks, dtype=torch.int32, device=dev
+            (max_bs, lay.max_blocks_per_seq), lay.num_blocks, dtype=torch.int32, device=dev
         )
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -103,13 +126,12 @@ class DecodeGraphs:
             prefill_block_tables=None,
             prefill_query_start_loc=None,
             prefill_seq_lens=None,
-            decode_num_splits=self.runner.decode_num_splits(bs),
+            decode_num_splits=self.ctx.decode_splits(bs),
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
-        r = self.runner
-        hidden, residual = r.model(self.input_ids[:bs], self.positions[:bs], r.cos_sin, r.kv_caches, self._meta(bs))
-        return r.model.compute_logits(hidden, residual)
+        hidden, residual = self.ctx.forward(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        return self.ctx.logits(hidden, residual)
 
     @torch.inference_mode()
     def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
@@ -123,19 +145,19 @@ class DecodeGraphs:
 
     def run(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> torch.Tensor:
         """Replay the smallest graph that holds the step's decodes; returns logits [B, V]."""
-        r = self.runner
+        lay = self.ctx.layout
         entries = out.scheduled
         b = len(entries)
         bs = next(x for x in self.buckets if x >= b)
-        bsz = r.block_size
+        bsz = lay.block_size
         pos = np.fromiter((e.num_computed_tokens for e in entries), dtype=np.int64, count=b)
         ids = np.fromiter((e.request.token_ids[e.num_computed_tokens] for e in entries), dtype=np.int64, count=b)
         width = int(pos.max() // bsz + 1)
-        tables = np.full((bs, width), r.num_blocks, dtype=np.int32)
+        tables = np.full((bs, width), lay.num_blocks, dtype=np.int32)
         for i, e in enumerate(entries):
             blk = e.request.block_ids[:width]
             tables[i, : len(blk)] = blk
-        slots = np.full(bs, r.pad_slot, dtype=np.int64)
+        slots = np.full(bs, lay.pad_slot, dtype=np.int64)
         slots[:b] = tables[np.arange(b), pos // bsz].astype(np.int64) * bsz + pos % bsz
         seq = np.ones(bs, dtype=np.int32)
         seq[:b] = pos + 1
@@ -148,7 +170,7 @@ class DecodeGraphs:
         self.slot_mapping[:bs].copy_(torch.from_numpy(slots), non_blocking=True)
         self.seq_lens[:bs].copy_(torch.from_numpy(seq), non_blocking=True)
         self.block_tables[:bs, :width].copy_(torch.from_numpy(tables), non_blocking=True)
-        r.fill_pending(self.input_ids, pending)
+        fill_pending(self.input_ids, pending)
         g, logits = self.graphs[bs]
         g.replay()
         return logits[:b]
@@ -173,17 +195,18 @@ class PrefillGraphs:
     prefill). Padded tokens write to the scratch slot; padded sequences have no tokens.
     """
 
-    def __init__(self, runner: ModelRunner, max_tokens: int, max_seqs: int) -> None:
-        self.runner = runner
+    def __init__(self, ctx: GraphContext, max_tokens: int, max_seqs: int) -> None:
+        self.ctx = ctx
+        lay = ctx.layout
         self.max_seqs = max_seqs
         self.buckets = token_buckets(max_tokens)
-        dev = runner.device
+        dev = lay.device
         t = self.buckets[-1]
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((t,), runner.pad_slot, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((t,), lay.pad_slot, dtype=torch.int64, device=dev)
         self.block_tables = torch.full(
-            (max_seqs, runner.max_blocks_per_seq), runner.num_blocks, dtype=torch.int32, device=dev
+            (max_seqs, lay.max_blocks_per_seq), lay.num_blocks, dtype=torch.int32, device=dev
         )
         self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
@@ -201,13 +224,9 @@ class PrefillGraphs:
 
     def _splits(self, t: int, ctx_bound: int) -> int:
         """Prefill key-range splits the kernel picks for bucket t at contexts up to ctx_bound."""
-        r = self.runner
-        mc = r.model_config
-        # (the count does not depend on a layer's sliding window)
-        return r.ops.prefill_splits(r.dtype, mc.num_heads, r.kv_caches[0][0], self.max_seqs, t, t, ctx_bound, None)
+        return self.ctx.prefill_splits(self.max_seqs, t, ctx_bound)
 
     def _forward(self, t: int, num_splits: int | None) -> torch.Tensor:
-        r = self.runner
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:t],
             num_decodes=0,
@@ -220,16 +239,16 @@ class PrefillGraphs:
             prefill_max_query_len=t,
             prefill_num_splits=num_splits,
         )
-        hidden, residual = r.model(self.input_ids[:t], self.positions[:t], r.cos_sin, r.kv_caches, meta)
+        hidden, residual = self.ctx.forward(self.input_ids[:t], self.positions[:t], meta)
         rows = self.logit_rows
-        return r.model.compute_logits(hidden[rows], residual[rows])
+        return self.ctx.logits(hidden[rows], residual[rows])
 
     @torch.inference_mode()
     def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
         """Per token bucket: a graph whose attention splits the key range as the worst-case
         context needs (a long cached prefix), and, where that splits, one that does not (a step
         whose contexts are short: its partials and their combination would be pure overhead)."""
-        worst = self.runner.max_blocks_per_seq * self.runner.block_size
+        worst = self.ctx.layout.max_blocks_per_seq * self.ctx.layout.block_size
         for t in reversed(self.buckets):
             # warm-up inputs: one sequence holding every token, written to the scratch block
             self.query_start_loc.fill_(t)
@@ -248,15 +267,15 @@ class PrefillGraphs:
 
     def run(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> torch.Tensor:
         """Replay the smallest graph that holds the step; returns logits of the sampling rows."""
-        r = self.runner
-        input_ids, positions, slots, tables, qsl, seq_lens, logit_rows = r.host_inputs(out)
+        lay = self.ctx.layout
+        input_ids, positions, slots, tables, qsl, seq_lens, logit_rows = host_batch(out, lay.block_size)
         n = len(input_ids)
         s = len(seq_lens)
         t = next(x for x in self.buckets if x >= n)
         self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
-        r.fill_pending(self.input_ids, pending)
+        fill_pending(self.input_ids, pending)
         self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
-        pad_slots = np.full(t, r.pad_slot, dtype=np.int64)
+        pad_slots = np.full(t, lay.pad_slot, dtype=np.int64)
         pad_slots[:n] = slots
         self.slot_mapping[:t].copy_(torch.from_numpy(pad_slots), non_blocking=True)
         w = tables.shape[1]
@@ -319,21 +338,22 @@ class MixedGraphs:
     chunk is large.
     """
 
-    def __init__(self, runner: ModelRunner, max_decodes: int, max_tokens: int, max_prefills: int) -> None:
-        self.runner = runner
+    def __init__(self, ctx: GraphContext, max_decodes: int, max_tokens: int, max_prefills: int) -> None:
+        self.ctx = ctx
+        lay = ctx.layout
         self.decode_buckets = mixed_decode_buckets(max_decodes)
         self.token_buckets = mixed_token_buckets(max_tokens)
         self.max_prefills = max_prefills
-        dev = runner.device
+        dev = lay.device
         d_max, t_max = self.decode_buckets[-1], self.token_buckets[-1]
         rows = d_max + t_max
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((rows,), runner.pad_slot, dtype=torch.int64, device=dev)
-        w = runner.max_blocks_per_seq
-        self.decode_tables = torch.full((d_max, w), runner.num_blocks, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.full((rows,), lay.pad_slot, dtype=torch.int64, device=dev)
+        w = lay.max_blocks_per_seq
+        self.decode_tables = torch.full((d_max, w), lay.num_blocks, dtype=torch.int32, device=dev)
         self.decode_seq_lens = torch.ones(d_max, dtype=torch.int32, device=dev)
-        self.prefill_tables = torch.full((max_prefills, w), runner.num_blocks, dtype=torch.int32, device=dev)
+        self.prefill_tables = torch.full((max_prefills, w), lay.num_blocks, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.zeros(max_prefills + 1, dtype=torch.int32, device=dev)
         self.prefill_seq_lens = torch.zeros(max_prefills, dtype=torch.int32, device=dev)
         self.sample_rows = torch.zeros(d_max + max_prefills, dtype=torch.int64, device=dev)
@@ -351,17 +371,14 @@ class MixedGraphs:
 
     def close(self) -> None:
         """Free the captured graphs and the static buffers."""
-        _close_graphs(self)  # type: ignore[arg-type]
+        _close_graphs(self)
 
     def _prefill_splits(self, t: int, ctx_bound: int) -> int:
-        r = self.runner
-        return r.ops.prefill_splits(r.dtype, r.model_config.num_heads, r.kv_caches[0][0], self.max_prefills, t, t,
-                                    ctx_bound, None)
+        return self.ctx.prefill_splits(self.max_prefills, t, ctx_bound)
 
     def forward(self, db: int, t: int, prefill_splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured work of graph (db, t): the model over the static inputs' first db + t rows,
         then the sampled rows' (hidden, residual)."""
-        r = self.runner
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[: db + t],
             num_decodes=db,
@@ -375,7 +392,7 @@ class MixedGraphs:
             decode_num_splits=self.decode_splits.get(db),
             prefill_num_splits=prefill_splits,
         )
-        hidden, residual = r.model(self.input_ids[: db + t], self.positions[: db + t], r.cos_sin, r.kv_caches, meta)
+        hidden, residual = self.ctx.forward(self.input_ids[: db + t], self.positions[: db + t], meta)
         rows = self.sample_rows[: db + self.max_prefills]
         return hidden[rows], residual[rows]
 
@@ -383,10 +400,10 @@ class MixedGraphs:
     def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
         """Per (decode bucket, token bucket): a graph whose prefill attention splits the key range
         as the worst-case context needs, and, where that splits, one that does not."""
-        r = self.runner
-        worst = r.max_blocks_per_seq * r.block_size
+        lay = self.ctx.layout
+        worst = lay.max_blocks_per_seq * lay.block_size
         for db in self.decode_buckets:
-            self.decode_splits[db] = r.decode_num_splits(db)
+            self.decode_splits[db] = self.ctx.decode_splits(db)
         for t in reversed(self.token_buckets):
             self.split_of[t] = self._prefill_splits(t, worst)
         for db in reversed(self.decode_buckets):
@@ -407,8 +424,8 @@ class MixedGraphs:
     def load(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> tuple[int, int, int, int]:
         """Write the step into the static inputs in the graphs' layout: returns (decode bucket,
         token bucket, prefill splits for its contexts, sampled rows)."""
-        r = self.runner
-        ids, positions, slots, tables, cu, seq_lens, logit_rows = r.host_inputs(out)
+        lay = self.ctx.layout
+        ids, positions, slots, tables, cu, seq_lens, logit_rows = host_batch(out, lay.block_size)
         nd = out.num_decodes
         n_p = len(ids) - nd  # prompt rows
         s_p = len(seq_lens) - nd  # prompt chunks
@@ -423,11 +440,11 @@ class MixedGraphs:
             return torch.from_numpy(a)
 
         self.input_ids[:rows].copy_(padded(ids, 0), non_blocking=True)
-        r.fill_pending(self.input_ids, pending)  # decodes are the first rows in both layouts
+        fill_pending(self.input_ids, pending)  # decodes are the first rows in both layouts
         self.positions[:rows].copy_(padded(positions, 0), non_blocking=True)
-        self.slot_mapping[:rows].copy_(padded(slots, r.pad_slot), non_blocking=True)
+        self.slot_mapping[:rows].copy_(padded(slots, lay.pad_slot), non_blocking=True)
         w = tables.shape[1]
-        dt = np.full((db, w), r.num_blocks, dtype=np.int32)
+        dt = np.full((db, w), lay.num_blocks, dtype=np.int32)
         dt[:nd] = tables[:nd]
         self.decode_tables[:db, :w].copy_(torch.from_numpy(dt), non_blocking=True)
         ds = np.ones(db, dtype=np.int32)

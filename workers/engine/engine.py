@@ -18,7 +18,7 @@ from schemas.sampling import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.errors import InvalidRequestError
 from workers.engine.kv_cache_manager import KVCacheManager
-from workers.engine.model_runner import ModelRunner, SampledTokens
+from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import (
     EngineStats,
     EngineTimings,
@@ -29,6 +29,7 @@ from workers.engine.outputs import (
     Usage,
 )
 from workers.engine.prompts import length_problem, load_tokenizer, sampling_problem
+from workers.engine.sampled import SampledTokens
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.sequence import PENDING_TOKEN, Request, RequestStatus, RequestTimes
 from workers.engine.slo import SloBudget, StepShape

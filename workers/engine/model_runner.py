@@ -1,12 +1,11 @@
-"""Runs one scheduled step on the device: flatten the batch, forward, logits where sampled, sample."""
+"""Runs one scheduled step on the device: its inputs (workers/engine/step_inputs.py), the forward
+(eager, or a replayed CUDA graph: workers/engine/cuda_graphs.py), logits where sampled, sampling."""
 
 from __future__ import annotations
 
 import gc
 import logging
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,113 +14,33 @@ import torch
 from kernels.ops import KernelOps, get_ops
 from workers.engine.attention import AttentionMetadata
 from workers.engine.config import EngineConfig, ModelConfig
-from workers.engine.cuda_graphs import DecodeGraphs, MixedGraphs, PrefillGraphs, capture_graphs
+from workers.engine.cuda_graphs import DecodeGraphs, GraphContext, MixedGraphs, PrefillGraphs, capture_graphs
 from workers.engine.downloads import resolve_model, unknown_model_message
 from workers.engine.errors import CheckpointError
+from workers.engine.kv_sizing import auto_num_blocks, kv_bytes_per_block
 from workers.engine.loader import load_checkpoint, random_model, resolve_dtype
 from workers.engine.models.llama import LlamaForCausalLM
 from workers.engine.models.rope import rope_cos_sin
 from workers.engine.presets import PRESETS
 from workers.engine.quantization import quantize_fp8
-from workers.engine.sampler import Sampler, SamplingBatch, token_logprobs
+from workers.engine.sampled import PromptLogprobs, SampledTokens
+from workers.engine.sampler import Sampler, SamplingBatch, sampling_batch, token_logprobs
 from workers.engine.scheduler import SchedulerOutput
 from workers.engine.sequence import Request
+from workers.engine.step_inputs import (
+    CacheLayout,
+    HostBatch,
+    PendingInputs,
+    device_batch,
+    fill_pending,
+    host_batch,
+    pending_inputs,
+)
 
 log = logging.getLogger(__name__)
 
-
-class SampledTokens:
-    """One launched step's sampled token ids (and, when a request asked, their log-probabilities):
-    on the device, with their copy to the host in flight."""
-
-    def __init__(self, tokens: torch.Tensor | None, logprobs: tuple[torch.Tensor, ...] | None = None,
-                 rows: list[int] | None = None, prompt: PromptLogprobs | None = None) -> None:
-        # tokens: [N] int64 on the device, one per entry that samples; logprobs: sampler.token_logprobs'
-        # of the rows `rows` (None: all of them); prompt: the step's prompt log-probabilities
-        self.device_tokens = tokens
-        self._lp_rows = rows
-        self._plan = None if prompt is None else prompt[1]
-        self._event: torch.cuda.Event | None = None
-        self._host, self._host_lp, self._host_prompt = tokens, logprobs, None if prompt is None else prompt[0]
-        first = tokens if tokens is not None else None if prompt is None else prompt[0][0]
-        if first is not None and first.is_cuda:  # copies to the host in flight, then one event for them all
-            self._host = None if tokens is None else _to_host(tokens)
-            self._host_lp = None if logprobs is None else tuple(map(_to_host, logprobs))
-            self._host_prompt = None if prompt is None else tuple(map(_to_host, prompt[0]))
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    # CUDA events recorded before and after the step's work (ModelRunner.execute); None on a CPU
-    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-
-    @classmethod
-    def empty(cls) -> SampledTokens:
-        return cls(None)
-
-    def device_seconds(self) -> float | None:
-        """The step's time on the device, from the stream reaching its first kernel to its last
-        (waits for it): exact under async scheduling, where the host's clock sees the step only
-        when it reads it back. None without timing events (a CPU)."""
-        if self.timing is None:
-            return None
-        start, end = self.timing
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-    def __len__(self) -> int:
-        return 0 if self.device_tokens is None else self.device_tokens.shape[0]
-
-    def tolist(self) -> list[int]:
-        """Wait for the step (only it, not the steps launched after it) and return its tokens."""
-        if self._event is not None:
-            self._event.synchronize()
-        return [] if self._host is None else self._host.tolist()
-
-    def prompt_logprobs(self) -> Iterator[tuple[Request, int, list[RowLogprobs]]]:
-        """(request, first position, a RowLogprobs per prompt token after it) of each prompt chunk
-        this step computed for a request that asked; after `tolist`."""
-        if self._host_prompt is None or self._plan is None:
-            return
-        chosen, top_lp, top_ids = (t.tolist() for t in self._host_prompt)
-        at = 0
-        for req, start, n in self._plan:
-            yield req, start, list(zip(chosen[at : at + n], top_ids[at : at + n], top_lp[at : at + n]))
-            at += n
-
-    def logprobs(self) -> list[RowLogprobs | None] | None:
-        """Per sampled row, its RowLogprobs (None for a row whose request did not ask); None when
-        no request of the step asked. After `tolist`."""
-        if self._host_lp is None or self._host is None:
-            return None
-        out: list[RowLogprobs | None] = [None] * self._host.shape[0]
-        rows = range(len(out)) if self._lp_rows is None else self._lp_rows
-        for r, lp, lps, ids in zip(rows, *(t.tolist() for t in self._host_lp)):
-            out[r] = (lp, ids, lps)
-        return out
-
-
-# a token's log-probability, then the k likeliest ids and their log-probabilities (k: the step's largest ask)
-RowLogprobs = tuple[float, list[int], list[float]]
-PromptLogprobs = tuple[tuple[torch.Tensor, ...], list[tuple[Request, int, int]]]  # (tensors, [(req, start, rows)])
-
 # rows of prompt log-probabilities computed at once: a [rows, vocab] fp32 log-softmax each
 PROMPT_LOGPROB_ROWS = 256
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A pinned host copy of a device tensor, in flight on the current stream."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
-
-
-@dataclass
-class PendingInputs:
-    """Decode rows whose input token is still on the device: input_ids[dst[i]] = tokens[src[i]]."""
-
-    tokens: torch.Tensor  # [N] int64: the previous step's sampled tokens, on the device
-    dst: list[int]  # token rows of this step (decodes come first: row = entry index)
-    src: list[int]  # rows of `tokens`
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -149,7 +68,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.cos_sin = rope_cos_sin(mc.head_dim, mc.rope_theta, mc.rope_scaling, self.max_model_len, self.device)
-        self.num_blocks = config.num_blocks or self._auto_num_blocks()
+        self.num_blocks = config.num_blocks or auto_num_blocks(config, mc, self.device, self.kv_bytes_per_block(),
+                                                               self.max_blocks_per_seq)
         # one extra block at index num_blocks: scratch slots for padded (graph) rows
         shape = (self.num_blocks + 1, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [
@@ -157,7 +77,8 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(mc.num_layers)
         ]
-        self.pad_slot = self.num_blocks * self.block_size
+        self.layout = CacheLayout(self.device, self.block_size, self.num_blocks, self.max_blocks_per_seq)
+        self.pad_slot = self.layout.pad_slot
         # long uncached prompts: dense causal attention (cuDNN) beats the paged kernel on CUDA
         self.dense_prefill_min_tokens = config.dense_prefill_min_tokens if self.device.type == "cuda" else None
         self.sampler = Sampler(self.device, config.seed)
@@ -171,12 +92,13 @@ class ModelRunner:
             self._warm_up()
         if config.cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton":
             max_bs = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
-            self.graphs = DecodeGraphs(self, max_bs)
+            ctx = self.graph_context()
+            self.graphs = DecodeGraphs(ctx, max_bs)
             max_t = min(config.prefill_graph_max_tokens, config.max_num_batched_tokens)
-            self.prefill_graphs = PrefillGraphs(self, max_t, min(config.prefill_graph_max_seqs, config.max_num_seqs))
+            self.prefill_graphs = PrefillGraphs(ctx, max_t, min(config.prefill_graph_max_seqs, config.max_num_seqs))
             mixed_t = min(config.mixed_graph_max_tokens, config.max_num_batched_tokens)
             if mixed_t > 0 and max_bs > 1:
-                self.mixed_graphs = MixedGraphs(self, max_bs, mixed_t, min(config.mixed_graph_max_prefills,
+                self.mixed_graphs = MixedGraphs(ctx, max_bs, mixed_t, min(config.mixed_graph_max_prefills,
                                                                             config.max_num_seqs))
             capture_graphs(*(g for g in (self.graphs, self.prefill_graphs, self.mixed_graphs) if g is not None))
         if self.dense_prefill_min_tokens is not None:
@@ -241,118 +163,21 @@ class ModelRunner:
         return model_, cfg
 
     def kv_bytes_per_block(self) -> int:
-        mc = self.model_config
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * self.kv_dtype.itemsize
-
-    def _auto_num_blocks(self) -> int:
-        c = self.config
-        if self.device.type != "cuda":
-            return max(c.cpu_kv_cache_tokens // self.block_size, 1)
-        mc = self.model_config
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others_and_us = total - free
-        # activations of the largest step plus logits, with margin (measured peaks are below this)
-        t = c.max_num_batched_tokens
-        act = t * (mc.hidden_size * 12 + mc.intermediate_size * 6 + (mc.q_size + 2 * mc.kv_size) * 4)
-        act += c.max_num_seqs * mc.vocab_size * 4 * 4 + (1 << 30)
-        budget = total * c.gpu_memory_utilization - used_by_others_and_us - act
-        n = int(budget // self.kv_bytes_per_block())
-        if n < self.max_blocks_per_seq // 4:
-            raise RuntimeError(
-                f"only {max(n, 0)} KV blocks fit in GPU memory; lower max_num_batched_tokens or "
-                "raise gpu_memory_utilization"
-            )
-        return n
+        return kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
 
     # ---- one step -------------------------------------------------------------------------
-    def host_inputs(self, out: SchedulerOutput) -> tuple[np.ndarray, ...]:
-        """The step's varlen batch on the host.
-
-        Returns (input_ids [T], positions [T], slots [T], block tables [B, W], query_start_loc [B + 1],
-        seq_lens [B], logit rows): the rows are the flattened indices of the last token of each
-        sequence that samples.
-        """
-        entries = out.scheduled
-        n_new = np.fromiter((e.num_new_tokens for e in entries), dtype=np.int64, count=len(entries))
-        start = np.fromiter((e.num_computed_tokens for e in entries), dtype=np.int64, count=len(entries))
-        seq_lens = start + n_new
-        cu = np.concatenate(([0], np.cumsum(n_new)))
-        total = int(cu[-1])
-        ids: list[int] = []
-        for e in entries:
-            s = e.num_computed_tokens
-            ids.extend(e.request.token_ids[s : s + e.num_new_tokens])
-        tok_row = np.repeat(np.arange(len(entries)), n_new)
-        positions = np.arange(total, dtype=np.int64) - cu[:-1][tok_row] + start[tok_row]
-        width = int(-(-seq_lens.max() // self.block_size))
-        tables = np.zeros((len(entries), width), dtype=np.int32)
-        for i, e in enumerate(entries):
-            b = e.request.block_ids[:width]
-            tables[i, : len(b)] = b
-        slots = tables[tok_row, positions // self.block_size].astype(np.int64) * self.block_size + (
-            positions % self.block_size
-        )
-        sample_rows = np.array([i for i, e in enumerate(entries) if e.samples], dtype=np.int64)
-        logit_rows = cu[1:][sample_rows] - 1
-        return (np.asarray(ids, dtype=np.int64), positions, slots, tables, cu.astype(np.int32),
-                seq_lens.astype(np.int32), logit_rows)
+    def host_inputs(self, out: SchedulerOutput) -> HostBatch:
+        """The step's varlen batch on the host (step_inputs.host_batch)."""
+        return host_batch(out, self.block_size)
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
         """Flatten the step's tokens into one varlen batch. Returns (input_ids, positions, meta, logit rows)."""
-        ids, positions, slots, tables, cu, seq_lens, logit_rows = self.host_inputs(out)
-        nd = out.num_decodes
-        n_seq = len(out.scheduled)
-        dev = self.device
-        input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
-        pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
-        tables_t = torch.from_numpy(tables).to(dev, non_blocking=True)
-        seq_t = torch.from_numpy(seq_lens).to(dev, non_blocking=True)
-        np_ = n_seq - nd
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            num_decodes=nd,
-            num_decode_tokens=nd,
-            decode_block_tables=tables_t[:nd] if nd else None,
-            decode_seq_lens=seq_t[:nd] if nd else None,
-            prefill_block_tables=tables_t[nd:] if np_ else None,
-            prefill_query_start_loc=(
-                torch.from_numpy(cu[nd:] - cu[nd]).to(dev, non_blocking=True) if np_ else None
-            ),
-            prefill_seq_lens=seq_t[nd:] if np_ else None,
-            prefill_max_query_len=int((cu[nd + 1 :] - cu[nd:-1]).max()) if np_ else 0,
-            prefill_dense=(
-                self.dense_prefill_min_tokens is not None and n_seq == 1 and nd == 0
-                and out.scheduled[0].num_computed_tokens == 0 and len(ids) >= self.dense_prefill_min_tokens
-            ),
-        )
-        return input_ids, pos_t, meta, logit_rows
+        batch = self.host_inputs(out)
+        input_ids, positions, meta = device_batch(out, batch, self.device, self.dense_prefill_min_tokens)
+        return input_ids, positions, meta, batch.logit_rows
 
     def sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        if all(r.sampling.temperature == 0.0 for r in reqs):
-            return SamplingBatch(True, None, None, None, None, [])
-        dev = self.device
-        temps = [r.sampling.temperature or 1.0 for r in reqs]
-        greedy = [r.sampling.temperature == 0.0 for r in reqs]
-        v = self.model_config.vocab_size
-        top_k = [r.sampling.top_k if r.sampling.top_k else v for r in reqs]
-        top_p = [r.sampling.top_p for r in reqs]
-        gens: list[torch.Generator | None] = []
-        for r in reqs:
-            g = None
-            if r.sampling.seed is not None and r.sampling.temperature > 0:
-                g = self._generators.get(r.request_id)
-                if g is None:
-                    g = torch.Generator(device=dev).manual_seed(r.sampling.seed)
-                    self._generators[r.request_id] = g
-            gens.append(g)
-        return SamplingBatch(
-            all_greedy=False,
-            temperature=torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool).to(dev, non_blocking=True),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev, non_blocking=True) if any(k < v for k in top_k) else None,
-            top_p=torch.tensor(top_p, dtype=torch.float32).to(dev, non_blocking=True) if any(p < 1.0 for p in top_p) else None,
-            generators=gens,
-        )
+        return sampling_batch(reqs, self.device, self.model_config.vocab_size, self._generators)
 
     def close(self) -> None:
         """Drop the weights, KV cache and captured graphs so their device memory can be reused;
@@ -398,20 +223,7 @@ class ModelRunner:
 
     def pending_inputs(self, out: SchedulerOutput, prev: SampledTokens | None) -> PendingInputs | None:
         """Decode inputs that are tokens the previous step sampled but the host has not read yet."""
-        if prev is None:
-            return None
-        dst = [i for i, e in enumerate(out.scheduled[: out.num_decodes]) if e.request.pending_row is not None]
-        if not dst:
-            return None
-        src = [out.scheduled[i].request.pending_row for i in dst]
-        return PendingInputs(prev.device_tokens, dst, src)
-
-    def fill_pending(self, input_ids: torch.Tensor, pending: PendingInputs | None) -> None:
-        """input_ids[dst] = previous step's tokens[src], on the device (decodes are the first rows)."""
-        if pending is None:
-            return
-        idx = torch.tensor((pending.dst, pending.src), dtype=torch.int64).to(self.device, non_blocking=True)
-        input_ids.index_copy_(0, idx[0], pending.tokens.index_select(0, idx[1]))  # one copy to the device
+        return pending_inputs(out, None if prev is None else prev.device_tokens)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev: SampledTokens | None = None) -> SampledTokens:
@@ -456,7 +268,7 @@ class ModelRunner:
         else:  # (a step that scores prompt tokens runs eagerly: the graphs keep logits of sampled rows only)
             self.last_path = "eager"
             input_ids, positions, meta, logit_rows = self.prepare(out)
-            self.fill_pending(input_ids, pending)
+            fill_pending(input_ids, pending)
             hidden, residual = self.model(input_ids, positions, self.cos_sin, self.kv_caches, meta)
             if plan:
                 prompt = self._prompt_logprobs(hidden, residual, plan)
@@ -507,6 +319,23 @@ class ModelRunner:
             parts.append(token_logprobs(self.model.compute_logits(hidden[r], residual[r]),
                                         targets[i : i + PROMPT_LOGPROB_ROWS], k))
         return tuple(torch.cat(p) for p in zip(*parts)), [(req, s, n) for req, s, _, n in plan]
+
+    def graph_context(self) -> GraphContext:
+        """What the CUDA graphs capture and replay: the model's forward over this runner's KV
+        cache, its logits, the cache layout, and the attention kernels' split choices."""
+        mc = self.model_config
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.model(input_ids, positions, self.cos_sin, self.kv_caches, meta)
+
+        def prefill_splits(batch: int, tokens: int, ctx_bound: int) -> int:
+            # (the count does not depend on a layer's sliding window)
+            return self.ops.prefill_splits(self.dtype, mc.num_heads, self.kv_caches[0][0], batch, tokens, tokens,
+                                           ctx_bound, None)
+
+        return GraphContext(self.layout, forward, lambda h, r: self.model.compute_logits(h, r),
+                            self.decode_num_splits, prefill_splits)
 
     def decode_num_splits(self, batch: int) -> int:
         """Flash-decoding splits for a graph-captured batch: enough programs to fill the GPU."""

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from workers.engine.sequence import Request
 
 
 @dataclass
@@ -17,6 +21,38 @@ class SamplingBatch:
     top_k: torch.Tensor | None  # [N] int64, vocab size where unset; None when no row sets it
     top_p: torch.Tensor | None  # [N] fp32; None when no row sets it
     generators: list[torch.Generator | None]  # per row: the request's own RNG when seeded
+
+
+def sampling_batch(reqs: list[Request], device: torch.device, vocab_size: int,
+                   generators: dict[str, torch.Generator]) -> SamplingBatch:
+    """The SamplingBatch of the requests that sample this step, in row order; a seeded request's
+    RNG is made at its first sampled token and kept in `generators` (by request id) until it ends."""
+    if all(r.sampling.temperature == 0.0 for r in reqs):
+        return SamplingBatch(True, None, None, None, None, [])
+    temps = [r.sampling.temperature or 1.0 for r in reqs]
+    greedy = [r.sampling.temperature == 0.0 for r in reqs]
+    top_k = [r.sampling.top_k if r.sampling.top_k else vocab_size for r in reqs]
+    top_p = [r.sampling.top_p for r in reqs]
+    gens: list[torch.Generator | None] = []
+    for r in reqs:
+        g = None
+        if r.sampling.seed is not None and r.sampling.temperature > 0:
+            g = generators.get(r.request_id)
+            if g is None:
+                g = generators[r.request_id] = torch.Generator(device=device).manual_seed(r.sampling.seed)
+        gens.append(g)
+
+    def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return SamplingBatch(
+        all_greedy=False,
+        temperature=dev(temps, torch.float32),
+        greedy_mask=dev(greedy, torch.bool),
+        top_k=dev(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
+        top_p=dev(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
+        generators=gens,
+    )
 
 
 class Sampler:
