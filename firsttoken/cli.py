@@ -58,6 +58,7 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     """Generate for every prompt of a JSONL file with the engine in this process."""
     from schemas.batchfile import BatchLineError, parse_lines
     from workers.engine import InvalidRequestError, LLMEngine
+    from workers.engine.llm import LLM
     from workers.engine.prompts import prompt_token_ids
 
     path = _input_file(args.file)
@@ -67,16 +68,17 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     load_s = time.perf_counter() - t0
     order: list[str] = []
     results: dict[str, dict[str, Any]] = {}
+    todo: list[tuple[str, list[int], Any]] = []  # (line key, prompt token ids, sampling) of the valid lines
     with path.open("rb") as f:
         for item in parse_lines(f):
-            rid = f"line-{item.line_no}"
-            order.append(rid)
+            key = f"line-{item.line_no}"
+            order.append(key)
             if isinstance(item, BatchLineError):
-                results[rid] = {"id": item.job_id, "line": item.line_no, "status": "failed",
+                results[key] = {"id": item.job_id, "line": item.line_no, "status": "failed",
                                 "error_code": item.code.value, "error": item.message}
                 continue
             job = item.job
-            base = {"id": job.id, "line": item.line_no}
+            results[key] = {"id": job.id, "line": item.line_no}
             sp = job.sampling
             if args.max_tokens is not None and "max_tokens" not in sp.model_fields_set:
                 sp = sp.model_copy(update={"max_tokens": args.max_tokens})
@@ -84,34 +86,34 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
                 sp = sp.model_copy(update={"temperature": args.temperature})
             turns = None if job.messages is None else [(m.role, m.content) for m in job.messages]
             try:
-                ids = prompt_token_ids(engine.tokenizer, job.prompt, turns)
-                engine.add_request(rid, prompt_token_ids=ids, sampling=sp)
+                todo.append((key, prompt_token_ids(engine.tokenizer, job.prompt, turns), sp))
             except InvalidRequestError as e:
-                results[rid] = {**base, "status": "failed", "error_code": e.code, "error": e.message}
-                continue
-            results[rid] = base
+                results[key].update({"status": "failed", "error_code": e.code, "error": e.message})
     t1 = time.perf_counter()
     n_tokens = 0
-    while engine.has_unfinished():
-        for f in engine.step().finished:
-            n_tokens += f.usage.completion_tokens
-            results[f.request_id].update({
-                "status": "succeeded",
-                "text": f.text,
-                "finish_reason": f.finish_reason,
-                "usage": {
-                    "prompt_tokens": f.usage.prompt_tokens,
-                    "cached_prompt_tokens": f.usage.cached_prompt_tokens,
-                    "completion_tokens": f.usage.completion_tokens,
-                },
-                "engine_ttft_ms": round(f.timings.engine_ttft_ms or 0.0, 3),
-                "tpot_ms": None if f.tpot_ms is None else round(f.tpot_ms, 3),
-            })
+    outs = LLM(engine=engine).generate([ids for _, ids, _ in todo], [sp for _, _, sp in todo], errors="return")
+    for (key, _ids, _sp), o in zip(todo, outs):
+        if isinstance(o, InvalidRequestError):  # the engine refused it (too long for the model, ...)
+            results[key].update({"status": "failed", "error_code": o.code, "error": o.message})
+            continue
+        n_tokens += o.usage.completion_tokens
+        results[key].update({
+            "status": "succeeded",
+            "text": o.text,
+            "finish_reason": o.finish_reason,
+            "usage": {
+                "prompt_tokens": o.usage.prompt_tokens,
+                "cached_prompt_tokens": o.usage.cached_prompt_tokens,
+                "completion_tokens": o.usage.completion_tokens,
+            },
+            "engine_ttft_ms": round(o.timings.engine_ttft_ms or 0.0, 3),
+            "tpot_ms": None if o.tpot_ms is None else round(o.tpot_ms, 3),
+        })
     gen_s = time.perf_counter() - t1
     failed = 0
-    for rid in order:
-        failed += results[rid].get("status") != "succeeded"
-        out.write(json.dumps(results[rid], ensure_ascii=False) + "\n")
+    for key in order:
+        failed += results[key].get("status") != "succeeded"
+        out.write(json.dumps(results[key], ensure_ascii=False) + "\n")
     st = engine.stats()
     print(
         f"# {len(order)} prompts, {n_tokens} tokens in {gen_s:.2f}s ({n_tokens / max(gen_s, 1e-9):.0f} tok/s), "

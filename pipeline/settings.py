@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -14,6 +14,13 @@ from sqlalchemy.exc import ArgumentError
 # The model `firsttoken run`, `worker` and `api` use unless told otherwise: a real one (SmolLM2-135M-
 # Instruct, fetched once from PyPI). The random-weight presets (tiny, llama3-8b, ...) are named explicitly.
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def model_field(description: str) -> Any:
+    """The one declaration of the served model (FIRSTTOKEN_MODEL): the API's Settings.model (what
+    GET /v1/models names) and the worker's EngineSettings.model (what it runs) both use it, so
+    their default and constraints cannot drift apart."""
+    return Field(default=DEFAULT_MODEL, min_length=1, max_length=200, description=description)
 
 
 def normalize_database_url(url: str) -> str:
@@ -174,12 +181,9 @@ class Settings(BaseSettings):
     api_max_batch_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1024, description="largest body of POST /v1/batches"
     )
-    model: str = Field(
-        default=DEFAULT_MODEL,
-        min_length=1,
-        max_length=200,
-        description="the model the workers serve (preset, downloadable model or checkpoint directory): "
-        "`firsttoken worker` runs it, GET /v1/models names it and requests naming another are 404",
+    model: str = model_field(
+        "the model the workers serve (preset, downloadable model or checkpoint directory): "
+        "`firsttoken worker` runs it, GET /v1/models names it and requests naming another are 404"
     )
     api_completion_timeout_s: float = Field(
         default=600.0, gt=0, description="how long a completion waits for its result before it is cancelled (504)"

@@ -121,8 +121,8 @@ def serve(
                 for req in cmd[1]:
                     _add(engine, req, out.rejected)
             elif kind == "abort":
-                for rid in cmd[1]:
-                    engine.abort(rid)
+                for request_id in cmd[1]:
+                    engine.abort(request_id)
             elif kind == "stop":
                 return
         if engine.has_unfinished():

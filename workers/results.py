@@ -12,7 +12,6 @@ from schemas.job import (
     JobTimings,
     TokenLogprobs,
     TopLogprob,
-    Usage,
 )
 from workers.engine import FinishedRequest
 from workers.engine.outputs import TokenLogprob
@@ -57,11 +56,7 @@ def finished_result(
         # NUL is valid output but no Postgres text value may hold it
         text=f.text.replace("\x00", "\ufffd"),
         finish_reason=FinishReason(f.finish_reason),
-        usage=Usage(
-            prompt_tokens=f.usage.prompt_tokens,
-            cached_prompt_tokens=min(f.usage.cached_prompt_tokens, f.usage.prompt_tokens),
-            completion_tokens=f.usage.completion_tokens,
-        ),
+        usage=f.usage,
         timings=timings,
         worker=worker,
         model=model,

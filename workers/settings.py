@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipeline.settings import DEFAULT_MODEL
+from pipeline.settings import DEFAULT_MODEL, model_field
 
 if typing.TYPE_CHECKING:
     from workers.engine import EngineConfig
@@ -36,7 +36,7 @@ class EngineSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="FIRSTTOKEN_", extra="ignore", frozen=True)
 
-    model: str = Field(default=DEFAULT_MODEL, description=_MODEL_HELP)
+    model: str = model_field(_MODEL_HELP)
     device: str | None = Field(default=None, description="cuda or cpu (default: cuda when available)")
     dtype: str | None = Field(default=None, description="float32, bfloat16 or float16 (default: the checkpoint's)")
     max_model_len: int | None = Field(default=None, ge=2, description="context length (default: the model's)")

@@ -527,16 +527,16 @@ class Worker:
         outcomes: list[Outcome] = []
         handed_back: list[str] = []
         with self._lock:
-            for rid, t in out.first_tokens:
-                entry = self._inflight.get(rid)
+            for job_id, t in out.first_tokens:
+                entry = self._inflight.get(job_id)
                 if entry is not None:
                     entry.first_token_mono = t
             if self.replies is not None:
-                for rid, text, tokens, offset in out.deltas:
-                    if rid in self._inflight:
-                        self.replies.put(rid, delta_message(text, tokens, offset))
-            for rid, code, message in out.rejected:
-                entry = self._inflight.pop(rid, None)
+                for job_id, text, tokens, offset in out.deltas:
+                    if job_id in self._inflight:
+                        self.replies.put(job_id, delta_message(text, tokens, offset))
+            for job_id, code, message in out.rejected:
+                entry = self._inflight.pop(job_id, None)
                 if entry is not None:
                     outcomes.append(
                         self._failure(entry.request, entry.messages, error_code_of(code), message, entry.submitted_at)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -13,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from schemas.job import ErrorCode, FinishReason
+from schemas.job import ErrorCode, FinishReason, Usage
 from schemas.sampling import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.errors import InvalidRequestError
@@ -21,12 +22,10 @@ from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import (
     EngineStats,
-    EngineTimings,
     FinishedRequest,
     FirstTokenEvent,
     StepOutput,
     TokenLogprob,
-    Usage,
 )
 from workers.engine.prompts import length_problem, load_tokenizer, sampling_problem
 from workers.engine.sampled import SampledTokens
@@ -278,7 +277,7 @@ class LLMEngine:
 
     def _next_isolation_group(self) -> None:
         """Point the scheduler at the first isolation group with a request left (None: no group)."""
-        while self._isolation and not any(rid in self.requests for rid in self._isolation[0]):
+        while self._isolation and not any(request_id in self.requests for request_id in self._isolation[0]):
             self._isolation.popleft()
         self.scheduler.isolated = self._isolation[0] if self._isolation else None
 
@@ -389,15 +388,17 @@ class LLMEngine:
             shown = out_ids[:-1] if isinstance(req.stop_reason, int) else out_ids
             text = self.tokenizer.decode(shown)
         self._detok.pop(req.request_id, None)
-        t = req.times
+        t = req.times  # finished: now
         return FinishedRequest(
             request_id=req.request_id,
             output_token_ids=list(out_ids),
             text=text,
             finish_reason=req.finish_reason or FinishReason.ABORT,
             stop_reason=req.stop_reason,
-            usage=Usage(req.num_prompt_tokens, req.num_cached_tokens or 0, len(out_ids)),
-            timings=EngineTimings(t.arrival, t.first_scheduled, t.first_token, now),
+            usage=Usage(prompt_tokens=req.num_prompt_tokens,
+                        cached_prompt_tokens=min(req.num_cached_tokens or 0, req.num_prompt_tokens),
+                        completion_tokens=len(out_ids)),
+            timings=dataclasses.replace(t),
             num_preemptions=req.num_preemptions,
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,

@@ -4,45 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.job import FinishReason
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    cached_prompt_tokens: int  # served by the prefix cache at admission
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class EngineTimings:
-    """Monotonic instants (seconds) inside the engine, and durations derived from them (ms)."""
-
-    arrival: float  # add_request
-    first_scheduled: float | None
-    first_token: float | None
-    finished: float
-
-    @property
-    def queue_ms(self) -> float | None:
-        """Wait in the engine before the first step computed any of the prompt."""
-        return None if self.first_scheduled is None else (self.first_scheduled - self.arrival) * 1e3
-
-    @property
-    def engine_ttft_ms(self) -> float | None:
-        """First token minus admission to the engine."""
-        return None if self.first_token is None else (self.first_token - self.arrival) * 1e3
-
-    @property
-    def prefill_ms(self) -> float | None:
-        """First token minus the first step that computed the prompt."""
-        if self.first_token is None or self.first_scheduled is None:
-            return None
-        return (self.first_token - self.first_scheduled) * 1e3
-
-    @property
-    def e2e_ms(self) -> float:
-        return (self.finished - self.arrival) * 1e3
+from schemas.job import FinishReason, Usage
+from workers.engine.sequence import RequestTimes
 
 
 @dataclass(frozen=True)
@@ -75,8 +38,8 @@ class FinishedRequest:
     text: str
     finish_reason: FinishReason
     stop_reason: int | str | None  # the token id or stop string that ended it
-    usage: Usage
-    timings: EngineTimings
+    usage: Usage  # the job's own type: it crosses the engine-core pipe and lands in JobResult as is
+    timings: RequestTimes  # a copy, `finished` set
     num_preemptions: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asked
     # one per prompt token (None for the first: nothing predicts it), when the request asked
@@ -89,7 +52,7 @@ class FinishedRequest:
         """Mean time per output token after the first."""
         t = self.timings
         n = self.usage.completion_tokens
-        if t.first_token is None or n < 2:
+        if t.first_token is None or t.finished is None or n < 2:
             return None
         return (t.finished - t.first_token) * 1e3 / (n - 1)
 

@@ -21,12 +21,38 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class RequestTimes:
-    """Monotonic instants (seconds, `time.monotonic()`) in the request's life inside the engine."""
+    """Monotonic instants (seconds, `time.monotonic()`) in the request's life inside the engine,
+    and the durations (ms) derived from them. The one engine-side timing type: a request carries
+    it while it runs, FinishedRequest a copy. A job's record (wall-clock instants across
+    processes, the pipeline's own share) is schemas.job.JobTimings, built from it by the worker
+    (workers/results.py)."""
 
     arrival: float  # add_request
     first_scheduled: float | None = None  # first step that computed any of its tokens
     first_token: float | None = None
     finished: float | None = None
+
+    @property
+    def queue_ms(self) -> float | None:
+        """Wait in the engine before the first step computed any of the prompt."""
+        return None if self.first_scheduled is None else (self.first_scheduled - self.arrival) * 1e3
+
+    @property
+    def engine_ttft_ms(self) -> float | None:
+        """First token minus admission to the engine."""
+        return None if self.first_token is None else (self.first_token - self.arrival) * 1e3
+
+    @property
+    def prefill_ms(self) -> float | None:
+        """First token minus the first step that computed the prompt."""
+        if self.first_token is None or self.first_scheduled is None:
+            return None
+        return (self.first_token - self.first_scheduled) * 1e3
+
+    @property
+    def e2e_ms(self) -> float | None:
+        """Finished minus admission (None while it runs)."""
+        return None if self.finished is None else (self.finished - self.arrival) * 1e3
 
 
 @dataclass(eq=False)
