@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.limits import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -53,6 +54,78 @@ class SamplingParams(BaseModel):
         description="the same for each prompt token after the first (given the tokens before it): scoring a "
         "text; the prompt is then computed whole (no prefix-cache reuse)",
     )
+
+    # logits processing, in transformers' order: logit_bias, repetition_penalty, then the OpenAI
+    # frequency and presence penalties, then min_tokens (workers/engine/penalties.py). Log-
+    # probabilities stay those of the raw distribution
+    presence_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, strict=True,
+        description="subtracted from the logit of every token the output already holds (OpenAI's)",
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, strict=True,
+        description="subtracted from a token's logit once per time the output already holds it (OpenAI's)",
+    )
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, le=100.0, strict=True,
+        description="tokens of the prompt or the output: positive logits divided by it, negative ones multiplied "
+        "(transformers' and vLLM's); 1: none",
+    )
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict, max_length=MAX_LOGIT_BIAS,
+        description="token id -> added to its logit, -100 to 100 (OpenAI's; -100 bans a token)",
+    )
+    min_tokens: int = Field(
+        default=0, ge=0, le=MAX_TOKENS, strict=True,
+        description="output tokens before end-of-sequence, stop token ids or stop strings may end it",
+    )
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys(cls, v: object) -> object:
+        """OpenAI sends the token ids as JSON object keys: decimal strings."""
+        if not isinstance(v, dict):
+            return v
+        out: dict[object, object] = {}
+        for k, x in v.items():
+            key = k
+            if isinstance(k, str):
+                if not k.isascii() or not k.isdigit() or len(k) > 10:
+                    raise ValueError(f"logit_bias keys are token ids; got {k[:20]!r}")
+                key = int(k)
+            elif isinstance(k, bool) or not isinstance(k, int):
+                raise ValueError("logit_bias keys are token ids")
+            if isinstance(x, bool) or not isinstance(x, int | float):
+                raise ValueError("logit_bias values are numbers from -100 to 100")
+            out[key] = float(x)
+        return out
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float]) -> dict[int, float]:
+        for k, x in v.items():
+            if not 0 <= k < 2**31:
+                raise ValueError(f"logit_bias token id {k} out of range")
+            if not -100.0 <= x <= 100.0:
+                raise ValueError(f"logit_bias of token {k} must be from -100 to 100, not {x}")
+        return v
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether sampling changes the logits before choosing (penalties, biases, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether the logits depend on the tokens so far (the penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @field_validator("top_k")
     @classmethod

@@ -21,6 +21,11 @@ _OPENAI_SAMPLING = {
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
     "prompt_logprobs": "prompt_logprobs",  # vLLM's extension: score the prompt's tokens
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "logit_bias": "logit_bias",
+    "repetition_penalty": "repetition_penalty",  # vLLM's extension
+    "min_tokens": "min_tokens",  # vLLM's extension
 }
 _OPENAI_IGNORED = frozenset({"model", "user", "store", "metadata", "service_tier", "stream_options"})
 _OPENAI_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
@@ -28,9 +33,6 @@ _OPENAI_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "best_of": (1, None),
     "stream": (False, None),
     "echo": (False, None),
-    "presence_penalty": (0, 0.0, None),
-    "frequency_penalty": (0, 0.0, None),
-    "logit_bias": ({}, None),
     "suffix": (None, ""),
     "response_format": ({"type": "text"}, None),
     "tools": ([], None),

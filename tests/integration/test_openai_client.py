@@ -300,3 +300,49 @@ def test_the_real_model_answers_through_the_whole_pipeline(real_stack):
 
     tok = load_tokenizer("smollm2-135m")
     assert r.usage.prompt_tokens == len(prompt_token_ids(tok, None, [("user", messages[0]["content"])]))
+
+
+def test_penalties_bias_and_min_tokens_reach_the_real_model(real_stack):
+    """presence/frequency penalties and logit_bias (OpenAI's fields), repetition_penalty and
+    min_tokens (vLLM's, through extra_body) from the openai client to SmolLM2 behind the queue:
+    a banned answer is not given, min_tokens holds off the end, and the served tokens are the
+    in-process engine's for the same parameters."""
+    import openai
+
+    from schemas.sampling import SamplingParams
+    from workers.engine import EngineConfig, LLMEngine
+    from workers.engine.llm import LLM
+    from workers.engine.prompts import load_tokenizer, prompt_token_ids
+
+    client = openai.OpenAI(base_url=real_stack + "/v1", api_key=KEY, max_retries=0, timeout=180)
+    tok = load_tokenizer("smollm2-135m")
+    question = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
+    plain = client.chat.completions.create(model="smollm2-135m", messages=question, max_tokens=24, temperature=0)
+    assert "Paris" in plain.choices[0].message.content and plain.choices[0].finish_reason == "stop"
+    short = plain.usage.completion_tokens
+    # ban every token whose text holds "Paris" (with or without its leading space)
+    banned = {t: -100 for t in range(tok.vocab_size) if "Paris" in tok.decode([t])}
+    assert banned
+    r = client.chat.completions.create(model="smollm2-135m", messages=question, max_tokens=24, temperature=0,
+                                       logit_bias={str(t): v for t, v in banned.items()})
+    assert r.choices[0].message.content != plain.choices[0].message.content
+    held = client.chat.completions.create(model="smollm2-135m", messages=question, max_tokens=40, temperature=0,
+                                          extra_body={"min_tokens": short + 10})
+    assert held.usage.completion_tokens >= short + 10
+    # the penalties: the same tokens as the engine in this process gives
+    story = [{"role": "user", "content": "Write the word 'cat' twenty times."}]
+    asks = {"presence_penalty": 0.8, "frequency_penalty": 1.1}
+    extra = {"repetition_penalty": 1.3}
+    served = client.chat.completions.create(model="smollm2-135m", messages=story, max_tokens=30, temperature=0,
+                                            **asks, extra_body=extra).choices[0].message.content
+    unpenalised = client.chat.completions.create(model="smollm2-135m", messages=story, max_tokens=30,
+                                                 temperature=0).choices[0].message.content
+    assert served != unpenalised
+    llm = LLM(engine=LLMEngine("smollm2-135m", EngineConfig(device="cpu")))
+    ids = prompt_token_ids(tok, None, [("user", story[0]["content"])])
+    local = llm.generate([ids], SamplingParams(max_tokens=30, temperature=0.0, **asks, **extra))[0]
+    assert served == local.text
+    q_ids = prompt_token_ids(tok, None, [("user", question[0]["content"])])
+    local_banned = llm.generate([q_ids], SamplingParams(max_tokens=24, temperature=0.0, logit_bias=banned))[0]
+    assert r.choices[0].message.content == local_banned.text
+    assert not set(local_banned.output_token_ids) & set(banned)

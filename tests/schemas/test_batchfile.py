@@ -94,6 +94,19 @@ def test_openai_chat_line():
     assert p.job.metadata == {"model": "tiny"}
 
 
+def test_openai_lines_carry_penalties_bias_and_min_tokens():
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "presence_penalty": 0.5,
+            "frequency_penalty": -1, "logit_bias": {"12": -100, "7": 3}, "repetition_penalty": 1.2, "min_tokens": 2}
+    p = _ok(json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body}))
+    sp = p.job.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_tokens) == (0.5, -1.0, 1.2, 2)
+    assert sp.logit_bias == {12: -100.0, 7: 3.0}
+    # defaults as OpenAI's: a zero penalty and an empty bias change nothing
+    plain = _ok(json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
+                            "body": {"prompt": "x", "presence_penalty": 0, "logit_bias": {}}})).job.sampling
+    assert not plain.adjusts_logits
+
+
 def test_openai_completions_line_prompt_list_of_one():
     line = '{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": ["x"], "stop": "\\n"}}'
     p = _ok(line)

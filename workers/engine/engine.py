@@ -350,7 +350,9 @@ class LLMEngine:
     def _check_stop(self, req: Request, tok: int, num_tokens: int) -> FinishReason | None:
         """Why the request stops at `tok`, its token number `num_tokens` (prompt included), if it does."""
         sp = req.sampling
-        if tok in sp.stop_token_ids or tok in req.eos_token_ids:
+        # below min_tokens nothing but the length ends it (the sampler bans the end tokens too)
+        may_stop = num_tokens - req.num_prompt_tokens >= sp.min_tokens
+        if may_stop and (tok in sp.stop_token_ids or tok in req.eos_token_ids):
             req.stop_reason = tok
             return FinishReason.STOP
         detok = self._detok.get(req.request_id)
@@ -359,7 +361,7 @@ class LLMEngine:
             if delta:
                 start = max(0, len(req.text) - req.stop_holdback)
                 req.text += delta
-                for s in sp.stop:
+                for s in sp.stop if may_stop else ():
                     pos = req.text.find(s, start)
                     if pos != -1:
                         req.text = req.text[:pos]

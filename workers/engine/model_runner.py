@@ -21,6 +21,7 @@ from workers.engine.kv_sizing import auto_num_blocks, kv_bytes_per_block
 from workers.engine.loader import load_checkpoint, random_model, resolve_dtype
 from workers.engine.models.llama import LlamaForCausalLM
 from workers.engine.models.rope import rope_cos_sin
+from workers.engine.penalties import LogitsProcessor
 from workers.engine.presets import PRESETS
 from workers.engine.quantization import quantize_fp8
 from workers.engine.sampled import PromptLogprobs, SampledTokens
@@ -81,7 +82,8 @@ class ModelRunner:
         self.pad_slot = self.layout.pad_slot
         # long uncached prompts: dense causal attention (cuDNN) beats the paged kernel on CUDA
         self.dense_prefill_min_tokens = config.dense_prefill_min_tokens if self.device.type == "cuda" else None
-        self.sampler = Sampler(self.device, config.seed)
+        self.logits_processor = LogitsProcessor(mc.vocab_size, self.device)
+        self.sampler = Sampler(self.device, config.seed, self.logits_processor)
         self._generators: dict[str, torch.Generator] = {}
         self.last_path = ""  # how the last step ran: decode_graph, prefill_graph, mixed_graph or eager
         self.path_steps: dict[str, int] = {}  # steps run on each path (diagnostics, benchmarks)
@@ -177,7 +179,9 @@ class ModelRunner:
         return input_ids, positions, meta, batch.logit_rows
 
     def sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        return sampling_batch(reqs, self.device, self.model_config.vocab_size, self._generators)
+        batch = sampling_batch(reqs, self.device, self.model_config.vocab_size, self._generators)
+        batch.adjust = self.logits_processor.plan(reqs)
+        return batch
 
     def close(self) -> None:
         """Drop the weights, KV cache and captured graphs so their device memory can be reused;
@@ -199,14 +203,17 @@ class ModelRunner:
         self.model = None  # type: ignore[assignment]
         self._generators.clear()
         self.sampler = None  # type: ignore[assignment]
+        self.logits_processor = None  # type: ignore[assignment]  (its tables: [slots, vocab] on the device)
         gc.collect()  # the graph sets and the model's modules can sit in reference cycles
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing in flight still reads the memory
             torch.cuda.empty_cache()
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state (its RNG) once it has finished."""
+        """Forget per-request state (its RNG, its penalty slot) once it has finished."""
         self._generators.pop(request_id, None)
+        if self.logits_processor is not None:
+            self.logits_processor.release(request_id)
 
     @property
     def prefill_graph_limits(self) -> tuple[int, int] | None:

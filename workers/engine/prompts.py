@@ -87,10 +87,13 @@ Problem = tuple[ErrorCode, str]
 
 
 def sampling_problem(sp: SamplingParams, *, vocab_size: int | None) -> Problem | None:
-    """What the model makes of a request's sampling, before its prompt is tokenized (top_k past
-    the vocabulary): None when it can run, else (ErrorCode, message)."""
+    """What the model makes of a request's sampling, before its prompt is tokenized (top_k or a
+    logit_bias token past the vocabulary): None when it can run, else (ErrorCode, message)."""
     if sp.top_k is not None and vocab_size is not None and sp.top_k > vocab_size:
         return ErrorCode.INVALID_SAMPLING, f"top_k must be at most the vocabulary ({vocab_size}), or -1 for no cut"
+    if sp.logit_bias and vocab_size is not None and max(sp.logit_bias) >= vocab_size:
+        return (ErrorCode.INVALID_SAMPLING,
+                f"logit_bias names token {max(sp.logit_bias)}, past the vocabulary ({vocab_size} tokens)")
     return None
 
 

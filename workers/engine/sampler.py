@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from workers.engine.penalties import LogitsPlan, LogitsProcessor
     from workers.engine.sequence import Request
 
 
@@ -21,6 +22,8 @@ class SamplingBatch:
     top_k: torch.Tensor | None  # [N] int64, vocab size where unset; None when no row sets it
     top_p: torch.Tensor | None  # [N] fp32; None when no row sets it
     generators: list[torch.Generator | None]  # per row: the request's own RNG when seeded
+    # logit_bias, penalties, min_tokens of the rows that ask (workers/engine/penalties.py); None: none
+    adjust: LogitsPlan | None = None
 
 
 def sampling_batch(reqs: list[Request], device: torch.device, vocab_size: int,
@@ -56,14 +59,23 @@ def sampling_batch(reqs: list[Request], device: torch.device, vocab_size: int,
 
 
 class Sampler:
-    """Picks one token per row of logits."""
+    """Picks one token per row of logits (after the rows' logits processing, when they ask)."""
 
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, processor: LogitsProcessor | None = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.processor = processor
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # logits: [N, V] fp32 -> token ids [N] int64 (on the device)
+        if batch.adjust is not None and self.processor is not None:
+            logits = self.processor.apply(logits, batch.adjust)
+            tokens = self._choose(logits, batch)
+            self.processor.update(batch.adjust, tokens)
+            return tokens
+        return self._choose(logits, batch)
+
+    def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         assert batch.temperature is not None and batch.greedy_mask is not None
