@@ -354,7 +354,9 @@ class JobTimings(BaseModel):
     (in Kafka while the worker held off for back-pressure, then in the engine's waiting queue until
     its first step), `overhead_ms` = the pipeline's own part of it (submitted -> admitted, less the
     back-pressure wait: produce, broker, fetch, hand-off), `engine_ttft_ms` = first token -
-    admitted (the worker's monotonic clock), `prefill_ms` (the prompt's forward passes), `tpot_ms`
+    admitted (the worker's monotonic clock), `prefill_ms` (the job's share of the steps that computed
+    its prompt: each step's device time split over its tokens, so a cached prefix costs nothing
+    and a step shared with 30 prompts is a thirtieth each), `tpot_ms`
     = mean time per output token after the first, `e2e_ms` = finished - submitted. So ttft_ms =
     overhead_ms + queue_ms + (first token - scheduled).
     """

@@ -9,7 +9,7 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -50,6 +50,8 @@ class InFlightStep:
     num_tokens: int = 0  # tokens the step computed
     num_decodes: int = 0  # of them, decoding sequences' one token each
     shape: StepShape | None = None  # what it computes, for the SLO cost model (with a target)
+    # (request, its prompt tokens computed in the step): each gets that share of the step's time
+    prefills: list[tuple[Request, int]] = field(default_factory=list)
 
 
 def _token_logprob(token_id: int, row: tuple[float, list[int], list[float]], k: int) -> TokenLogprob:
@@ -286,11 +288,15 @@ class LLMEngine:
         self._steps += 1
         prompt_tokens = 0
         rows: list[tuple[Request, int]] = []
+        prefills: list[tuple[Request, int]] = []
         first = False
         for e in out.scheduled:
             req = e.request
             req.num_computed_tokens += e.num_new_tokens
-            prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - e.num_computed_tokens)
+            n_prompt = max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - e.num_computed_tokens)
+            prompt_tokens += n_prompt
+            if n_prompt:
+                prefills.append((req, n_prompt))
             if not e.samples:
                 continue
             req.pending_row = len(rows)
@@ -303,22 +309,26 @@ class LLMEngine:
         while self._history and now - self._history[0][0] > STATS_WINDOW_S:
             self._history.popleft()
         shape = StepShape.of(out.scheduled, out.num_decodes, self.runner.last_path) if self.slo is not None else None
-        return InFlightStep(sampled, rows, first, t_launch, out.num_batched_tokens, out.num_decodes, shape)
+        return InFlightStep(sampled, rows, first, t_launch, out.num_batched_tokens, out.num_decodes, shape, prefills)
 
     def _read_back(self, step: InFlightStep, result: StepOutput) -> None:
         """Wait for a launched step's tokens; put them in place, report first tokens, check stops."""
         tokens = step.sampled.tolist()
         now = time.monotonic()
+        # the step's time on the device (CUDA events: exact under async scheduling); on a CPU,
+        # from its launch or from when the one before it ended. The host's read-back times
+        # mispredicted steps by 54-680% on the H200 (bench/results/2026-12-01-*-h200.*)
+        sec = step.sampled.device_seconds()
+        if sec is None:
+            sec = now - max(step.launched_at, self._last_done)
+        self._last_done = now
         if self.slo is not None:
-            # the step's time on the device (CUDA events: exact under async scheduling); on a CPU,
-            # from its launch or from when the one before it ended. The host's read-back times
-            # mispredicted steps by 54-680% on the H200 (bench/results/2026-12-01-*-h200.*)
-            sec = step.sampled.device_seconds()
-            if sec is None:
-                sec = now - max(step.launched_at, self._last_done)
             self.slo.model.observe_shape(step.shape, sec)  # type: ignore[union-attr,arg-type]
             self.slo.account(step.num_decodes, sec)
-            self._last_done = now
+        # each prompt's share of the step, by tokens: a job's prefill cost, whatever shared its steps
+        per_token = sec / max(1, step.num_tokens)
+        for req, n in step.prefills:
+            req.times.prefill_compute_s += n * per_token
         logprobs = step.sampled.logprobs()  # None unless a request of the step asked
         for req, start, rows in step.sampled.prompt_logprobs():  # by position: a recomputed chunk rewrites its own
             for pos, row in enumerate(rows, start + 1):

@@ -31,6 +31,10 @@ class RequestTimes:
     first_scheduled: float | None = None  # first step that computed any of its tokens
     first_token: float | None = None
     finished: float | None = None
+    # the request's share of the steps that computed its prompt: each step's time split over the
+    # step's tokens (a prompt that 30 others shared a step with pays a thirtieth of it, a cached
+    # prefix nothing)
+    prefill_compute_s: float = 0.0
 
     @property
     def queue_ms(self) -> float | None:
@@ -44,7 +48,12 @@ class RequestTimes:
 
     @property
     def prefill_ms(self) -> float | None:
-        """First token minus the first step that computed the prompt."""
+        """The request's share of its prefill steps (ms; None before its first token)."""
+        return None if self.first_token is None else self.prefill_compute_s * 1e3
+
+    @property
+    def prefill_wall_ms(self) -> float | None:
+        """First token minus the first step that computed the prompt (the steps it shared included)."""
         if self.first_token is None or self.first_scheduled is None:
             return None
         return (self.first_token - self.first_scheduled) * 1e3

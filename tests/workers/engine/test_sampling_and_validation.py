@@ -191,3 +191,22 @@ def test_the_submission_check_and_the_engine_refuse_alike(engine, job):
         in_engine = (exc.code, exc.message)
     assert at_submission == in_engine
     drain(engine)
+
+
+def test_a_prompt_pays_its_share_of_the_steps_it_shared():
+    """prefill_ms is each prompt's share of its prefill steps, split by tokens: two prompts computed
+    in one step pay in proportion to their tokens (their wall prefill is the same step); a prompt
+    whose prefix is cached pays only for the rest."""
+    from workers.engine.llm import LLM
+
+    eng = LLMEngine("tiny", EngineConfig(device="cpu", block_size=16, max_num_batched_tokens=1024))
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    small, big = [7] * 10, list(range(3, 403))
+    a, b = LLM(engine=eng).generate([small, big], sp)
+    assert a.timings.prefill_wall_ms == pytest.approx(b.timings.prefill_wall_ms)  # one step for both
+    assert a.timings.prefill_ms / b.timings.prefill_ms == pytest.approx(10 / 400)
+    assert b.timings.prefill_ms <= b.timings.prefill_wall_ms
+    # the same prompt again (384 of its 400 tokens cached: 16 computed) beside a new one of 400
+    again, fresh = LLM(engine=eng).generate([big, [t % 500 + 5 for t in range(1000, 1400)]], sp)
+    assert again.usage.cached_prompt_tokens == 384 and fresh.usage.cached_prompt_tokens == 0
+    assert again.timings.prefill_ms / fresh.timings.prefill_ms == pytest.approx(16 / 400)
