@@ -21,6 +21,8 @@
 #               as prefill graphs (the default is 16 / 1024: larger mixed steps run eager)          ~1 min
 #   goodput_core  the same through the worker's engine core in its own process (ProcessCore)  ~2.5 min
 #   load_fp8    goodput with FP8 projections and an fp8 KV cache                            ~3 min
+#   goodput_b2048  goodput, steps of at most 2048 tokens, bf16 then FP8 + fp8 KV (mixed graphs on:
+#               the configuration of bench/results/2026-12-02-load-h200.md's best FP8 rows)    ~6 min
 # The SmolLM2 checkpoint does not fit one call: carry .ckpt_a (the GGUF's first 49 MB and the small
 # files) and copy it to /tmp there, then in the next call (the machine still warm) carry .ckpt_b and
 # rebuild: cat the parts in order into one file, bench/restore_smollm2.py --parts FILE (see its doc).
@@ -120,6 +122,11 @@ for stage in "${STAGES[@]}"; do
     load_fp8)
       run load_fp8 560 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET --quantization fp8 --kv-cache-dtype fp8 \
         --goodput "${GOODPUT_ARGS[@]}" ;;
+    goodput_b2048)
+      run goodput_b2048 280 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET --goodput --max-num-batched-tokens 2048 \
+        "${GOODPUT_ARGS[@]}"
+      run goodput_b2048_fp8 280 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET --goodput --max-num-batched-tokens 2048 \
+        --quantization fp8 --kv-cache-dtype fp8 "${GOODPUT_ARGS[@]}" ;;
     *) echo "unknown stage $stage"; STATUS[$stage]="unknown" ;;
   esac
 done
