@@ -15,7 +15,7 @@ from typing import TextIO
 
 from pipeline.store import JobRecord, ResultStore
 from schemas.job import JobStatus
-from schemas.openai import LineFormat, format_output_line
+from schemas.openai import LineFormat, echo_prompt, format_output_line
 
 
 def file_digest(path: str | Path) -> str:
@@ -59,7 +59,8 @@ def result_lines(
     for rec in store.iter_batch(batch_id):
         result = rec.result()
         if result is not None and (statuses is None or result.status in statuses):
-            yield format_output_line(result, _format_of(rec, fallback))
+            fmt = _format_of(rec, fallback)
+            yield format_output_line(result, fmt, echo_prompt(rec.prompt, rec.sampling, fmt))
 
 
 def write_results(store: ResultStore, batch_id: str, out: TextIO, fallback: LineFormat = LineFormat.PLAIN) -> int:

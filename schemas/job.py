@@ -229,6 +229,8 @@ class JobBody(BaseModel):
             raise PydanticCustomError(
                 "prompt_or_messages", "exactly one of 'prompt' or 'messages' must be given"
             )
+        if self.messages is not None and self.sampling.echo:
+            raise PydanticCustomError("echo_needs_prompt", "echo: a text prompt only (chat turns have no echo)")
         if self.messages is not None:
             chars = sum(len(m.content) for m in self.messages)
             if chars > MAX_PROMPT_CHARS:

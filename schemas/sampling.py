@@ -80,6 +80,21 @@ class SamplingParams(BaseModel):
         description="output tokens before end-of-sequence, stop token ids or stop strings may end it",
     )
 
+    echo: bool = Field(
+        default=False, strict=True,
+        description="text completions: the output starts with the prompt (and, with logprobs, so do the "
+        "log-probabilities: the prompt's are computed too)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _echo_scores_the_prompt(cls, data: object) -> object:
+        """echo with logprobs: the prompt's log-probabilities are computed as well (prompt_logprobs)."""
+        if (isinstance(data, dict) and data.get("echo") is True and data.get("logprobs") is not None
+                and data.get("prompt_logprobs") is None):
+            return {**data, "prompt_logprobs": data["logprobs"]}
+        return data
+
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _bias_keys(cls, v: object) -> object:

@@ -44,9 +44,10 @@ from schemas.job import (
 )
 from schemas.openai import (
     LineFormat,
+    choice_logprobs,
+    echo_prompt,
     firsttoken_extension,
     openai_body_request,
-    openai_logprobs,
     openai_response,
     openai_usage,
 )
@@ -264,8 +265,11 @@ async def _events(run: _Run, fmt: LineFormat, include_usage: bool) -> AsyncItera
     # a client that goes away stops the response: CompletionStream cleans up (_Run.clean_up)
     state, job, sub = run.state, run.job, run.sub
     model, created, sent = state.model_name, int(time.time()), ""
+    echo = echo_prompt(job.prompt, job.sampling, fmt)
     try:
         yield sse(completion_chunk(job.id, fmt, model, created, "" if fmt is LineFormat.OPENAI_CHAT else None, None, role=True))
+        if echo:  # the prompt first, as OpenAI's echo streams it
+            yield sse(completion_chunk(job.id, fmt, model, created, echo, None))
         deadline = time.monotonic() + state.settings.api_completion_timeout_s
         result: JobResult | None = None
         wait = POLL_STORE_S
@@ -298,7 +302,7 @@ async def _events(run: _Run, fmt: LineFormat, include_usage: bool) -> AsyncItera
             finish = None if result.finish_reason is None else result.finish_reason.value
             last = completion_chunk(job.id, fmt, model, created, result.text[len(sent):], finish)
             # all of them with the last chunk: a client that joins the chunks' log-probabilities gets the list
-            last["choices"][0]["logprobs"] = openai_logprobs(result.logprobs, fmt)
+            last["choices"][0]["logprobs"] = choice_logprobs(result, fmt, echo)
             last["firsttoken"] = firsttoken_extension(result)
             yield sse(last)
             if include_usage:
@@ -349,7 +353,7 @@ async def _complete(request: Request, who: Principal, state: ApiState, fmt: Line
         result = await _final(state, request, run)
     finally:
         run.clean_up()
-    status, body = openai_response(result, fmt, state.model_name)
+    status, body = openai_response(result, fmt, state.model_name, echo_prompt(job.prompt, job.sampling, fmt))
     return JSONResponse(body, status_code=status)
 
 

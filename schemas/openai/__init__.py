@@ -6,6 +6,8 @@ from schemas.openai.errors import HTTP_STATUS, error_body, error_type
 from schemas.openai.formats import OPENAI_URLS, LineFormat
 from schemas.openai.requests import openai_body_request
 from schemas.openai.responses import (
+    choice_logprobs,
+    echo_prompt,
     firsttoken_extension,
     format_output_line,
     openai_logprobs,
@@ -19,6 +21,8 @@ __all__ = [
     "HTTP_STATUS",
     "OPENAI_URLS",
     "LineFormat",
+    "choice_logprobs",
+    "echo_prompt",
     "error_body",
     "error_type",
     "firsttoken_extension",

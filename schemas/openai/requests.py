@@ -56,6 +56,9 @@ def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | 
                     ErrorCode.INVALID_REQUEST, "body.prompt: must be a string (or a list of one string)"
                 )
             request["prompt"] = value
+        elif key == "echo" and fmt is LineFormat.OPENAI_COMPLETIONS:
+            if value is not None:
+                sampling["echo"] = value
         elif key in _OPENAI_SAMPLING:
             if value is not None:
                 name = _OPENAI_SAMPLING[key]

@@ -10,14 +10,18 @@ from typing import Any
 from schemas.job import ErrorCode, JobResult, JobStatus, TokenLogprobs, TopLogprob
 from schemas.openai.errors import HTTP_STATUS, error_body
 from schemas.openai.formats import LineFormat
+from schemas.sampling import SamplingParams
 
 
-def plain_output(result: JobResult) -> dict[str, Any]:
+def plain_output(result: JobResult, echo: str | None = None) -> dict[str, Any]:
     """The plain output object of one result: `id` is the client's id (null for a line that had
-    none), `job_id` firsttoken's, then the JobResult's fields, JSON-ready."""
+    none), `job_id` firsttoken's, then the JobResult's fields, JSON-ready (`echo`: the prompt the
+    text starts with)."""
     out: dict[str, Any] = {"id": result.custom_id, "job_id": result.id}
     absent = {k for k in ("logprobs", "prompt_logprobs") if getattr(result, k) is None}  # not asked: not shown
     out.update(result.model_dump(mode="json", exclude={"id", "custom_id"} | absent))
+    if echo is not None and result.status is JobStatus.SUCCEEDED:
+        out["text"] = echo + (result.text or "")
     return out
 
 
@@ -36,9 +40,30 @@ def firsttoken_extension(result: JobResult) -> dict[str, Any]:
     return {"job_id": result.id, "timings": result.timings.model_dump(mode="json")}
 
 
-def openai_logprobs(logprobs: list[TokenLogprobs] | None, fmt: LineFormat) -> dict[str, Any] | None:
+def echo_prompt(prompt: str | None, sampling: SamplingParams | None, fmt: LineFormat) -> str | None:
+    """The prompt a job's output text starts with (`echo`: text completions and plain lines with a
+    text prompt), or None."""
+    if fmt is LineFormat.OPENAI_CHAT or sampling is None or not sampling.echo:
+        return None
+    return prompt
+
+
+def _echo_logprobs(result: JobResult, prompt: str) -> list[TokenLogprobs | str] | None:
+    """A completion's log-probabilities with the prompt's before them (echo): the first prompt
+    token, which nothing predicts, as its text alone (no log-probability, as OpenAI's)."""
+    if result.logprobs is None:
+        return None
+    scored = [lp for lp in result.prompt_logprobs or [] if lp is not None]
+    rest = "".join(lp.token for lp in scored)
+    first = prompt[: len(prompt) - len(rest)] if prompt.endswith(rest) else ""
+    return [first, *scored, *result.logprobs]
+
+
+def openai_logprobs(logprobs: list[TokenLogprobs] | list[TokenLogprobs | str] | None,
+                    fmt: LineFormat) -> dict[str, Any] | None:
     """A choice's `logprobs` object: chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`,
-    or completions' `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`."""
+    or completions' `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}` (an
+    entry that is only a text, an echoed prompt's first token: null log-probabilities)."""
     if logprobs is None:
         return None
     if fmt is LineFormat.OPENAI_CHAT:
@@ -48,22 +73,30 @@ def openai_logprobs(logprobs: list[TokenLogprobs] | None, fmt: LineFormat) -> di
         return {"content": [{**entry(lp), "top_logprobs": [entry(t) for t in lp.top]} for lp in logprobs],
                 "refusal": None}
     offsets, at = [], 0
-    for lp in logprobs:
+    tokens = [lp if isinstance(lp, str) else lp.token for lp in logprobs]
+    for t in tokens:
         offsets.append(at)
-        at += len(lp.token)
+        at += len(t)
     return {
-        "tokens": [lp.token for lp in logprobs],
-        "token_logprobs": [lp.logprob for lp in logprobs],
+        "tokens": tokens,
+        "token_logprobs": [None if isinstance(lp, str) else lp.logprob for lp in logprobs],
         # a dict per token, as OpenAI's: alternatives whose texts coincide keep the likelier
-        "top_logprobs": [{t.token: t.logprob for t in reversed(lp.top)} for lp in logprobs],
+        "top_logprobs": [None if isinstance(lp, str) else {t.token: t.logprob for t in reversed(lp.top)}
+                         for lp in logprobs],
         "text_offset": offsets,
     }
 
 
-def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None) -> tuple[int, dict[str, Any]]:
+def choice_logprobs(result: JobResult, fmt: LineFormat, echo: str | None = None) -> dict[str, Any] | None:
+    """A result's choice `logprobs` object, the echoed prompt's tokens first when `echo` is given."""
+    return openai_logprobs(result.logprobs if echo is None else _echo_logprobs(result, echo), fmt)
+
+
+def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None,
+                    echo: str | None = None) -> tuple[int, dict[str, Any]]:
     """(HTTP status, body) of one result as an OpenAI (chat) completions response; a failed or
     cancelled job gives its error status and an OpenAI error body. The body carries the job's
-    timings under `firsttoken`."""
+    timings under `firsttoken`. `echo`: the prompt a text completion starts with (echo_prompt)."""
     if result.status is JobStatus.SUCCEEDED:
         created = int(result.timings.finished_at or 0)
         finish = result.finish_reason.value if result.finish_reason is not None else None
@@ -76,10 +109,10 @@ def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None
             }
             obj, prefix = "chat.completion", "chatcmpl-"
         else:
-            choice = {"index": 0, "text": result.text, "finish_reason": finish,
-                      "logprobs": openai_logprobs(result.logprobs, fmt)}
+            choice = {"index": 0, "text": (echo or "") + result.text, "finish_reason": finish,
+                      "logprobs": choice_logprobs(result, fmt, echo)}
             obj, prefix = "text_completion", "cmpl-"
-        if result.prompt_logprobs is not None:  # asked with prompt_logprobs (vLLM's extension)
+        if result.prompt_logprobs is not None and echo is None:  # asked with prompt_logprobs (vLLM's extension)
             choice["prompt_logprobs"] = [None if lp is None else {
                 "token": lp.token, "logprob": lp.logprob,
                 "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in lp.top]}
@@ -98,11 +131,11 @@ def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None
     return status, error_body(code, result.error_message or code.value, status=status)
 
 
-def openai_output(result: JobResult, fmt: LineFormat) -> dict[str, Any]:
+def openai_output(result: JobResult, fmt: LineFormat, echo: str | None = None) -> dict[str, Any]:
     """The OpenAI Batch API output object of one result (`custom_id` = the line's custom id)."""
     if fmt is LineFormat.PLAIN:
         raise ValueError("openai_output needs an OpenAI line format")
-    status_code, body = openai_response(result, fmt)
+    status_code, body = openai_response(result, fmt, echo=echo)
     return {
         "id": f"batch_req_{result.id}",
         "custom_id": result.custom_id,
@@ -111,7 +144,8 @@ def openai_output(result: JobResult, fmt: LineFormat) -> dict[str, Any]:
     }
 
 
-def format_output_line(result: JobResult, fmt: LineFormat) -> str:
-    """One output JSONL line (with its newline) for `result`, in the format its input line had."""
-    obj = plain_output(result) if fmt is LineFormat.PLAIN else openai_output(result, fmt)
+def format_output_line(result: JobResult, fmt: LineFormat, echo: str | None = None) -> str:
+    """One output JSONL line (with its newline) for `result`, in the format its input line had
+    (`echo`: the prompt its text completion starts with)."""
+    obj = plain_output(result, echo) if fmt is LineFormat.PLAIN else openai_output(result, fmt, echo)
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"

@@ -358,3 +358,42 @@ def test_openai_error_types_follow_the_http_status():
     assert set(HTTP_STATUS) == set(ErrorCode)  # every error code has its status
     body = error_body(ErrorCode.ENGINE_ERROR, "boom", status=HTTP_STATUS[ErrorCode.ENGINE_ERROR], param="x")
     assert body == {"error": {"code": "engine_error", "type": "server_error", "message": "boom", "param": "x"}}
+
+
+def test_echo_lines_and_outputs():
+    from schemas.job import TokenLogprobs, TopLogprob
+    from schemas.openai import echo_prompt
+    from schemas.sampling import SamplingParams
+
+    # echo with logprobs scores the prompt too; chat turns have no echo
+    line = {"custom_id": "e", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "ab c", "echo": True, "logprobs": 1, "max_tokens": 2}}
+    job = _ok(json.dumps(line)).job
+    assert job.sampling.echo and job.sampling.prompt_logprobs == 1
+    chat = {"custom_id": "e", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "echo": True}}
+    assert isinstance(parse_line(json.dumps(chat), 1), BatchLineError)
+    bad = parse_line(json.dumps({"messages": [{"role": "user", "content": "hi"}], "sampling": {"echo": True}}), 1)
+    assert isinstance(bad, BatchLineError) and "echo" in bad.message
+    assert echo_prompt("ab c", job.sampling, LineFormat.OPENAI_COMPLETIONS) == "ab c"
+    assert echo_prompt("ab c", job.sampling, LineFormat.OPENAI_CHAT) is None
+    assert echo_prompt("ab c", SamplingParams(), LineFormat.OPENAI_COMPLETIONS) is None
+
+    def lp(tok: str, v: float) -> TokenLogprobs:
+        return TokenLogprobs(token=tok, id=ord(tok[-1]), logprob=v, top=[TopLogprob(token=tok, id=ord(tok[-1]), logprob=v)])
+
+    # prompt "ab c" as tokens "ab", " c": the first is predicted by nothing (its text only)
+    r = _result(logprobs=[lp("!", -0.5), lp("!", -0.25)], prompt_logprobs=[None, lp(" c", -2.0)])
+    r = r.model_copy(update={"text": "!!"})
+    body = json.loads(format_output_line(r, LineFormat.OPENAI_COMPLETIONS, "ab c"))["response"]["body"]
+    choice = body["choices"][0]
+    assert choice["text"] == "ab c!!"
+    lps = choice["logprobs"]
+    assert lps["tokens"] == ["ab", " c", "!", "!"] and "".join(lps["tokens"]) == choice["text"]
+    assert lps["token_logprobs"] == [None, -2.0, -0.5, -0.25]
+    assert lps["top_logprobs"][0] is None and lps["top_logprobs"][1] == {" c": -2.0}
+    assert lps["text_offset"] == [0, 2, 4, 5]
+    assert "prompt_logprobs" not in choice  # folded into logprobs
+    plain = json.loads(format_output_line(r, LineFormat.PLAIN, "ab c"))
+    assert plain["text"] == "ab c!!"
+    assert json.loads(format_output_line(r, LineFormat.OPENAI_COMPLETIONS))["response"]["body"]["choices"][0]["text"] == "!!"
