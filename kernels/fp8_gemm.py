@@ -217,3 +217,116 @@ def fp8_gemm_rowwise_small_m(
     _fp8_gemm_rowwise_small_m_kernel.launch((cdiv(n, block_n),), args, consts, num_warps, num_stages,
                                             a_q.device.type == "cuda")
     return c
+
+
+# ---------------------------------------------------------------------------------------------
+# Few rows, K split across programs (decode at batch 1-16: fill the GPU with a small N)
+# ---------------------------------------------------------------------------------------------
+
+
+@lazy_jit(do_not_specialize=("k_per_split",))
+def _fp8_gemm_splitk_partial_kernel(
+    a_ptr,  # A: [M, K] e4m3, row-major, M <= BLOCK_M
+    b_ptr,  # B: [N, K] e4m3, row-major (the weight)
+    p_ptr,  # partials: [S, M, N] fp32 (unscaled)
+    M, N, K,  # sizes
+    k_per_split,  # K columns of each split (a multiple of BLOCK_K)
+    stride_am, stride_bn,  # row strides (elements)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # program (n tile, split): streams its BLOCK_N rows of B over its K range once and writes an
+    # unscaled fp32 partial; the reduce kernel sums the splits in a fixed order (deterministic,
+    # unlike atomics), scales and casts
+    pid_n = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M
+    mask_n = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = split * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        k = k_lo + k0 + rk
+        mask_k = k < K
+        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.dot(a, tl.trans(b))
+    out = p_ptr + split * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@lazy_jit(do_not_specialize=("num_splits",))
+def _fp8_gemm_splitk_reduce_kernel(
+    p_ptr,  # partials: [S, M, N] fp32
+    a_scale_ptr,  # [M] fp32
+    b_scale_ptr,  # [N] fp32
+    bias_ptr,  # [N] or a dummy when HAS_BIAS is false
+    c_ptr,  # C: [M, N], out dtype, row-major
+    M, N, num_splits,
+    stride_cm,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,  # columns of one row per program
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, num_splits):
+        acc += tl.load(p_ptr + (s * M + row) * N + cols, mask=mask, other=0.0)
+    acc = acc * tl.load(a_scale_ptr + row) * tl.load(b_scale_ptr + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + row * stride_cm + cols, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def splitk_splits(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    """Key-range splits that give about two programs per multiprocessor, each at least four K
+    steps long (fewer, longer splits when the N tiles alone fill the GPU)."""
+    tiles = cdiv(n, block_n)
+    want = max(1, cdiv(2 * sms, tiles))
+    return max(1, min(want, cdiv(k, 4 * block_k), 64))
+
+
+def fp8_gemm_rowwise_splitk(
+    a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+    block_n: int = 32, block_k: int = 256, num_splits: int | None = None, num_warps: int = 4,
+    num_stages: int = 4,
+) -> torch.Tensor:
+    """`fp8_gemm_rowwise_small_m` with the K range split over programs: a decode step's qkv and
+    o_proj (N 4096-6144 at K 4096) make 128-192 tiles of 32 channels for 132 multiprocessors, one
+    wave streaming 128 KiB each; splitting K makes enough programs to keep more bytes in flight.
+    Each split writes fp32 partials ([S, M, N]); a second kernel sums them in order, scales, adds
+    the bias and casts. Opt-in (bench/bench_fp8_decode.py times it beside the small-M kernel)."""
+    from kernels._triton import num_sms
+
+    check(a_q.dtype == FP8 and b_q.dtype == FP8, "fp8_gemm_splitk: A and B must be float8_e4m3fn")
+    m, k = a_q.shape
+    n, kb = b_q.shape
+    check(k == kb, "fp8_gemm_splitk: A is [M, {}] but B is [N, {}]", k, kb)
+    check(m <= SMALL_M, "fp8_gemm_splitk: {} rows > {}", m, SMALL_M)
+    check(a_scale.numel() == m and b_scale.numel() == n, "fp8_gemm_splitk: scales must be per row ([M, 1], [N, 1])")
+    check(a_q.stride(1) == 1 and b_q.stride(1) == 1, "fp8_gemm_splitk: A's and B's last dims must be contiguous")
+    c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
+    if m == 0 or n == 0:
+        return c
+    s = num_splits or splitk_splits(n, k, block_n, block_k, num_sms(a_q.device))
+    k_per = cdiv(cdiv(k, s), block_k) * block_k
+    s = cdiv(k, k_per)  # no split left empty
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    fast = a_q.device.type == "cuda"
+    partial = torch.empty((s, m, n), dtype=torch.float32, device=a_q.device)
+    _fp8_gemm_splitk_partial_kernel.launch(
+        (cdiv(n, block_n), s), (a_q, b_q, partial, m, n, k, k_per, a_q.stride(0), b_q.stride(0)),
+        {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps, num_stages, fast)
+    a_s = a_scale.reshape(m).float().contiguous()
+    b_s = b_scale.reshape(n).float().contiguous()
+    has_bias = bias is not None
+    block = 1024 if n >= 1024 else max(16, 1 << (n - 1).bit_length())
+    _fp8_gemm_splitk_reduce_kernel.launch(
+        (m, cdiv(n, block)), (partial, a_s, b_s, bias if has_bias else b_s, c, m, n, s, c.stride(0)),
+        {"HAS_BIAS": has_bias, "BLOCK": block}, 4, 1, fast)
+    return c

@@ -437,3 +437,43 @@ def test_quantize_triton_matches_torch(poison_empty, t, c, group, dtype):
     back = dequantize(q, s)
     rel = (back - x.float()).abs().reshape(t, -1, group or c).amax(-1) / x.float().abs().reshape(t, -1, group or c).amax(-1)
     assert rel.max() <= 2**-4 + 1e-6
+
+
+@pytest.mark.parametrize(("m", "n", "k", "splits", "bias", "out_dtype"), [
+    (1, 32, 64, 2, False, torch.float32), (3, 96, 272, 3, True, torch.float32), (16, 70, 200, 4, False, torch.bfloat16),
+    (5, 33, 431, None, True, torch.float32), (1, 48, 64, 8, False, torch.float32),
+])
+def test_split_k_gemm_triton_against_reference(poison_empty, m, n, k, splits, bias, out_dtype):
+    """The decode GEMM with its K range split over programs (fp32 partials summed in order, then
+    scaled): the reference on ragged N and K, a split count past K's steps (no split left empty),
+    and the small-M kernel's result to fp32 rounding."""
+    from kernels_testutil_tol import tol
+
+    from kernels.fp8_gemm import fp8_gemm_rowwise_small_m, fp8_gemm_rowwise_splitk
+    from kernels.fp8_linear import fp8_gemm_ref
+
+    g = torch.Generator().manual_seed(m * n + k + 1)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-1, 1, m).unsqueeze(1)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n).unsqueeze(1)
+    b = torch.randn(n, generator=g) if bias else None
+    a_q, a_s = quantize_rowwise(x)
+    w_q, w_s = quantize_rowwise(w)
+    got = fp8_gemm_rowwise_splitk(a_q, a_s, w_q, w_s, b, out_dtype, block_n=16, block_k=32, num_splits=splits)
+    want = fp8_gemm_ref(a_q, a_s, w_q, w_s, b, out_dtype)
+    assert got.dtype == out_dtype and not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), **tol(out_dtype))
+    one = fp8_gemm_rowwise_small_m(a_q, a_s, w_q, w_s, b, out_dtype, block_n=16, block_k=32)
+    torch.testing.assert_close(got.float(), one.float(), **tol(out_dtype))
+    swapped = fp8_gemm_rowwise_splitk(a_q, a_s, w_q, w_s.flip(0), b, out_dtype, block_n=16, block_k=32,
+                                      num_splits=splits)
+    assert not torch.allclose(swapped.float(), want.float(), **tol(out_dtype))  # the scales are per channel
+
+
+def test_split_k_counts():
+    from kernels.fp8_gemm import splitk_splits
+
+    assert splitk_splits(4096, 4096, 32, 256, 132) == 3  # 128 tiles: 3 splits make 384 programs
+    assert splitk_splits(6144, 4096, 32, 256, 132) == 2
+    assert splitk_splits(28672, 4096, 32, 512, 132) == 1  # 896 tiles fill the GPU alone
+    assert splitk_splits(4096, 14336, 16, 512, 132) == 2
+    assert splitk_splits(16, 64, 16, 32, 132) == 1  # no split shorter than four K steps
