@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import cdiv, check, lazy_jit
+from kernels._triton import cdiv, check, lazy_helper, lazy_jit
 from kernels.fp8_linear import FP8, fp8_linear
 
 # ---------------------------------------------------------------------------------------------
@@ -128,6 +128,26 @@ def fp8_linear_grouped_triton(
 # ---------------------------------------------------------------------------------------------
 
 
+@lazy_helper
+def _stream_rows_dot(a_ptr, b_ptr, M, N, K, k_lo, k_len, stride_am, stride_bn, pid_n,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A @ B^T of A's rows (one tile) and B's BLOCK_N rows of tile pid_n, over columns [k_lo,
+    k_lo + k_len) of K: the weight streamed once, fp32 accumulation. The decode GEMMs' inner loop."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M
+    mask_n = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_len, BLOCK_K):
+        k = k_lo + k0 + rk
+        mask_k = k < K
+        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.dot(a, tl.trans(b))
+    return acc
+
+
 @lazy_jit
 def _fp8_gemm_rowwise_small_m_kernel(
     a_ptr,  # A: [M, K] e4m3, row-major, M <= BLOCK_M
@@ -146,18 +166,11 @@ def _fp8_gemm_rowwise_small_m_kernel(
     # one program per BLOCK_N output channels: a decode step's GEMM is a pass over the weight, so
     # the grid is over N alone and each program streams its BLOCK_N rows of B once
     pid_n = tl.program_id(0).to(tl.int64)
+    acc = _stream_rows_dot(a_ptr, b_ptr, M, N, K, 0, K, stride_am, stride_bn, pid_n, BLOCK_M, BLOCK_N, BLOCK_K)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M
     mask_n = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        mask_k = k < K
-        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc += tl.dot(a, tl.trans(b))
     sa = tl.load(a_scale_ptr + rm, mask=mask_m, other=0.0)
     sb = tl.load(b_scale_ptr + rn, mask=mask_n, other=0.0)
     acc = acc * sa[:, None] * sb[None, :]
@@ -171,6 +184,20 @@ def _fp8_gemm_rowwise_small_m_kernel(
 # torch._scaled_mm takes as long at 64 rows as at 1 on the 8B projections (e.g. down_proj 47.5 us at
 # M=1, 41.8 at 64) and reads the weight at 1.4-2.8 TB/s (bench/results/2026-12-01-fp8-decode-h200.md)
 SMALL_M = 64
+
+
+def _rowwise_operands(name: str, a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor,
+                      b_scale: torch.Tensor) -> tuple[int, int, int]:
+    """(M, K, N) of a decode GEMM's operands: e4m3 A [M <= SMALL_M, K] and B [N, K], contiguous
+    rows, one scale per row of each. Raises ValueError naming `name`."""
+    check(a_q.dtype == FP8 and b_q.dtype == FP8, "{}: A and B must be float8_e4m3fn", name)
+    m, k = a_q.shape
+    n, kb = b_q.shape
+    check(k == kb, "{}: A is [M, {}] but B is [N, {}]", name, k, kb)
+    check(m <= SMALL_M, "{}: {} rows > {}", name, m, SMALL_M)
+    check(a_scale.numel() == m and b_scale.numel() == n, "{}: scales must be per row ([M, 1], [N, 1])", name)
+    check(a_q.stride(1) == 1 and b_q.stride(1) == 1, "{}: A's and B's last dims must be contiguous", name)
+    return m, k, n
 
 
 def small_m_config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -195,13 +222,7 @@ def fp8_gemm_rowwise_small_m(
     """`kernels.fp8_linear.fp8_gemm_ref` for at most SMALL_M rows with per-token ([M, 1]) and
     per-channel ([N, 1]) scales: a weight-streaming kernel for decode steps, where cuBLASLt's FP8
     GEMM (torch._scaled_mm) tiles M to 64 or more. Tile sizes default to `small_m_config`."""
-    check(a_q.dtype == FP8 and b_q.dtype == FP8, "fp8_gemm_small_m: A and B must be float8_e4m3fn")
-    m, k = a_q.shape
-    n, kb = b_q.shape
-    check(k == kb, "fp8_gemm_small_m: A is [M, {}] but B is [N, {}]", k, kb)
-    check(m <= SMALL_M, "fp8_gemm_small_m: {} rows > {}", m, SMALL_M)
-    check(a_scale.numel() == m and b_scale.numel() == n, "fp8_gemm_small_m: scales must be per row ([M, 1], [N, 1])")
-    check(a_q.stride(1) == 1 and b_q.stride(1) == 1, "fp8_gemm_small_m: A's and B's last dims must be contiguous")
+    m, k, n = _rowwise_operands("fp8_gemm_small_m", a_q, a_scale, b_q, b_scale)
     c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
     if m == 0 or n == 0:
         return c
@@ -241,19 +262,12 @@ def _fp8_gemm_splitk_partial_kernel(
     # unlike atomics), scales and casts
     pid_n = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
+    acc = _stream_rows_dot(a_ptr, b_ptr, M, N, K, split * k_per_split, k_per_split, stride_am, stride_bn, pid_n,
+                           BLOCK_M, BLOCK_N, BLOCK_K)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M
     mask_n = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_lo = split * k_per_split
-    for k0 in range(0, k_per_split, BLOCK_K):
-        k = k_lo + k0 + rk
-        mask_k = k < K
-        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc += tl.dot(a, tl.trans(b))
     out = p_ptr + split * M * N + rm[:, None] * N + rn[None, :]
     tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
 
@@ -303,13 +317,7 @@ def fp8_gemm_rowwise_splitk(
     the bias and casts. Opt-in (bench/bench_fp8_decode.py times it beside the small-M kernel)."""
     from kernels._triton import num_sms
 
-    check(a_q.dtype == FP8 and b_q.dtype == FP8, "fp8_gemm_splitk: A and B must be float8_e4m3fn")
-    m, k = a_q.shape
-    n, kb = b_q.shape
-    check(k == kb, "fp8_gemm_splitk: A is [M, {}] but B is [N, {}]", k, kb)
-    check(m <= SMALL_M, "fp8_gemm_splitk: {} rows > {}", m, SMALL_M)
-    check(a_scale.numel() == m and b_scale.numel() == n, "fp8_gemm_splitk: scales must be per row ([M, 1], [N, 1])")
-    check(a_q.stride(1) == 1 and b_q.stride(1) == 1, "fp8_gemm_splitk: A's and B's last dims must be contiguous")
+    m, k, n = _rowwise_operands("fp8_gemm_splitk", a_q, a_scale, b_q, b_scale)
     c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
     if m == 0 or n == 0:
         return c
