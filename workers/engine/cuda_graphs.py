@@ -302,10 +302,12 @@ def mixed_decode_buckets(max_decodes: int) -> list[int]:
     """Decode rows of the mixed graphs: 16, 32, 64, then 1.5x and 2x each power of two (96, 128,
     192, 256, 384, ...) up to max_decodes (itself included). Coarser than the decode graphs'
     buckets: a padded decode row costs one row of each GEMM and a one-block attention read."""
-    out, b = [], 16
-    while b < max_decodes:
-        out.append(b)
-        b = b * 3 // 2 if b >= 64 and b & (b - 1) == 0 else (b * 4 // 3 if b >= 64 else b * 2)
+    out, p = [], 16
+    while p < max_decodes:
+        out.append(p)
+        if p >= 64 and p * 3 // 2 < max_decodes:
+            out.append(p * 3 // 2)
+        p *= 2
     out.append(max_decodes)
     return out
 
@@ -361,7 +363,6 @@ class MixedGraphs:
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.split_of: dict[int, int] = {}  # token bucket -> prefill splits of its worst-case graph
         self.decode_splits: dict[int, int | None] = {}  # decode bucket -> its flash-decoding splits
-        self.last_key: tuple[int, int, int] | None = None  # the last replayed graph (diagnostics, tests)
 
     def fits(self, out: SchedulerOutput) -> bool:
         nd = out.num_decodes
@@ -469,7 +470,6 @@ class MixedGraphs:
     def run(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the smallest graph that holds the step; returns the sampled rows' (hidden, residual)."""
         db, t, splits, n = self.load(out, pending)
-        self.last_key = (db, t, splits)
         g, (hidden, residual) = self.graphs[(db, t, splits)]
         g.replay()
         return hidden[:n], residual[:n]

@@ -155,6 +155,7 @@ class LLMEngine:
             eos_token_ids=frozenset() if sp.ignore_eos else self.eos_token_ids,
         )
         req.stream = stream
+        req.adjusts_logits = sp.adjusts_logits
         req.fair_rank = int(fair_rank)
         req.logprobs = None if sp.logprobs is None else []
         req.prompt_logprobs = None if sp.prompt_logprobs is None else [None] * n

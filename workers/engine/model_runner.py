@@ -79,7 +79,6 @@ class ModelRunner:
             for _ in range(mc.num_layers)
         ]
         self.layout = CacheLayout(self.device, self.block_size, self.num_blocks, self.max_blocks_per_seq)
-        self.pad_slot = self.layout.pad_slot
         # long uncached prompts: dense causal attention (cuDNN) beats the paged kernel on CUDA
         self.dense_prefill_min_tokens = config.dense_prefill_min_tokens if self.device.type == "cuda" else None
         self.logits_processor = LogitsProcessor(mc.vocab_size, self.device)
@@ -117,7 +116,7 @@ class ModelRunner:
         n = 17  # one decode, then a 16-token prefill
         i32 = {"dtype": torch.int32, "device": dev}
         meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), self.pad_slot, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((n,), self.layout.pad_slot, dtype=torch.int64, device=dev),
             num_decodes=1,
             num_decode_tokens=1,
             decode_block_tables=torch.full((1, 1), self.num_blocks, **i32),

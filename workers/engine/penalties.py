@@ -26,11 +26,11 @@ class LogitsPlan:
     """One step's processing of the rows that need it, on the device."""
 
     rows: torch.Tensor  # [P] int64: rows of the step's sampling logits
-    slots: torch.Tensor | None  # [P] int64: each row's slot in the tables, -1 for a row without penalties
-    counted: tuple[torch.Tensor, torch.Tensor] | None  # (plan row, slot) of the rows with penalties
-    repetition: torch.Tensor | None  # [P] fp32 (1: none)
-    frequency: torch.Tensor | None  # [P] fp32
-    presence: torch.Tensor | None  # [P] fp32
+    # the C rows with penalties: (their plan rows [C], their slots in the tables [C]); None: none
+    counted: tuple[torch.Tensor, torch.Tensor] | None
+    repetition: torch.Tensor | None  # [C] fp32 (1: none)
+    frequency: torch.Tensor | None  # [C] fp32
+    presence: torch.Tensor | None  # [C] fp32
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (plan row, token, value) of every bias
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (plan row, token): -inf (min_tokens not reached)
 
@@ -79,7 +79,7 @@ class LogitsProcessor:
         """The processing of this step's sampling rows (`reqs`, in row order); None when no row
         needs any. Below min_tokens a request's end-of-sequence ids (none with ignore_eos) and stop
         token ids are banned."""
-        picked = [(i, r) for i, r in enumerate(reqs) if r.sampling.adjusts_logits]
+        picked = [(i, r) for i, r in enumerate(reqs) if r.adjusts_logits]
         if not picked:
             return None
         dev = self.device
@@ -87,17 +87,20 @@ class LogitsProcessor:
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32).to(dev, non_blocking=True)
 
-        rows = torch.tensor([i for i, _ in picked], dtype=torch.int64).to(dev, non_blocking=True)
-        counted = any(r.sampling.counts_tokens for _, r in picked)
-        slots = counted_rows = None
-        if counted:
-            slot_of = [self._slot(r) if r.sampling.counts_tokens else -1 for _, r in picked]
-            slots = torch.tensor(slot_of, dtype=torch.int64).to(dev, non_blocking=True)
-            counted_rows = (torch.tensor([j for j, s in enumerate(slot_of) if s >= 0], dtype=torch.int64).to(dev, non_blocking=True),
-                            torch.tensor([s for s in slot_of if s >= 0], dtype=torch.int64).to(dev, non_blocking=True))
-        rep = [r.sampling.repetition_penalty for _, r in picked]
-        freq = [r.sampling.frequency_penalty for _, r in picked]
-        pres = [r.sampling.presence_penalty for _, r in picked]
+        def i64(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
+
+        rows = i64([i for i, _ in picked])
+        penalised = [(j, r) for j, (_, r) in enumerate(picked) if r.sampling.counts_tokens]
+        counted = None
+        rep: list[float] = []
+        freq: list[float] = []
+        pres: list[float] = []
+        if penalised:
+            counted = (i64([j for j, _ in penalised]), i64([self._slot(r) for _, r in penalised]))
+            rep = [r.sampling.repetition_penalty for _, r in penalised]
+            freq = [r.sampling.frequency_penalty for _, r in penalised]
+            pres = [r.sampling.presence_penalty for _, r in penalised]
         b_row, b_tok, b_val, n_row, n_tok = [], [], [], [], []
         for j, (_, r) in enumerate(picked):
             sp = r.sampling
@@ -111,14 +114,9 @@ class LogitsProcessor:
                     if tok < self.vocab_size:
                         n_row.append(j)
                         n_tok.append(tok)
-
-        def i64(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
-
         return LogitsPlan(
             rows=rows,
-            slots=slots,
-            counted=counted_rows,
+            counted=counted,
             repetition=f32(rep) if any(x != 1.0 for x in rep) else None,
             frequency=f32(freq) if any(freq) else None,
             presence=f32(pres) if any(pres) else None,
@@ -133,19 +131,20 @@ class LogitsProcessor:
         if plan.bias is not None:
             r, t, v = plan.bias
             sub.index_put_((r, t), v, accumulate=True)
-        if plan.slots is not None:
-            ok = (plan.slots >= 0)[:, None]  # rows without penalties have no slot
-            slots = plan.slots.clamp(min=0)
+        if plan.counted is not None:
+            at, slots = plan.counted
+            part = sub.index_select(0, at)  # [C, V]: the penalised rows
             if plan.repetition is not None:
                 p = plan.repetition[:, None]
-                seen = self.seen.index_select(0, slots) & ok
-                sub = torch.where(seen, torch.where(sub > 0, sub / p, sub * p), sub)
+                seen = self.seen.index_select(0, slots)
+                part = torch.where(seen, torch.where(part > 0, part / p, part * p), part)
             if plan.frequency is not None or plan.presence is not None:
-                counts = self.counts.index_select(0, slots).float() * ok
+                counts = self.counts.index_select(0, slots).float()
                 if plan.frequency is not None:
-                    sub = sub - plan.frequency[:, None] * counts
+                    part = part - plan.frequency[:, None] * counts
                 if plan.presence is not None:
-                    sub = sub - plan.presence[:, None] * (counts > 0).float()
+                    part = part - plan.presence[:, None] * (counts > 0).float()
+            sub.index_copy_(0, at, part)
         if plan.banned is not None:
             r, t = plan.banned
             sub[r, t] = float("-inf")

@@ -91,9 +91,12 @@ def sampling_problem(sp: SamplingParams, *, vocab_size: int | None) -> Problem |
     logit_bias token past the vocabulary): None when it can run, else (ErrorCode, message)."""
     if sp.top_k is not None and vocab_size is not None and sp.top_k > vocab_size:
         return ErrorCode.INVALID_SAMPLING, f"top_k must be at most the vocabulary ({vocab_size}), or -1 for no cut"
-    if sp.logit_bias and vocab_size is not None and max(sp.logit_bias) >= vocab_size:
-        return (ErrorCode.INVALID_SAMPLING,
-                f"logit_bias names token {max(sp.logit_bias)}, past the vocabulary ({vocab_size} tokens)")
+    if sp.logit_bias:  # (a negative id is refused by the schema, but not in a model_construct()ed one)
+        lo, hi = min(sp.logit_bias), max(sp.logit_bias)
+        if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+            return (ErrorCode.INVALID_SAMPLING,
+                    f"logit_bias names token {lo if lo < 0 else hi}, outside the vocabulary"
+                    f"{'' if vocab_size is None else f' ({vocab_size} tokens)'}")
     return None
 
 

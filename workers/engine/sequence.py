@@ -95,6 +95,9 @@ class Request:
     stop_reason: int | str | None = None  # the token id or stop string that ended it
     text: str = ""  # output text so far (kept only when stop strings or streaming need it)
     stream: bool = False  # report text deltas as tokens arrive (StepOutput.deltas)
+    # its sampling processes the logits (penalties, biases, min_tokens): read for every sampling
+    # row of every step, so kept here rather than derived from the sampling each time
+    adjusts_logits: bool = False
     streamed_chars: int = 0  # how much of `text` the deltas have reported
     # the longest stop string's length minus one (0 without stop strings): how far back a new
     # piece of text can complete a stop string, and so how much of `text` a delta holds back

@@ -128,3 +128,6 @@ def test_the_sampling_fields_are_checked():
     code, message = sampling_problem(SamplingParams(logit_bias={384: 1.0}), vocab_size=384)
     assert code is ErrorCode.INVALID_SAMPLING and "vocabulary" in message
     assert sampling_problem(SamplingParams(logit_bias={383: 1.0}), vocab_size=384) is None
+    # built past the schema (model_construct): a negative id would index the logits from the end
+    unchecked = SamplingParams.model_construct(logit_bias={-1: 1.0})
+    assert sampling_problem(unchecked, vocab_size=None)[0] is ErrorCode.INVALID_SAMPLING
