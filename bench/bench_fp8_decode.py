@@ -1,16 +1,18 @@
 """The GEMMs of a decode step, FP8 against bf16, on the Llama-3.1-8B projections: bf16 F.linear,
-torch._scaled_mm (cuBLASLt, per-token x per-channel scales), and kernels/fp8_gemm.py's small-M
-weight-streaming kernel over a few tile configurations, at 1 to 256 rows; and the quantization of
-an unfused input (o_proj's): torch's composition against the Triton kernel. Times are medians of
-triton.testing.do_bench (L2 flushed before each run: a decode step finds no weight in L2), with the
-bytes each GEMM must read over that time.
+torch._scaled_mm (cuBLASLt, per-token x per-channel scales), and kernels/fp8_gemm.py's few-row
+weight-streaming kernel (its default tiles and the best of a few), at 1 to 512 rows; and the quantization of
+an unfused input (o_proj's): torch's composition against the Triton kernel. Each time is a median
+per call over a CUDA graph of calls on distinct weight copies (several times the L2), replayed:
+what a decode step's graph sees, with no host launch in it (do_bench's launch-per-call timing
+measured the host on small kernels), and the bytes each GEMM must read over that time.
 
-    python3 bench/bench_fp8_decode.py [--rows 1,4,16,64,256]
+    python3 bench/bench_fp8_decode.py [--rows 1,16,64,128,256,512]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -24,72 +26,91 @@ from bench.common import header, md_table, write_report
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 CONFIGS = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 4), (16, 512, 4, 4), (64, 128, 4, 5),
            (32, 128, 4, 6), (128, 128, 8, 4)]  # (block_n, block_k, warps, stages)
-# the split-K kernel's (block_n, block_k, splits; None: splitk_splits' choice)
-SPLITK = [(32, 256, None), (16, 256, None), (32, 128, None), (64, 256, None), (32, 256, 2), (32, 256, 4), (16, 512, 4)]
+# above 64 rows: (block_m, block_n, block_k, warps, stages), row tiles of 64 or 128
+CONFIGS_M = [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 8, 3), (128, 32, 128, 4, 4),
+             (64, 32, 256, 4, 4), (128, 128, 128, 8, 3), (64, 64, 256, 4, 3), (128, 64, 64, 4, 4)]
 
 
-def ms(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def chain_us(call, copies: int, reps: int = 20) -> float:
+    """Median us per call of call(i), i over `copies` distinct weights, replayed back to back in one
+    CUDA graph: as a decode step runs its layers, no host launch in the timing, and every weight
+    read from DRAM (the copies together are several times the L2)."""
+    for i in range(copies):  # compile and warm up outside the capture
+        call(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(copies):
+            call(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        g.replay()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1))
+    return 1e3 * statistics.median(times) / copies
 
 
 def main() -> None:
-    from kernels.fp8_gemm import SMALL_M, fp8_gemm_rowwise_small_m, fp8_gemm_rowwise_splitk
+    from kernels.fp8_gemm import fp8_gemm_rowwise_small_m
     from kernels.fp8_linear import fp8_gemm_ref, fp8_gemm_scaled_mm, quantize
     from kernels.fp8_quant import quantize_triton
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", default="1,2,4,8,16,32,64,256")
+    ap.add_argument("--rows", default="1,16,64,128,256,512")
+    ap.add_argument("--weights-mib", type=int, default=384, help="FP8 weight copies per shape, MiB in all")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows_out = []
     best_cfg: dict[str, list] = {}
+    lin = torch.nn.functional.linear
     for name, (k, n) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        wq, ws = quantize(w)
+        copies = max(4, -(-args.weights_mib * 2**20 // (n * k)))
+        ws_bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        ws_fp8 = [quantize(w) for w in ws_bf16]
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize(x)
-            row = {"proj": name, "K": k, "N": n, "M": m}
-            row["bf16_us"] = 1e3 * ms(partial(torch.nn.functional.linear, x, w))
-            row["scaled_mm_us"] = 1e3 * ms(partial(fp8_gemm_scaled_mm, xq, xs, wq, ws, None, torch.bfloat16))
-            if m <= SMALL_M:
-                ref = fp8_gemm_ref(xq, xs, wq, ws, None, torch.float32)
-                timed = []
-                for bn, bk, nw, ns in CONFIGS:
-                    f = partial(fp8_gemm_rowwise_small_m, xq, xs, wq, ws, None, torch.bfloat16, bn, bk, nw, ns)
-                    err = ((f().float() - ref).norm() / ref.norm()).item()
-                    if err > 1e-2:
-                        raise SystemExit(f"small-M kernel {name} M={m} {(bn, bk, nw, ns)}: rel err {err}")
-                    timed.append((1e3 * ms(f), (bn, bk, nw, ns)))
-                t, cfg = min(timed)
-                row["small_m_us"], row["small_m_cfg"] = t, str(cfg)
-                row["small_m_default_us"] = next(tt for tt, c in timed if c == (32, 256, 4, 4))
-                best_cfg.setdefault(name, []).append((m, cfg, t))
-                split_t = []
-                for bn, bk, sp in SPLITK:
-                    f = partial(fp8_gemm_rowwise_splitk, xq, xs, wq, ws, None, torch.bfloat16, bn, bk, sp)
-                    err = ((f().float() - ref).norm() / ref.norm()).item()
-                    if err > 1e-2:
-                        raise SystemExit(f"split-K kernel {name} M={m} {(bn, bk, sp)}: rel err {err}")
-                    split_t.append((1e3 * ms(f), (bn, bk, sp)))
-                t, cfg = min(split_t)
-                row["splitk_us"], row["splitk_cfg"] = t, str(cfg)
+            row = {"proj": name, "K": k, "N": n, "M": m, "copies": copies}
+            row["bf16_us"] = chain_us(lambda i: lin(x, ws_bf16[i]), copies)
+            row["scaled_mm_us"] = chain_us(lambda i: fp8_gemm_scaled_mm(xq, xs, *ws_fp8[i], None, torch.bfloat16), copies)
+            ref = fp8_gemm_ref(xq, xs, *ws_fp8[0], None, torch.float32)
+            timed = []
+            for cfg in CONFIGS if m <= 64 else CONFIGS_M:
+                bm, (bn, bk, nw, ns) = (None, cfg) if m <= 64 else (cfg[0], cfg[1:])
+                f = partial(fp8_gemm_rowwise_small_m, xq, xs, out_dtype=torch.bfloat16, block_n=bn, block_k=bk,
+                            num_warps=nw, num_stages=ns, block_m=bm)
+                err = ((f(*ws_fp8[0]).float() - ref).norm() / ref.norm()).item()
+                if err > 1e-2:
+                    raise SystemExit(f"few-row kernel {name} M={m} {cfg}: rel err {err}")
+                timed.append((chain_us(lambda i: f(*ws_fp8[i]), copies), cfg))
+            t, cfg = min(timed)
+            row["small_m_us"], row["small_m_cfg"] = t, str(cfg)
+            row["small_m_default_us"] = chain_us(
+                lambda i: fp8_gemm_rowwise_small_m(xq, xs, *ws_fp8[i], None, torch.bfloat16), copies)
+            row["small_m_pdl_us"] = chain_us(  # the same as programmatic dependent launches
+                lambda i: fp8_gemm_rowwise_small_m(xq, xs, *ws_fp8[i], None, torch.bfloat16, pdl=True), copies)
+            best_cfg.setdefault(name, []).append((m, cfg, t))
             wbytes = n * k
             row["bf16_GBps"] = 2 * wbytes / (row["bf16_us"] * 1e3)
-            row["fp8_best_GBps"] = wbytes / (min(row["scaled_mm_us"], row.get("small_m_us", 1e9),
-                                                 row.get("splitk_us", 1e9)) * 1e3)
+            row["fp8_best_GBps"] = wbytes / (min(row["scaled_mm_us"], row["small_m_us"]) * 1e3)
             rows_out.append(row)
             print(row, flush=True)
+        del ws_bf16, ws_fp8
+        torch.cuda.empty_cache()
     quant = []
     for m in (1, 16, 256, 2048):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-        quant.append({"M": m, "torch_us": 1e3 * ms(partial(quantize, x)), "triton_us": 1e3 * ms(partial(quantize_triton, x))})
+        quant.append({"M": m, "torch_us": chain_us(lambda i: quantize(x), 16),
+                      "triton_us": chain_us(lambda i: quantize_triton(x), 16)})
         print(quant[-1], flush=True)
     data = {**header(), "bench": "fp8_decode_gemms", "rows": rows_out, "quantize": quant, "best_small_m": best_cfg}
-    md = md_table(rows_out, ["proj", "M", "bf16_us", "scaled_mm_us", "small_m_us", "small_m_default_us", "small_m_cfg",
-                             "splitk_us", "splitk_cfg", "bf16_GBps", "fp8_best_GBps"])
+    md = md_table(rows_out, ["proj", "M", "bf16_us", "scaled_mm_us", "small_m_us", "small_m_default_us", "small_m_pdl_us", "small_m_cfg",
+                             "bf16_GBps", "fp8_best_GBps"])
     md += "\n\nquantization of a [M, 4096] bf16 input, us\n\n" + md_table(quant, ["M", "torch_us", "triton_us"])
     write_report("bench_fp8_decode", data, f"decode GEMMs, Llama-3.1-8B projections, us (do_bench medians)\n\n{md}")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import cdiv, check, lazy_helper, lazy_jit
+from kernels._triton import cdiv, check, lazy_jit
 from kernels.fp8_linear import FP8, fp8_linear
 
 # ---------------------------------------------------------------------------------------------
@@ -128,29 +128,9 @@ def fp8_linear_grouped_triton(
 # ---------------------------------------------------------------------------------------------
 
 
-@lazy_helper
-def _stream_rows_dot(a_ptr, b_ptr, M, N, K, k_lo, k_len, stride_am, stride_bn, pid_n,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A @ B^T of A's rows (one tile) and B's BLOCK_N rows of tile pid_n, over columns [k_lo,
-    k_lo + k_len) of K: the weight streamed once, fp32 accumulation. The decode GEMMs' inner loop."""
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    mask_m = rm < M
-    mask_n = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_len, BLOCK_K):
-        k = k_lo + k0 + rk
-        mask_k = k < K
-        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc += tl.dot(a, tl.trans(b))
-    return acc
-
-
 @lazy_jit
 def _fp8_gemm_rowwise_small_m_kernel(
-    a_ptr,  # A: [M, K] e4m3, row-major, M <= BLOCK_M
+    a_ptr,  # A: [M, K] e4m3, row-major
     a_scale_ptr,  # [M] fp32: one scale per row of A
     b_ptr,  # B: [N, K] e4m3, row-major (the weight)
     b_scale_ptr,  # [N] fp32: one scale per output channel
@@ -159,18 +139,33 @@ def _fp8_gemm_rowwise_small_m_kernel(
     M, N, K,  # sizes
     stride_am, stride_bn, stride_cm,  # row strides (elements)
     HAS_BIAS: tl.constexpr,  # add bias before the store
-    BLOCK_M: tl.constexpr,  # >= M: every row of A in one tile (16, 32 or 64)
+    BLOCK_M: tl.constexpr,  # rows of A per program (16, 32, 64 or 128)
     BLOCK_N: tl.constexpr,  # columns of C per program
     BLOCK_K: tl.constexpr,  # K step
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait for the kernel ahead
 ):
-    # one program per BLOCK_N output channels: a decode step's GEMM is a pass over the weight, so
-    # the grid is over N alone and each program streams its BLOCK_N rows of B once
-    pid_n = tl.program_id(0).to(tl.int64)
-    acc = _stream_rows_dot(a_ptr, b_ptr, M, N, K, 0, K, stride_am, stride_bn, pid_n, BLOCK_M, BLOCK_N, BLOCK_K)
-    rm = tl.arange(0, BLOCK_M)
+    # one program per (BLOCK_M rows, BLOCK_N output channels): a few-row GEMM is a pass over the
+    # weight, so each program streams its BLOCK_N rows of B once. Axis 0 runs over the row tiles,
+    # so the programs of one weight tile start together and read it from DRAM once (then from L2)
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M
     mask_n = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PDL:
+        # the next kernel's programs may be placed as ours run; ours read A only once the kernel
+        # that wrote it is done
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        mask_k = k < K
+        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.dot(a, tl.trans(b))
     sa = tl.load(a_scale_ptr + rm, mask=mask_m, other=0.0)
     sb = tl.load(b_scale_ptr + rn, mask=mask_n, other=0.0)
     acc = acc * sa[:, None] * sb[None, :]
@@ -180,161 +175,72 @@ def _fp8_gemm_rowwise_small_m_kernel(
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-# rows up to which fp8_gemm_rowwise_small_m serves: A in one tile of 16, 32 or 64 rows. On the H200
-# torch._scaled_mm takes as long at 64 rows as at 1 on the 8B projections (e.g. down_proj 47.5 us at
-# M=1, 41.8 at 64) and reads the weight at 1.4-2.8 TB/s (bench/results/2026-12-01-fp8-decode-h200.md)
+# rows up to which an engine's FP8 projection takes fp8_gemm_rowwise_small_m instead of
+# torch._scaled_mm. On the H200 _scaled_mm takes as long at 64 rows as at 1 on the 8B projections
+# (e.g. down_proj 47.5 us at M=1, 41.8 at 64) and reads the weight at 1.4-2.8 TB/s
+# (bench/results/2026-12-01-fp8-decode-h200.md)
 SMALL_M = 64
 
 
 def _rowwise_operands(name: str, a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor,
                       b_scale: torch.Tensor) -> tuple[int, int, int]:
-    """(M, K, N) of a decode GEMM's operands: e4m3 A [M <= SMALL_M, K] and B [N, K], contiguous
-    rows, one scale per row of each. Raises ValueError naming `name`."""
+    """(M, K, N) of a row-wise GEMM's operands: e4m3 A [M, K] and B [N, K], contiguous rows, one
+    scale per row of each. Raises ValueError naming `name`."""
     check(a_q.dtype == FP8 and b_q.dtype == FP8, "{}: A and B must be float8_e4m3fn", name)
     m, k = a_q.shape
     n, kb = b_q.shape
     check(k == kb, "{}: A is [M, {}] but B is [N, {}]", name, k, kb)
-    check(m <= SMALL_M, "{}: {} rows > {}", name, m, SMALL_M)
     check(a_scale.numel() == m and b_scale.numel() == n, "{}: scales must be per row ([M, 1], [N, 1])", name)
     check(a_q.stride(1) == 1 and b_q.stride(1) == 1, "{}: A's and B's last dims must be contiguous", name)
     return m, k, n
 
 
-def small_m_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, num_warps, num_stages) for an [N, K] weight: the fastest of eight
+def small_m_config(n: int, k: int, m: int = 1) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, block_k, num_warps, num_stages) for M rows of an [N, K] weight.
+
+    Up to 64 rows, A is one tile of 16, 32 or 64 rows and (block_n, ...) the fastest of eight
     configurations per Llama-3.1-8B projection at 1-16 rows on the H200 (bench_fp8_decode,
-    2026-12-01): down (K=14336) 29.7 us, gate_up (N=28672) 42.1, qkv (6144x4096) 16.2, o 12.8."""
+    2026-12-01): down (K=14336) 29.7 us, gate_up (N=28672) 42.1, qkv (6144x4096) 16.2, o 12.8.
+    More rows take tiles of 64."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    if m > 64:
+        return 64, 64, 128, 4, 4
     if k >= 8192:
-        return 16, 512, 4, 4
+        return block_m, 16, 512, 4, 4
     if n >= 16384:
-        return 32, 512, 4, 3
+        return block_m, 32, 512, 4, 3
     if n > k:
-        return 32, 128, 4, 6
-    return 32, 256, 4, 4
+        return block_m, 32, 128, 4, 6
+    return block_m, 32, 256, 4, 4
 
 
 def fp8_gemm_rowwise_small_m(
     a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, block_m: int | None = None, pdl: bool = False,
 ) -> torch.Tensor:
-    """`kernels.fp8_linear.fp8_gemm_ref` for at most SMALL_M rows with per-token ([M, 1]) and
-    per-channel ([N, 1]) scales: a weight-streaming kernel for decode steps, where cuBLASLt's FP8
-    GEMM (torch._scaled_mm) tiles M to 64 or more. Tile sizes default to `small_m_config`."""
+    """`kernels.fp8_linear.fp8_gemm_ref` with per-token ([M, 1]) and per-channel ([N, 1]) scales
+    for few rows: a weight-streaming kernel for decode and small mixed steps, where cuBLASLt's FP8
+    GEMM (torch._scaled_mm) tiles M to 64 or more and launches too few programs to stream the
+    weight at the memory's rate. Tile sizes default to `small_m_config`. pdl (CUDA, sm90): launch it
+    as a programmatic dependent launch (its programs start while the kernel ahead finishes)."""
     m, k, n = _rowwise_operands("fp8_gemm_small_m", a_q, a_scale, b_q, b_scale)
     c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
     if m == 0 or n == 0:
         return c
-    cfg = small_m_config(n, k)
-    block_n, block_k = block_n or cfg[0], block_k or cfg[1]
-    num_warps, num_stages = num_warps or cfg[2], num_stages or cfg[3]
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    cfg = small_m_config(n, k, m)
+    block_m, block_n, block_k = block_m or cfg[0], block_n or cfg[1], block_k or cfg[2]
+    num_warps, num_stages = num_warps or cfg[3], num_stages or cfg[4]
     a_s = a_scale.reshape(m).float().contiguous()
     b_s = b_scale.reshape(n).float().contiguous()
     has_bias = bias is not None
     args = (a_q, a_s, b_q, b_s, bias if has_bias else b_s, c, m, n, k, a_q.stride(0), b_q.stride(0), c.stride(0))
-    consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
-    _fp8_gemm_rowwise_small_m_kernel.launch((cdiv(n, block_n),), args, consts, num_warps, num_stages,
-                                            a_q.device.type == "cuda")
-    return c
-
-
-# ---------------------------------------------------------------------------------------------
-# Few rows, K split across programs (decode at batch 1-16: fill the GPU with a small N)
-# ---------------------------------------------------------------------------------------------
-
-
-@lazy_jit(do_not_specialize=("k_per_split",))
-def _fp8_gemm_splitk_partial_kernel(
-    a_ptr,  # A: [M, K] e4m3, row-major, M <= BLOCK_M
-    b_ptr,  # B: [N, K] e4m3, row-major (the weight)
-    p_ptr,  # partials: [S, M, N] fp32 (unscaled)
-    M, N, K,  # sizes
-    k_per_split,  # K columns of each split (a multiple of BLOCK_K)
-    stride_am, stride_bn,  # row strides (elements)
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    # program (n tile, split): streams its BLOCK_N rows of B over its K range once and writes an
-    # unscaled fp32 partial; the reduce kernel sums the splits in a fixed order (deterministic,
-    # unlike atomics), scales and casts
-    pid_n = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1).to(tl.int64)
-    acc = _stream_rows_dot(a_ptr, b_ptr, M, N, K, split * k_per_split, k_per_split, stride_am, stride_bn, pid_n,
-                           BLOCK_M, BLOCK_N, BLOCK_K)
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = rm < M
-    mask_n = rn < N
-    out = p_ptr + split * M * N + rm[:, None] * N + rn[None, :]
-    tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
-
-
-@lazy_jit(do_not_specialize=("num_splits",))
-def _fp8_gemm_splitk_reduce_kernel(
-    p_ptr,  # partials: [S, M, N] fp32
-    a_scale_ptr,  # [M] fp32
-    b_scale_ptr,  # [N] fp32
-    bias_ptr,  # [N] or a dummy when HAS_BIAS is false
-    c_ptr,  # C: [M, N], out dtype, row-major
-    M, N, num_splits,
-    stride_cm,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,  # columns of one row per program
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, num_splits):
-        acc += tl.load(p_ptr + (s * M + row) * N + cols, mask=mask, other=0.0)
-    acc = acc * tl.load(a_scale_ptr + row) * tl.load(b_scale_ptr + cols, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(c_ptr + row * stride_cm + cols, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-def splitk_splits(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
-    """Key-range splits that give about two programs per multiprocessor, each at least four K
-    steps long (fewer, longer splits when the N tiles alone fill the GPU)."""
-    tiles = cdiv(n, block_n)
-    want = max(1, cdiv(2 * sms, tiles))
-    return max(1, min(want, cdiv(k, 4 * block_k), 64))
-
-
-def fp8_gemm_rowwise_splitk(
-    a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
-    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-    block_n: int = 32, block_k: int = 256, num_splits: int | None = None, num_warps: int = 4,
-    num_stages: int = 4,
-) -> torch.Tensor:
-    """`fp8_gemm_rowwise_small_m` with the K range split over programs: a decode step's qkv and
-    o_proj (N 4096-6144 at K 4096) make 128-192 tiles of 32 channels for 132 multiprocessors, one
-    wave streaming 128 KiB each; splitting K makes enough programs to keep more bytes in flight.
-    Each split writes fp32 partials ([S, M, N]); a second kernel sums them in order, scales, adds
-    the bias and casts. Opt-in (bench/bench_fp8_decode.py times it beside the small-M kernel)."""
-    from kernels._triton import num_sms
-
-    m, k, n = _rowwise_operands("fp8_gemm_splitk", a_q, a_scale, b_q, b_scale)
-    c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
-    if m == 0 or n == 0:
-        return c
-    s = num_splits or splitk_splits(n, k, block_n, block_k, num_sms(a_q.device))
-    k_per = cdiv(cdiv(k, s), block_k) * block_k
-    s = cdiv(k, k_per)  # no split left empty
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    fast = a_q.device.type == "cuda"
-    partial = torch.empty((s, m, n), dtype=torch.float32, device=a_q.device)
-    _fp8_gemm_splitk_partial_kernel.launch(
-        (cdiv(n, block_n), s), (a_q, b_q, partial, m, n, k, k_per, a_q.stride(0), b_q.stride(0)),
-        {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps, num_stages, fast)
-    a_s = a_scale.reshape(m).float().contiguous()
-    b_s = b_scale.reshape(n).float().contiguous()
-    has_bias = bias is not None
-    block = 1024 if n >= 1024 else max(16, 1 << (n - 1).bit_length())
-    _fp8_gemm_splitk_reduce_kernel.launch(
-        (m, cdiv(n, block)), (partial, a_s, b_s, bias if has_bias else b_s, c, m, n, s, c.stride(0)),
-        {"HAS_BIAS": has_bias, "BLOCK": block}, 4, 1, fast)
+    cuda = a_q.device.type == "cuda"
+    pdl = pdl and cuda
+    if pdl:
+        import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda: the kernel's gdc calls)
+    consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PDL": pdl}
+    _fp8_gemm_rowwise_small_m_kernel.launch((cdiv(m, block_m), cdiv(n, block_n)), args, consts, num_warps,
+                                            num_stages, cuda, launch_pdl=pdl)
     return c

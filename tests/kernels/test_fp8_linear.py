@@ -390,14 +390,16 @@ def test_grouped_gemm_tile_order_covers_every_tile(poison_empty, m, n, group_m, 
     torch.testing.assert_close(got, fp8_gemm_ref(a_q, a_s, w_q, w_s, None, torch.float32), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("m", "n", "k", "bias", "out_dtype"), [
-    (1, 32, 16, False, torch.float32), (3, 96, 272, True, torch.float32), (16, 70, 100, False, torch.bfloat16),
-    (7, 33, 431, True, torch.float32), (40, 48, 128, True, torch.float32), (64, 16, 64, False, torch.bfloat16),
+@pytest.mark.parametrize(("m", "n", "k", "bias", "out_dtype", "block_m"), [
+    (1, 32, 16, False, torch.float32, None), (3, 96, 272, True, torch.float32, None),
+    (16, 70, 100, False, torch.bfloat16, None), (7, 33, 431, True, torch.float32, None),
+    (40, 48, 128, True, torch.float32, None), (64, 16, 64, False, torch.bfloat16, None),
+    (37, 40, 96, True, torch.float32, 16), (130, 24, 80, False, torch.bfloat16, None),
 ])
-def test_small_m_gemm_triton_against_reference(poison_empty, m, n, k, bias, out_dtype):
-    """The decode GEMM (per-token and per-channel scales, at most 64 rows) against the fp32
-    reference of the same quantized operands, on ragged N and K (poisoned outputs: every element
-    written)."""
+def test_small_m_gemm_triton_against_reference(poison_empty, m, n, k, bias, out_dtype, block_m):
+    """The few-row GEMM (per-token and per-channel scales) against the fp32 reference of the same
+    quantized operands, on ragged N and K, in one row tile and in several (a ragged last one:
+    37 rows in tiles of 16, 130 in tiles of 64), poisoned outputs: every element written."""
     from kernels_testutil_tol import tol
 
     from kernels.fp8_gemm import fp8_gemm_rowwise_small_m
@@ -409,14 +411,15 @@ def test_small_m_gemm_triton_against_reference(poison_empty, m, n, k, bias, out_
     b = torch.randn(n, generator=g) if bias else None
     a_q, a_s = quantize_rowwise(x)
     w_q, w_s = quantize_rowwise(w)
-    got = fp8_gemm_rowwise_small_m(a_q, a_s, w_q, w_s, b, out_dtype, block_n=16, block_k=64)
+    got = fp8_gemm_rowwise_small_m(a_q, a_s, w_q, w_s, b, out_dtype, block_n=16, block_k=64, block_m=block_m)
     want = fp8_gemm_ref(a_q, a_s, w_q, w_s, b, out_dtype)
     assert got.dtype == out_dtype and not got.isnan().any()
     torch.testing.assert_close(got.float(), want.float(), **tol(out_dtype))
-    swapped = fp8_gemm_rowwise_small_m(a_q, a_s, w_q, w_s.flip(0), b, out_dtype, block_n=16, block_k=64)
+    swapped = fp8_gemm_rowwise_small_m(a_q, a_s, w_q, w_s.flip(0), b, out_dtype, block_n=16, block_k=64,
+                                       block_m=block_m)
     assert not torch.allclose(swapped.float(), want.float(), **tol(out_dtype))  # the scales are per channel
     with pytest.raises(ValueError):
-        fp8_gemm_rowwise_small_m(torch.zeros(65, k).to(FP8), torch.ones(65, 1), w_q, w_s)
+        fp8_gemm_rowwise_small_m(a_q, a_s[:-1], w_q, w_s)  # a scale per row of A
 
 
 @pytest.mark.parametrize(("t", "c", "group", "dtype"), [(1, 16, None, torch.float32), (5, 100, None, torch.bfloat16),
@@ -437,43 +440,3 @@ def test_quantize_triton_matches_torch(poison_empty, t, c, group, dtype):
     back = dequantize(q, s)
     rel = (back - x.float()).abs().reshape(t, -1, group or c).amax(-1) / x.float().abs().reshape(t, -1, group or c).amax(-1)
     assert rel.max() <= 2**-4 + 1e-6
-
-
-@pytest.mark.parametrize(("m", "n", "k", "splits", "bias", "out_dtype"), [
-    (1, 32, 64, 2, False, torch.float32), (3, 96, 272, 3, True, torch.float32), (16, 70, 200, 4, False, torch.bfloat16),
-    (5, 33, 431, None, True, torch.float32), (1, 48, 64, 8, False, torch.float32),
-])
-def test_split_k_gemm_triton_against_reference(poison_empty, m, n, k, splits, bias, out_dtype):
-    """The decode GEMM with its K range split over programs (fp32 partials summed in order, then
-    scaled): the reference on ragged N and K, a split count past K's steps (no split left empty),
-    and the small-M kernel's result to fp32 rounding."""
-    from kernels_testutil_tol import tol
-
-    from kernels.fp8_gemm import fp8_gemm_rowwise_small_m, fp8_gemm_rowwise_splitk
-    from kernels.fp8_linear import fp8_gemm_ref
-
-    g = torch.Generator().manual_seed(m * n + k + 1)
-    x = torch.randn(m, k, generator=g) * torch.logspace(-1, 1, m).unsqueeze(1)
-    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n).unsqueeze(1)
-    b = torch.randn(n, generator=g) if bias else None
-    a_q, a_s = quantize_rowwise(x)
-    w_q, w_s = quantize_rowwise(w)
-    got = fp8_gemm_rowwise_splitk(a_q, a_s, w_q, w_s, b, out_dtype, block_n=16, block_k=32, num_splits=splits)
-    want = fp8_gemm_ref(a_q, a_s, w_q, w_s, b, out_dtype)
-    assert got.dtype == out_dtype and not got.isnan().any()
-    torch.testing.assert_close(got.float(), want.float(), **tol(out_dtype))
-    one = fp8_gemm_rowwise_small_m(a_q, a_s, w_q, w_s, b, out_dtype, block_n=16, block_k=32)
-    torch.testing.assert_close(got.float(), one.float(), **tol(out_dtype))
-    swapped = fp8_gemm_rowwise_splitk(a_q, a_s, w_q, w_s.flip(0), b, out_dtype, block_n=16, block_k=32,
-                                      num_splits=splits)
-    assert not torch.allclose(swapped.float(), want.float(), **tol(out_dtype))  # the scales are per channel
-
-
-def test_split_k_counts():
-    from kernels.fp8_gemm import splitk_splits
-
-    assert splitk_splits(4096, 4096, 32, 256, 132) == 3  # 128 tiles: 3 splits make 384 programs
-    assert splitk_splits(6144, 4096, 32, 256, 132) == 2
-    assert splitk_splits(28672, 4096, 32, 512, 132) == 1  # 896 tiles fill the GPU alone
-    assert splitk_splits(4096, 14336, 16, 512, 132) == 2
-    assert splitk_splits(16, 64, 16, 32, 132) == 1  # no split shorter than four K steps
