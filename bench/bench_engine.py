@@ -226,9 +226,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8": {"quantization": "fp8"},  # per-channel weight scales: torch._scaled_mm, the small-M kernel in decode
     # the same with torch._scaled_mm at every batch size (the layout before the small-M kernel)
     "fp8-cublas": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_SMALL_M": "0"}},
-    # experiments: the weight-streaming kernel up to 256 rows; it as programmatic dependent launches
+    # an experiment: the weight-streaming kernel up to 256 rows of every projection
     "fp8-rows256": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_SMALL_M": "256"}},
-    "fp8-pdl": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_PDL": "1"}},
     "fp8-g128": {"quantization": "fp8", "fp8_weight_group": 128},  # weight scales per 128 columns: Triton
     "fp8-block": {"quantization": "fp8", "fp8_act_group": 128},  # and activation scales per 128 columns
 }

@@ -92,8 +92,6 @@ def main() -> None:
             row["small_m_us"], row["small_m_cfg"] = t, str(cfg)
             row["small_m_default_us"] = chain_us(
                 lambda i: fp8_gemm_rowwise_small_m(xq, xs, *ws_fp8[i], None, torch.bfloat16), copies)
-            row["small_m_pdl_us"] = chain_us(  # the same as programmatic dependent launches
-                lambda i: fp8_gemm_rowwise_small_m(xq, xs, *ws_fp8[i], None, torch.bfloat16, pdl=True), copies)
             best_cfg.setdefault(name, []).append((m, cfg, t))
             wbytes = n * k
             row["bf16_GBps"] = 2 * wbytes / (row["bf16_us"] * 1e3)
@@ -109,7 +107,7 @@ def main() -> None:
                       "triton_us": chain_us(lambda i: quantize_triton(x), 16)})
         print(quant[-1], flush=True)
     data = {**header(), "bench": "fp8_decode_gemms", "rows": rows_out, "quantize": quant, "best_small_m": best_cfg}
-    md = md_table(rows_out, ["proj", "M", "bf16_us", "scaled_mm_us", "small_m_us", "small_m_default_us", "small_m_pdl_us", "small_m_cfg",
+    md = md_table(rows_out, ["proj", "M", "bf16_us", "scaled_mm_us", "small_m_us", "small_m_default_us", "small_m_cfg",
                              "bf16_GBps", "fp8_best_GBps"])
     md += "\n\nquantization of a [M, 4096] bf16 input, us\n\n" + md_table(quant, ["M", "torch_us", "triton_us"])
     write_report("bench_fp8_decode", data, f"decode GEMMs, Llama-3.1-8B projections, us (do_bench medians)\n\n{md}")

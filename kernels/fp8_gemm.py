@@ -142,7 +142,6 @@ def _fp8_gemm_rowwise_small_m_kernel(
     BLOCK_M: tl.constexpr,  # rows of A per program (16, 32, 64 or 128)
     BLOCK_N: tl.constexpr,  # columns of C per program
     BLOCK_K: tl.constexpr,  # K step
-    PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait for the kernel ahead
 ):
     # one program per (BLOCK_M rows, BLOCK_N output channels): a few-row GEMM is a pass over the
     # weight, so each program streams its BLOCK_N rows of B once. Axis 0 runs over the row tiles,
@@ -155,11 +154,6 @@ def _fp8_gemm_rowwise_small_m_kernel(
     mask_m = rm < M
     mask_n = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PDL:
-        # the next kernel's programs may be placed as ours run; ours read A only once the kernel
-        # that wrote it is done
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         mask_k = k < K
@@ -176,10 +170,20 @@ def _fp8_gemm_rowwise_small_m_kernel(
 
 
 # rows up to which an engine's FP8 projection takes fp8_gemm_rowwise_small_m instead of
-# torch._scaled_mm. On the H200 _scaled_mm takes as long at 64 rows as at 1 on the 8B projections
-# (e.g. down_proj 47.5 us at M=1, 41.8 at 64) and reads the weight at 1.4-2.8 TB/s
-# (bench/results/2026-12-01-fp8-decode-h200.md)
+# torch._scaled_mm: 64, and 128 for a weight of at most SMALL_M_WIDE_N output channels. Measured on
+# the H200 in replayed graphs over distinct weights (bench/results/2026-12-02-fp8-decode-h200.md):
+# up to 64 rows the kernel wins every Llama-3.1-8B projection (down_proj 23.8 us against 37.2 at 64
+# rows); at 128 rows it wins o_proj and down_proj (N = 4096: 11.3 and 30.4 us against 13.9 and
+# 37.4), where _scaled_mm's 128-wide tiles make 32 programs for 132 SMs, and loses gate_up (49.6
+# against 37.3) and ties qkv; at 256 rows _scaled_mm wins all four
 SMALL_M = 64
+SMALL_M_WIDE = 128
+SMALL_M_WIDE_N = 4096
+
+
+def small_m_rows(n: int) -> int:
+    """Rows up to which the few-row kernel serves an [N, K] weight (see SMALL_M)."""
+    return SMALL_M_WIDE if n <= SMALL_M_WIDE_N else SMALL_M
 
 
 def _rowwise_operands(name: str, a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor,
@@ -198,33 +202,32 @@ def _rowwise_operands(name: str, a_q: torch.Tensor, a_scale: torch.Tensor, b_q: 
 def small_m_config(n: int, k: int, m: int = 1) -> tuple[int, int, int, int, int]:
     """(block_m, block_n, block_k, num_warps, num_stages) for M rows of an [N, K] weight.
 
-    Up to 64 rows, A is one tile of 16, 32 or 64 rows and (block_n, ...) the fastest of eight
-    configurations per Llama-3.1-8B projection at 1-16 rows on the H200 (bench_fp8_decode,
-    2026-12-01): down (K=14336) 29.7 us, gate_up (N=28672) 42.1, qkv (6144x4096) 16.2, o 12.8.
-    More rows take tiles of 64."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    The fastest of eight configurations per Llama-3.1-8B projection at 1, 16 and 64 rows (up to 64
+    rows A is one tile of 16, 32 or 64 rows) and at 128 rows, on the H200 in replayed graphs
+    (bench/results/2026-12-02-fp8-decode-h200.md): at 1 row qkv 10.7 us, o 9.1, gate_up 32.6,
+    down 24.6 (23.4 at 16 rows)."""
     if m > 64:
-        return 64, 64, 128, 4, 4
-    if k >= 8192:
-        return block_m, 16, 512, 4, 4
-    if n >= 16384:
+        return 64, 32, 256, 4, 4
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    if k >= 8192:  # down_proj
         return block_m, 32, 512, 4, 3
-    if n > k:
-        return block_m, 32, 128, 4, 6
-    return block_m, 32, 256, 4, 4
+    if n >= 16384:  # gate_up_proj
+        return block_m, 128, 128, 8, 4
+    if n > k:  # qkv_proj
+        return block_m, 64, 256, 4, 4
+    return block_m, 32, 256, 4, 4  # o_proj
 
 
 def fp8_gemm_rowwise_small_m(
     a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, block_m: int | None = None, pdl: bool = False,
+    num_stages: int | None = None, block_m: int | None = None,
 ) -> torch.Tensor:
     """`kernels.fp8_linear.fp8_gemm_ref` with per-token ([M, 1]) and per-channel ([N, 1]) scales
     for few rows: a weight-streaming kernel for decode and small mixed steps, where cuBLASLt's FP8
     GEMM (torch._scaled_mm) tiles M to 64 or more and launches too few programs to stream the
-    weight at the memory's rate. Tile sizes default to `small_m_config`. pdl (CUDA, sm90): launch it
-    as a programmatic dependent launch (its programs start while the kernel ahead finishes)."""
+    weight at the memory's rate. Tile sizes default to `small_m_config`."""
     m, k, n = _rowwise_operands("fp8_gemm_small_m", a_q, a_scale, b_q, b_scale)
     c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
     if m == 0 or n == 0:
@@ -236,11 +239,7 @@ def fp8_gemm_rowwise_small_m(
     b_s = b_scale.reshape(n).float().contiguous()
     has_bias = bias is not None
     args = (a_q, a_s, b_q, b_s, bias if has_bias else b_s, c, m, n, k, a_q.stride(0), b_q.stride(0), c.stride(0))
-    cuda = a_q.device.type == "cuda"
-    pdl = pdl and cuda
-    if pdl:
-        import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda: the kernel's gdc calls)
-    consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PDL": pdl}
+    consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
     _fp8_gemm_rowwise_small_m_kernel.launch((cdiv(m, block_m), cdiv(n, block_n)), args, consts, num_warps,
-                                            num_stages, cuda, launch_pdl=pdl)
+                                            num_stages, a_q.device.type == "cuda")
     return c

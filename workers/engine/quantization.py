@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import SMALL_M, fp8_gemm_grouped_triton, fp8_gemm_rowwise_small_m
+from kernels.fp8_gemm import fp8_gemm_grouped_triton, fp8_gemm_rowwise_small_m, small_m_rows
 from kernels.fp8_linear import Gemm, fp8_gemm_ref, fp8_gemm_scaled_mm, quantize, scaled_mm_supported
 from kernels.fp8_quant import quantize_triton
 
@@ -66,18 +66,17 @@ class Fp8Linear(nn.Module):
             gemm, self.kernel = fp8_gemm_ref, "reference"
         self._gemm = gemm
         # rows up to which a step takes kernels/fp8_gemm.py's weight-streaming kernel instead of
-        # _scaled_mm (0: never); FIRSTTOKEN_FP8_SMALL_M sets it for an experiment, and
-        # FIRSTTOKEN_FP8_PDL=1 launches it as a programmatic dependent launch
-        small = int(os.environ.get("FIRSTTOKEN_FP8_SMALL_M", SMALL_M))
+        # _scaled_mm (0: never; see kernels.fp8_gemm.SMALL_M); FIRSTTOKEN_FP8_SMALL_M sets it for
+        # an experiment
+        env = os.environ.get("FIRSTTOKEN_FP8_SMALL_M")
+        small = int(env) if env is not None else small_m_rows(self.out_features)
         self.small_m = small if gemm is fp8_gemm_scaled_mm else 0
-        self._pdl = os.environ.get("FIRSTTOKEN_FP8_PDL") == "1"
         # activations that come unquantized (o_proj's): one Triton launch on CUDA, not torch's ~8
         self._quantize = quantize_triton if w.device.type == "cuda" else quantize
 
     def _run(self, x_q: torch.Tensor, x_s: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if x_q.shape[0] <= self.small_m:
-            return fp8_gemm_rowwise_small_m(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype,
-                                            pdl=self._pdl)
+            return fp8_gemm_rowwise_small_m(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
         return self._gemm(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
 
     def forward(self, x: Activation) -> torch.Tensor:
