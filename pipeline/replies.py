@@ -7,7 +7,8 @@ queued, so it misses nothing a live worker sends. Pub/sub is fire-and-forget: th
 the store stays the record (a waiter that hears nothing looks there), and a publisher that cannot
 reach Redis drops replies without slowing the worker (it says so once).
 
-Messages are JSON: `{"type": "delta", "text": "...", "tokens": n, "offset": chars before it}` and
+Messages are JSON: `{"type": "delta", "text": "...", "tokens": n, "offset": chars before it}` (and
+`"index"`: the choice, when not 0) and
 `{"type": "final", "result": <JobResult as JSON>}`, each sent bound to its job: `v1.<HMAC>.<JSON>`,
 the HMAC-SHA256 (Settings.reply_key, which the API and the workers share) of the job id and the
 JSON. Whoever can PUBLISH on Redis without the key cannot make the API serve a reply: a message
@@ -39,11 +40,18 @@ def reply_channel(job_id: str) -> str:
     return CHANNEL_PREFIX + job_id
 
 
-def delta_message(text: str, tokens: int, offset: int) -> bytes:
-    """A text delta: `text` is new output starting at character `offset` of the job's text,
-    `tokens` the output tokens so far. The offset lets a waiter drop what it already has when a
-    job redelivered to another worker streams again from its start."""
-    return json.dumps({"type": "delta", "text": text, "tokens": tokens, "offset": offset}, ensure_ascii=False).encode()
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def delta_message(text: str, tokens: int, offset: int, index: int = 0) -> bytes:
+    """A text delta of choice `index`: `text` is new output starting at character `offset` of
+    that choice's text, `tokens` its output tokens so far. The offset lets a waiter drop what it
+    already has when a job redelivered to another worker streams again from its start."""
+    msg: dict[str, object] = {"type": "delta", "text": text, "tokens": tokens, "offset": offset}
+    if index:
+        msg["index"] = index
+    return json.dumps(msg, ensure_ascii=False).encode()
 
 
 def final_message(result: JobResult) -> bytes:
@@ -87,8 +95,8 @@ def parse_message(data: bytes | str, job_id: str, key: bytes) -> dict[str, Any]:
             if msg["result"].id != job_id:
                 raise ReplyRejected("a result of another job")
         elif kind == "delta":
-            if not isinstance(msg.get("text"), str) or not isinstance(msg.get("offset", 0), int) \
-                    or isinstance(msg.get("offset", 0), bool) or msg.get("offset", 0) < 0:
+            if not isinstance(msg.get("text"), str) or not _count(msg.get("offset", 0)) \
+                    or not _count(msg.get("index", 0)):
                 raise ReplyRejected("a malformed delta")
         else:
             raise ReplyRejected("neither a delta nor a final message")

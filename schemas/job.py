@@ -22,7 +22,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from schemas.limits import MAX_MESSAGES, MAX_METADATA_BYTES, MAX_METADATA_DEPTH, MAX_PROMPT_CHARS
+from schemas.limits import (
+    MAX_CHOICES,
+    MAX_MESSAGES,
+    MAX_METADATA_BYTES,
+    MAX_METADATA_DEPTH,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPTS,
+)
 from schemas.sampling import SamplingParams
 
 
@@ -193,10 +200,38 @@ def _check_metadata(value: object) -> object:
     return value
 
 
+TokenId = Annotated[int, Field(ge=0, lt=2**31, strict=True)]
+# one prompt of a prompt list: a text, or token ids (checked against the model's vocabulary at
+# submission and by the engine)
+PromptItem = (
+    Annotated[str, StringConstraints(min_length=1, max_length=MAX_PROMPT_CHARS)]
+    | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+)
+
+
+def prompt_item_problem(p: object) -> str | None:
+    """What is wrong with one prompt of a prompt list (None: nothing): it is a non-empty text or a
+    non-empty list of token ids (integers from 0 to 2**31 - 1)."""
+    if isinstance(p, str):
+        return "empty" if not p else None
+    if not isinstance(p, list):
+        return "a text or a list of token ids"
+    if not p:
+        return "an empty token list"
+    for t in p:
+        if isinstance(t, bool) or not isinstance(t, int):
+            return "token ids are integers"
+        if not 0 <= t < 2**31:
+            return f"token id {t} is out of range (0 to 2**31 - 1)"
+    return None
+
+
 class JobBody(BaseModel):
     """What a job asks for: a prompt or chat turns, sampling, priority, routing key, metadata.
 
-    Exactly one of `prompt` (raw text) or `messages` (chat turns) is given. `priority`: higher is
+    Exactly one of `prompt` (raw text), `prompts` (a list of texts or token-id lists, OpenAI's
+    prompt list: each prompt its own choices) or `messages` (chat turns) is given. A job runs
+    `len(prompts) * sampling.n` choices (best_of sampled per prompt), at most MAX_CHOICES sequences. `priority`: higher is
     served first. `prefix_key` routes the job (Kafka key): jobs with one key land on one partition,
     hence one worker and its prefix cache; when absent it is derived from the prompt's start.
     """
@@ -205,6 +240,10 @@ class JobBody(BaseModel):
 
     prompt: str | None = Field(
         default=None, min_length=1, max_length=MAX_PROMPT_CHARS, description="raw prompt text"
+    )
+    prompts: list[PromptItem] | None = Field(
+        default=None, min_length=1, max_length=MAX_PROMPTS,
+        description="prompts, each a text or a list of token ids: each gets its own choices",
     )
     messages: list[ChatMessage] | None = Field(
         default=None, min_length=1, max_length=MAX_MESSAGES, description="chat turns"
@@ -223,14 +262,50 @@ class JobBody(BaseModel):
     def _prompt_utf8(cls, v: str | None) -> str | None:
         return None if v is None else _check_utf8(v)
 
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _prompts_shape(cls, v: object) -> object:
+        """One clear message per bad prompt (not one per member of the union)."""
+        if isinstance(v, list):
+            for i, p in enumerate(v):
+                problem = prompt_item_problem(p)
+                if problem is not None:
+                    raise PydanticCustomError("prompt_item", "prompt {i}: {problem}", {"i": i, "problem": problem})
+        return v
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts_utf8(cls, v: list[str | list[int]] | None) -> list[str | list[int]] | None:
+        for p in v or ():
+            if isinstance(p, str):
+                _check_utf8(p)
+        return v
+
     @model_validator(mode="after")
     def _one_input(self) -> JobBody:
-        if (self.prompt is None) == (self.messages is None):
+        if sum(x is not None for x in (self.prompt, self.prompts, self.messages)) != 1:
             raise PydanticCustomError(
-                "prompt_or_messages", "exactly one of 'prompt' or 'messages' must be given"
+                "prompt_or_messages", "exactly one of 'prompt', 'prompts' or 'messages' must be given"
             )
         if self.messages is not None and self.sampling.echo:
             raise PydanticCustomError("echo_needs_prompt", "echo: a text prompt only (chat turns have no echo)")
+        if self.messages is not None and self.sampling.best_of is not None:
+            raise PydanticCustomError("best_of_needs_prompt", "best_of: text completions only (chat has n)")
+        if self.num_prompts * self.sampling.samples_per_prompt > MAX_CHOICES:
+            raise PydanticCustomError(
+                "too_many_choices",
+                "{prompts} prompts times {samples} samples each is {total} sequences; the limit is {limit}",
+                {"prompts": self.num_prompts, "samples": self.sampling.samples_per_prompt,
+                 "total": self.num_prompts * self.sampling.samples_per_prompt, "limit": MAX_CHOICES},
+            )
+        if self.prompts is not None:
+            chars = sum(len(p) for p in self.prompts)
+            if chars > MAX_PROMPT_CHARS:
+                raise PydanticCustomError(
+                    "too_large",
+                    "the prompts hold {chars} characters (or token ids); the limit is {limit}",
+                    {"chars": chars, "limit": MAX_PROMPT_CHARS},
+                )
         if self.messages is not None:
             chars = sum(len(m.content) for m in self.messages)
             if chars > MAX_PROMPT_CHARS:
@@ -241,10 +316,25 @@ class JobBody(BaseModel):
                 )
         return self
 
+    @property
+    def num_prompts(self) -> int:
+        """Prompts the job holds: its prompt list's length, else 1."""
+        return 1 if self.prompts is None else len(self.prompts)
+
+    @property
+    def has_choices(self) -> bool:
+        """Whether the job's result is a list of choices (a prompt list, n or best_of above 1)
+        rather than one output."""
+        return self.prompts is not None or self.sampling.samples_per_prompt > 1
+
     def prefix_text(self) -> str:
-        """The text a derived routing key is computed from: the prompt, or the turns in order."""
+        """The text a derived routing key is computed from: the prompt (the first of a list), or
+        the turns in order."""
         if self.prompt is not None:
             return self.prompt
+        if self.prompts is not None:
+            first = self.prompts[0]
+            return first if isinstance(first, str) else " ".join(map(str, first))
         assert self.messages is not None
         return "".join(f"<{m.role}>{m.content}" for m in self.messages)
 
@@ -267,6 +357,7 @@ class JobInput(JobBody):
         (batch_id, owner, line_no, line_format, sampling with defaults applied, ...)."""
         fields: dict[str, Any] = {
             "prompt": self.prompt,
+            "prompts": self.prompts,
             "messages": self.messages,
             "sampling": self.sampling,
             "priority": self.priority,
@@ -437,10 +528,27 @@ class TokenLogprobs(TopLogprob):
     top: list[TopLogprob] = Field(default_factory=list, description="most likely first")
 
 
+class Choice(BaseModel):
+    """One choice of a job that has several (a prompt list, n, best_of): its output, in the order
+    OpenAI gives them (prompt-major: prompt i's choices are i*n ... i*n + n-1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int = Field(ge=0)
+    prompt_index: int = Field(default=0, ge=0, description="the prompt (of the job's list) it continues")
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    echo: str | None = Field(default=None, description="the prompt's text, when the job asked for echo")
+
+
 class JobResult(BaseModel):
     """The outcome of one job, as the sink writes it: a terminal status, the text, usage and timings.
 
-    A `failed` result carries an `error_code` and a message; a `succeeded` one carries neither.
+    A `failed` result carries an `error_code` and a message; a `succeeded` one carries neither. A
+    job with several choices has them all in `choices`; `text`, `finish_reason` and the
+    log-probabilities are then its first choice's (what SQL over the rows reads).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -462,6 +570,9 @@ class JobResult(BaseModel):
     )
     prompt_logprobs: list[TokenLogprobs | None] | None = Field(
         default=None, description="per prompt token (null for the first), when the job asked for prompt_logprobs"
+    )
+    choices: list[Choice] | None = Field(
+        default=None, description="every choice, in index order, when the job has several (JobBody.has_choices)"
     )
 
     @model_validator(mode="after")

@@ -7,6 +7,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.limits import (
+    MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_CHARS,
@@ -29,7 +30,10 @@ class SamplingParams(BaseModel):
 
     # Strict types, as OpenAI's API: no string, bool or float becomes an int, no string or bool a
     # float (an int is a float), and only true/false are booleans. Every number has a bound.
-    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS, strict=True, description="most output tokens to generate")
+    max_tokens: int = Field(
+        default=256, ge=0, le=MAX_TOKENS, strict=True,
+        description="most output tokens to generate; 0 only with echo (the prompt alone, scored with logprobs)",
+    )
     temperature: float = Field(default=1.0, ge=0.0, le=100.0, strict=True, description="0 means greedy")
     top_k: int | None = Field(
         default=None, ge=-1, le=MAX_TOP_K, strict=True,
@@ -78,6 +82,15 @@ class SamplingParams(BaseModel):
     min_tokens: int = Field(
         default=0, ge=0, le=MAX_TOKENS, strict=True,
         description="output tokens before end-of-sequence, stop token ids or stop strings may end it",
+    )
+
+    # choices: one job, n of them per prompt (each its own sequence over the prompt's shared KV
+    # blocks); best_of: that many sampled per prompt, the n likeliest (cumulative log-probability) kept
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, strict=True, description="choices per prompt")
+    best_of: int | None = Field(
+        default=None, ge=1, le=MAX_CHOICES, strict=True,
+        description="text completions: sample this many per prompt and return the n with the highest "
+        "cumulative log-probability (at least n); None: n",
     )
 
     echo: bool = Field(
@@ -129,7 +142,16 @@ class SamplingParams(BaseModel):
     def _min_within_max(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt alone)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
         return self
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """Sequences sampled per prompt: best_of, or n."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def adjusts_logits(self) -> bool:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from schemas.sampling import SamplingParams
+from workers.choices import ChoiceGroups
 from workers.engine import EngineConfig, FinishedRequest, InvalidRequestError, LLMEngine
 from workers.engine.outputs import EngineStats
 from workers.engine.prompts import prompt_token_ids
@@ -54,8 +55,10 @@ STATS_EVERY_S = 0.02  # the core sends its EngineStats at most this often
 
 @dataclass(frozen=True, slots=True)
 class AddRequest:
-    """One job for the engine: its prompt (text, or chat turns the core renders with the
-    checkpoint's template), sampling, priority and arrival on the monotonic clock."""
+    """One job for the engine: its prompt (text, chat turns the core renders with the
+    checkpoint's template, or a prompt list of texts and token ids), sampling, priority and
+    arrival on the monotonic clock. A job with a prompt list, or n / best_of above 1, runs as
+    several engine requests (workers.choices) and finishes as one, with its choices."""
 
     request_id: str
     prompt: str | None
@@ -65,6 +68,12 @@ class AddRequest:
     arrival_time: float | None = None  # monotonic; None: when the core adds it
     stream: bool = False  # report its text deltas (CoreOutputs.deltas)
     fair_rank: int = 0  # LLMEngine.add_request's fair_rank
+    prompts: tuple[str | tuple[int, ...], ...] | None = None  # a prompt list (JobBody.prompts)
+
+    @property
+    def has_choices(self) -> bool:
+        """Whether it runs as several sequences (JobBody.has_choices)."""
+        return self.prompts is not None or self.sampling.samples_per_prompt > 1
 
 
 @dataclass(slots=True)
@@ -73,7 +82,8 @@ class CoreOutputs:
 
     first_tokens: list[tuple[str, float]] = field(default_factory=list)  # (request id, monotonic)
     finished: list[FinishedRequest] = field(default_factory=list)
-    deltas: list[tuple[str, str, int, int]] = field(default_factory=list)  # StepOutput.deltas of streamed ones
+    # StepOutput.deltas of streamed ones, with the choice index: (request id, text, tokens, offset, index)
+    deltas: list[tuple[str, str, int, int, int]] = field(default_factory=list)
     rejected: list[tuple[str, str, str]] = field(default_factory=list)  # (request id, code, message)
     stats: EngineStats | None = None
 
@@ -85,8 +95,11 @@ class EngineCoreError(RuntimeError):
     """The engine core failed or went away; the worker stops (uncommitted jobs are redelivered)."""
 
 
-def _add(engine: LLMEngine, req: AddRequest, rejected: list[tuple[str, str, str]]) -> None:
+def _add(engine: LLMEngine, groups: ChoiceGroups, req: AddRequest, rejected: list[tuple[str, str, str]]) -> None:
     try:
+        if req.has_choices:
+            _add_choices(engine, groups, req)
+            return
         ids = prompt_token_ids(engine.tokenizer, req.prompt, req.messages)
         engine.add_request(
             req.request_id,
@@ -101,6 +114,24 @@ def _add(engine: LLMEngine, req: AddRequest, rejected: list[tuple[str, str, str]
         rejected.append((req.request_id, exc.code, exc.message))
 
 
+def _add_choices(engine: LLMEngine, groups: ChoiceGroups, req: AddRequest) -> None:
+    """A job of several sequences: each prompt's token ids (and its text, for echo), then its group."""
+    prompts: list[list[int]] = []
+    echoes: list[str | None] = []
+    for j, p in enumerate(req.prompts if req.prompts is not None else (req.prompt,)):
+        try:
+            if isinstance(p, str) or p is None:
+                ids = prompt_token_ids(engine.tokenizer, p, req.messages)
+            else:
+                ids = list(p)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(exc.code, f"prompt {j}: {exc.message}" if req.prompts else exc.message) from None
+        prompts.append(ids)
+        echoes.append(None if not req.sampling.echo else p if isinstance(p, str) else engine.tokenizer.decode(ids))
+    groups.add(req.request_id, prompts, echoes, req.sampling, priority=req.priority,
+               arrival_time=req.arrival_time, stream=req.stream, fair_rank=req.fair_rank)
+
+
 def serve(
     engine: LLMEngine,
     receive: Callable[[float], list[tuple] | None],
@@ -110,6 +141,7 @@ def serve(
     step the engine while it has work, `emit` what came out. Returns on ("stop",) or when the
     client is gone. Commands: ("add", [AddRequest, ...]), ("abort", [request id, ...]), ("stop",)."""
     last_stats = 0.0
+    groups = ChoiceGroups(engine)
     while True:
         cmds = receive(0.0 if engine.has_unfinished() else IDLE_WAIT_S)
         if cmds is None:
@@ -119,17 +151,18 @@ def serve(
             kind = cmd[0]
             if kind == "add":
                 for req in cmd[1]:
-                    _add(engine, req, out.rejected)
+                    _add(engine, groups, req, out.rejected)
             elif kind == "abort":
                 for request_id in cmd[1]:
-                    engine.abort(request_id)
+                    if not groups.abort(request_id):
+                        engine.abort(request_id)
             elif kind == "stop":
                 return
         if engine.has_unfinished():
             step = engine.step()
-            out.first_tokens.extend((ev.request_id, ev.time) for ev in step.first_tokens)
-            out.finished.extend(step.finished)
-            out.deltas.extend(step.deltas)
+            out.first_tokens.extend(groups.first_tokens([(ev.request_id, ev.time) for ev in step.first_tokens]))
+            out.finished.extend(groups.finished(step.finished))
+            out.deltas.extend(groups.deltas(step.deltas))
         now = time.monotonic()
         # stats ride with every output that ends requests (so that no reader sees a request
         # finished and still counted running), and at most every STATS_EVERY_S besides

@@ -4,6 +4,7 @@ engine's monotonic instants and the worker's admission), its usage, text and log
 from __future__ import annotations
 
 from schemas.job import (
+    Choice,
     ErrorCode,
     FinishReason,
     JobRequest,
@@ -53,8 +54,7 @@ def finished_result(
         id=job.id,
         batch_id=job.batch_id,
         status=JobStatus.CANCELLED if cancelled else JobStatus.SUCCEEDED,
-        # NUL is valid output but no Postgres text value may hold it
-        text=f.text.replace("\x00", "\ufffd"),
+        text=_text(f.text),
         finish_reason=FinishReason(f.finish_reason),
         usage=f.usage,
         timings=timings,
@@ -62,10 +62,28 @@ def finished_result(
         model=model,
         error_code=ErrorCode.CANCELLED if cancelled else None,
         error_message="cancelled while running" if cancelled else None,
-        logprobs=None if f.logprobs is None else [_token_logprobs(lp, f.token_texts) for lp in f.logprobs],
-        prompt_logprobs=None if f.prompt_logprobs is None else [
-            None if lp is None else _token_logprobs(lp, f.token_texts) for lp in f.prompt_logprobs],
+        logprobs=_logprobs(f),
+        prompt_logprobs=_prompt_logprobs(f),
+        choices=None if not f.choices else [
+            Choice(index=c.index, prompt_index=c.prompt_index, text=_text(c.output.text),
+                   finish_reason=FinishReason(c.output.finish_reason), logprobs=_logprobs(c.output),
+                   prompt_logprobs=_prompt_logprobs(c.output), echo=None if c.echo is None else _text(c.echo))
+            for c in f.choices],
     )
+
+
+def _text(text: str) -> str:
+    return text.replace("\x00", "\ufffd")  # NUL is valid output but no Postgres text value may hold it
+
+
+def _logprobs(f: FinishedRequest) -> list[TokenLogprobs] | None:
+    return None if f.logprobs is None else [_token_logprobs(lp, f.token_texts) for lp in f.logprobs]
+
+
+def _prompt_logprobs(f: FinishedRequest) -> list[TokenLogprobs | None] | None:
+    if f.prompt_logprobs is None:
+        return None
+    return [None if lp is None else _token_logprobs(lp, f.token_texts) for lp in f.prompt_logprobs]
 
 
 def _token_logprobs(lp: TokenLogprob, texts: dict[int, str] | None) -> TokenLogprobs:

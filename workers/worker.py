@@ -388,6 +388,8 @@ class Worker:
                         mono - max(0.0, wall - submitted),
                         stream=job.reply == "stream",
                         fair_rank=(rank := self._fair_rank(msg.partition, floor)),
+                        prompts=None if job.prompts is None else tuple(
+                            p if isinstance(p, str) else tuple(p) for p in job.prompts),
                     )
                 )
                 paused = self.intake.paused_between(submitted, wall)
@@ -532,9 +534,9 @@ class Worker:
                 if entry is not None:
                     entry.first_token_mono = t
             if self.replies is not None:
-                for job_id, text, tokens, offset in out.deltas:
+                for job_id, text, tokens, offset, index in out.deltas:
                     if job_id in self._inflight:
-                        self.replies.put(job_id, delta_message(text, tokens, offset))
+                        self.replies.put(job_id, delta_message(text, tokens, offset, index))
             for job_id, code, message in out.rejected:
                 entry = self._inflight.pop(job_id, None)
                 if entry is not None:

@@ -50,6 +50,7 @@ from schemas.openai import (
     openai_body_request,
     openai_response,
     openai_usage,
+    result_choices,
 )
 from schemas.openai.stream import DONE, completion_chunk, error_event, sse, stream_text
 
@@ -105,6 +106,8 @@ def _job(state: ApiState, raw: bytes, fmt: LineFormat, who: Principal) -> tuple[
             raise LineError(ErrorCode.INVALID_REQUEST, "stream_options: only {'include_usage': bool}")
         include_usage = bool(options and options.get("include_usage"))
         job_input = JobInput.model_validate(openai_body_request(body, fmt))
+        if stream and job_input.sampling.samples_per_prompt > job_input.sampling.n:
+            raise LineError(ErrorCode.INVALID_REQUEST, "best_of: not with stream (the best are known at the end)")
     except (LineError, ValidationError) as exc:
         raise _bad(exc) from None
     job = job_input.to_request(
@@ -261,15 +264,33 @@ async def _final(state: ApiState, request: Request, run: _Run) -> JobResult:
     return result
 
 
+def _stream_echoes(job: JobRequest, fmt: LineFormat) -> list[str | None]:
+    """Per choice of a streamed job, the prompt text its stream starts with (echo), "" for none,
+    or None when the prompt is token ids (its text comes with the result)."""
+    n = job.sampling.n
+    if job.prompts is None:
+        return [echo_prompt(job.prompt, job.sampling, fmt) or ""] * n
+    if echo_prompt("", job.sampling, fmt) is None:
+        return [""] * (n * len(job.prompts))
+    return [p if isinstance(p, str) else None for p in job.prompts for _ in range(n)]
+
+
 async def _events(run: _Run, fmt: LineFormat, include_usage: bool) -> AsyncIterator[bytes]:
     # a client that goes away stops the response: CompletionStream cleans up (_Run.clean_up)
     state, job, sub = run.state, run.job, run.sub
-    model, created, sent = state.model_name, int(time.time()), ""
-    echo = echo_prompt(job.prompt, job.sampling, fmt)
+    model, created = state.model_name, int(time.time())
+    echoes = _stream_echoes(job, fmt)  # one per choice, prompt-major
+    sent = [""] * len(echoes)  # per choice: the output text sent so far
+    # an echoed prompt of token ids: its text is known with the result only, so its choice's
+    # output waits for it (sent whole at the end) rather than go out before its prompt
+    held = {i for i, e in enumerate(echoes) if e is None}
     try:
-        yield sse(completion_chunk(job.id, fmt, model, created, "" if fmt is LineFormat.OPENAI_CHAT else None, None, role=True))
-        if echo:  # the prompt first, as OpenAI's echo streams it
-            yield sse(completion_chunk(job.id, fmt, model, created, echo, None))
+        for i in range(len(echoes)):
+            yield sse(completion_chunk(job.id, fmt, model, created, "" if fmt is LineFormat.OPENAI_CHAT else None,
+                                       None, role=True, index=i))
+        for i, echo in enumerate(echoes):
+            if echo:  # the prompt first, as OpenAI's echo streams it
+                yield sse(completion_chunk(job.id, fmt, model, created, echo, None, index=i))
         deadline = time.monotonic() + state.settings.api_completion_timeout_s
         result: JobResult | None = None
         wait = POLL_STORE_S
@@ -283,28 +304,36 @@ async def _events(run: _Run, fmt: LineFormat, include_usage: bool) -> AsyncItera
                 continue
             wait = POLL_STORE_S
             if msg["type"] == "delta":
-                new = stream_text(sent, msg)
+                i = msg.get("index", 0)
+                if i >= len(sent) or i in held:
+                    continue
+                new = stream_text(sent[i], msg)
                 if new:
-                    sent += new
-                    yield sse(completion_chunk(job.id, fmt, model, created, new, None))
+                    sent[i] += new
+                    yield sse(completion_chunk(job.id, fmt, model, created, new, None, index=i))
             elif msg["type"] == "final":
                 result = msg["result"]
         run.ended = result is not None  # terminal (done, failed or run again): nothing to cancel
+        choices = [] if result is None or result.error_code is not None else result_choices(
+            result, echo_prompt(job.prompt, job.sampling, fmt))
         if result is None:  # nobody will read it now: the clean-up cancels it
             yield error_event("timeout", "no result in time", status=504)
         elif result.error_code is not None:
             yield sse(openai_response(result, fmt)[1])
-        elif not result.text.startswith(sent):
+        elif len(choices) != len(sent) or any(not c.text.startswith(sent[c.index]) for c in choices):
             # a sampled job run again after its worker died, and this run's text differs from what was sent
             yield error_event("restarted", "the job was run again after its worker failed and its text changed; "
                                            f"the full text is on job {job.id}")
         else:
-            finish = None if result.finish_reason is None else result.finish_reason.value
-            last = completion_chunk(job.id, fmt, model, created, result.text[len(sent):], finish)
-            # all of them with the last chunk: a client that joins the chunks' log-probabilities gets the list
-            last["choices"][0]["logprobs"] = choice_logprobs(result, fmt, echo)
-            last["firsttoken"] = firsttoken_extension(result)
-            yield sse(last)
+            for c in choices:
+                finish = None if c.finish_reason is None else c.finish_reason.value
+                rest = ((c.echo or "") if c.index in held else "") + c.text[len(sent[c.index]):]
+                last = completion_chunk(job.id, fmt, model, created, rest, finish, index=c.index)
+                # all of them with the last chunk: a client that joins the chunks' log-probabilities gets the list
+                last["choices"][0]["logprobs"] = choice_logprobs(c, fmt, c.echo)
+                if c is choices[-1]:
+                    last["firsttoken"] = firsttoken_extension(result)
+                yield sse(last)
             if include_usage:
                 usage = completion_chunk(job.id, fmt, model, created, None, None)
                 usage["choices"] = []

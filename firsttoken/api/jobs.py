@@ -15,7 +15,16 @@ from pipeline.producer import Producer, QueueRefused
 from pipeline.store import JobRecord
 from pipeline.store.tables import LATENCY_METRICS
 from schemas.batchfile import BatchLineError, parse_json_object, parse_line
-from schemas.job import ErrorCode, JobRequest, JobTimings, LineError, Usage, job_id_of_owner, new_job_id
+from schemas.job import (
+    Choice,
+    ErrorCode,
+    JobRequest,
+    JobTimings,
+    LineError,
+    Usage,
+    job_id_of_owner,
+    new_job_id,
+)
 from schemas.openai import LineFormat
 
 log = logging.getLogger(__name__)
@@ -51,6 +60,7 @@ class JobView(BaseModel):
     model: str | None = None
     error_code: str | None = None
     error_message: str | None = None
+    choices: list[Choice] | None = None  # a job of several choices: all of them (text is the first's)
 
 
 class Cancelled(BaseModel):
@@ -104,6 +114,7 @@ def job_view(rec: JobRecord) -> JobView:
             model=result.model,
             error_code=None if result.error_code is None else result.error_code.value,
             error_message=result.error_message,
+            choices=result.choices,
         )
     return JobView(**base)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from schemas.job import (
     ChatMessage,
+    Choice,
     ErrorCode,
     FinishReason,
     JobRequest,
@@ -58,10 +59,12 @@ class JobRecord:
     logprobs: list[TokenLogprobs] | None = None  # per output token, when the job asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first)
     deliveries: int = 0  # times a worker took it into its engine (ResultStore.admit)
+    prompts: list[str | list[int]] | None = None  # a prompt list (`prompt` is then None)
+    choices: list[Choice] | None = None  # every choice, of a job that has several
 
     def request(self) -> JobRequest | None:
         """The JobRequest this row was made from, or None for a row written from a result alone."""
-        if self.prompt is None and self.messages is None:
+        if self.prompt is None and self.messages is None and self.prompts is None:
             return None
         return JobRequest(
             id=self.id,
@@ -71,6 +74,7 @@ class JobRecord:
             line_no=self.line_no,
             line_format=self.line_format,
             prompt=self.prompt,
+            prompts=self.prompts,
             messages=self.messages,
             sampling=self.sampling or SamplingParams(),
             priority=self.priority,
@@ -98,6 +102,7 @@ class JobRecord:
             error_message=self.error_message,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            choices=self.choices,
         )
 
 

@@ -22,6 +22,7 @@ from pipeline.store.tables import jobs
 from schemas.job import (
     TERMINAL_STATUSES,
     ChatMessage,
+    Choice,
     ErrorCode,
     FinishReason,
     JobRequest,
@@ -41,7 +42,7 @@ MAX_PARAMS = 30_000
 # recorded at submission, admitted_at and worker recorded by admit).
 KEEP_IF_NULL = ("submitted_at", "admitted_at", "first_token_at", "worker", "model")
 REQUEST_COLUMNS = (
-    "prompt", "messages", "sampling", "prefix_key", "metadata", "custom_id", "owner", "line_no", "line_format"
+    "prompt", "prompts", "messages", "sampling", "prefix_key", "metadata", "custom_id", "owner", "line_no", "line_format"
 )
 # What a row that holds a line's error (no JobRequest) may be given besides the result.
 LINE_COLUMNS = frozenset({"owner", "line_no", "line_format"})
@@ -62,6 +63,7 @@ def request_row(job: JobRequest, status: JobStatus, now: float) -> dict[str, Any
         "batch_id": job.batch_id,
         "status": status.value,
         "prompt": job.prompt,
+        "prompts": job.prompts,
         "messages": None if job.messages is None else [m.model_dump() for m in job.messages],
         "sampling": job.sampling.model_dump(mode="json"),
         "priority": job.priority,
@@ -86,6 +88,7 @@ def result_row(
         "batch_id": result.batch_id,
         "priority": 0,
         "prompt": None,
+        "prompts": None,
         "messages": None,
         "sampling": None,
         "prefix_key": None,
@@ -119,6 +122,7 @@ def result_row(
         "logprobs": None if result.logprobs is None else [lp.model_dump() for lp in result.logprobs],
         "prompt_logprobs": None if result.prompt_logprobs is None else [
             None if lp is None else lp.model_dump() for lp in result.prompt_logprobs],
+        "choices": None if result.choices is None else [c.model_dump(mode="json") for c in result.choices],
         "created_at": now,
         "updated_at": now,
     }
@@ -172,6 +176,7 @@ def job_record(row: Row[Any]) -> JobRecord:
         line_no=m["line_no"],
         line_format=m["line_format"],
         prompt=m["prompt"],
+        prompts=m["prompts"],
         messages=None if messages is None else [ChatMessage.model_validate(x) for x in messages],
         sampling=None if sampling is None else SamplingParams.model_validate(sampling),
         priority=m["priority"],
@@ -195,6 +200,7 @@ def job_record(row: Row[Any]) -> JobRecord:
         prompt_logprobs=None if m["prompt_logprobs"] is None else [
             None if x is None else TokenLogprobs.model_validate(x) for x in m["prompt_logprobs"]],
         deliveries=m["deliveries"],
+        choices=None if m["choices"] is None else [Choice.model_validate(x) for x in m["choices"]],
     )
 
 

@@ -77,6 +77,10 @@ jobs = Table(
     Column("prompt_logprobs", JsonDoc, nullable=True),
     # added by revision 0007: how many times a worker took it into its engine (ResultStore.admit)
     Column("deliveries", Integer, nullable=False, server_default="0"),
+    # added by revision 0009: a prompt list (texts and token-id lists; `prompt` is then null), and
+    # every choice of a job that has several (text, finish_reason, logprobs: the first choice's)
+    Column("prompts", JsonDoc, nullable=True),
+    Column("choices", JsonDoc, nullable=True),
     # row bookkeeping, epoch seconds
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
@@ -153,6 +157,7 @@ RESULT_COLUMNS = (
     "error_message",
     "logprobs",
     "prompt_logprobs",
+    "choices",
 )
 
 LATENCY_METRICS = ("queue_ms", "overhead_ms", "ttft_ms", "engine_ttft_ms", "prefill_ms", "tpot_ms", "e2e_ms")

@@ -10,11 +10,13 @@ from schemas.openai.responses import (
     echo_prompt,
     firsttoken_extension,
     format_output_line,
+    openai_choice,
     openai_logprobs,
     openai_output,
     openai_response,
     openai_usage,
     plain_output,
+    result_choices,
 )
 
 __all__ = [
@@ -28,9 +30,11 @@ __all__ = [
     "firsttoken_extension",
     "format_output_line",
     "openai_body_request",
+    "openai_choice",
     "openai_logprobs",
     "openai_output",
     "openai_response",
     "openai_usage",
     "plain_output",
+    "result_choices",
 ]

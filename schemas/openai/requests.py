@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas.job import ErrorCode, LineError
+from schemas.job import ErrorCode, LineError, prompt_item_problem
 from schemas.limits import MAX_LOGPROBS
 from schemas.openai.formats import LineFormat
 
@@ -26,11 +26,10 @@ _OPENAI_SAMPLING = {
     "logit_bias": "logit_bias",
     "repetition_penalty": "repetition_penalty",  # vLLM's extension
     "min_tokens": "min_tokens",  # vLLM's extension
+    "n": "n",
 }
 _OPENAI_IGNORED = frozenset({"model", "user", "store", "metadata", "service_tier", "stream_options"})
 _OPENAI_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "n": (1, None),
-    "best_of": (1, None),
     "stream": (False, None),
     "echo": (False, None),
     "suffix": (None, ""),
@@ -49,16 +48,10 @@ def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | 
         if key == "messages" and fmt is LineFormat.OPENAI_CHAT:
             request["messages"] = value
         elif key == "prompt" and fmt is LineFormat.OPENAI_COMPLETIONS:
-            if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-                value = value[0]
-            if not isinstance(value, str):
-                raise LineError(
-                    ErrorCode.INVALID_REQUEST, "body.prompt: must be a string (or a list of one string)"
-                )
-            request["prompt"] = value
-        elif key == "echo" and fmt is LineFormat.OPENAI_COMPLETIONS:
+            request.update(openai_prompt(value))
+        elif key in ("echo", "best_of") and fmt is LineFormat.OPENAI_COMPLETIONS:
             if value is not None:
-                sampling["echo"] = value
+                sampling[key] = value
         elif key in _OPENAI_SAMPLING:
             if value is not None:
                 name = _OPENAI_SAMPLING[key]
@@ -85,7 +78,7 @@ def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | 
             raise LineError(ErrorCode.INVALID_REQUEST, f"body.{str(key)[:60]}: unknown or unsupported field")
     if fmt is LineFormat.OPENAI_CHAT and "messages" not in request:
         raise LineError(ErrorCode.INVALID_REQUEST, "body.messages: required for /v1/chat/completions")
-    if fmt is LineFormat.OPENAI_COMPLETIONS and "prompt" not in request:
+    if fmt is LineFormat.OPENAI_COMPLETIONS and "prompt" not in request and "prompts" not in request:
         raise LineError(ErrorCode.INVALID_REQUEST, "body.prompt: required for /v1/completions")
     n = openai_logprobs_asked(body, fmt)
     if n is not None:
@@ -94,6 +87,36 @@ def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | 
     if metadata:
         request["metadata"] = metadata
     return request
+
+
+def _is_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def openai_prompt(value: object) -> dict[str, Any]:
+    """The JobInput field of a completions `prompt`, in OpenAI's four shapes: a string, a list of
+    strings, a list of token ids (one prompt), a list of token-id lists. A string, or a list of
+    one string, is `prompt`; the others `prompts` (each prompt its own choices). An empty prompt
+    (a string, a list, or a token list) is refused here. Raises LineError."""
+    if isinstance(value, str):
+        if not value:
+            raise LineError(ErrorCode.INVALID_REQUEST, "body.prompt: empty")
+        return {"prompt": value}
+    if not isinstance(value, list):
+        raise LineError(ErrorCode.INVALID_REQUEST,
+                        "body.prompt: a string, a list of strings, a list of token ids or a list of token-id lists")
+    if not value:
+        raise LineError(ErrorCode.INVALID_REQUEST, "body.prompt: an empty list (no prompt)")
+    if all(_is_id(x) for x in value):
+        value = [value]  # one prompt of token ids
+    elif not (all(isinstance(x, str) for x in value) or all(isinstance(x, list) for x in value)):
+        raise LineError(ErrorCode.INVALID_REQUEST,
+                        "body.prompt: strings, token ids and token-id lists cannot be mixed in one list")
+    for i, x in enumerate(value):
+        problem = prompt_item_problem(x)
+        if problem is not None:
+            raise LineError(ErrorCode.INVALID_REQUEST, f"body.prompt.{i}: {problem}")
+    return {"prompt": value[0]} if len(value) == 1 and isinstance(value[0], str) else {"prompts": value}
 
 
 def openai_logprobs_asked(body: dict[str, Any], fmt: LineFormat) -> int | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from schemas.job import ErrorCode, JobResult, JobStatus, TokenLogprobs, TopLogprob
+from schemas.job import Choice, ErrorCode, JobResult, JobStatus, TokenLogprobs, TopLogprob
 from schemas.openai.errors import HTTP_STATUS, error_body
 from schemas.openai.formats import LineFormat
 from schemas.sampling import SamplingParams
@@ -18,10 +18,22 @@ def plain_output(result: JobResult, echo: str | None = None) -> dict[str, Any]:
     none), `job_id` firsttoken's, then the JobResult's fields, JSON-ready (`echo`: the prompt the
     text starts with)."""
     out: dict[str, Any] = {"id": result.custom_id, "job_id": result.id}
-    absent = {k for k in ("logprobs", "prompt_logprobs") if getattr(result, k) is None}  # not asked: not shown
+    # not asked: not shown
+    absent = {k for k in ("logprobs", "prompt_logprobs", "choices") if getattr(result, k) is None}
     out.update(result.model_dump(mode="json", exclude={"id", "custom_id"} | absent))
     if echo is not None and result.status is JobStatus.SUCCEEDED:
         out["text"] = echo + (result.text or "")
+    if result.choices is not None:
+        out["choices"] = [_plain_choice(c) for c in result.choices]
+        if result.status is JobStatus.SUCCEEDED:  # the first choice's, as the row's own columns
+            out["text"] = out["choices"][0]["text"]
+    return out
+
+
+def _plain_choice(c: Choice) -> dict[str, Any]:
+    absent = {k for k in ("logprobs", "prompt_logprobs") if getattr(c, k) is None}
+    out = c.model_dump(mode="json", exclude={"echo"} | absent)
+    out["text"] = (c.echo or "") + c.text
     return out
 
 
@@ -48,15 +60,15 @@ def echo_prompt(prompt: str | None, sampling: SamplingParams | None, fmt: LineFo
     return prompt
 
 
-def _echo_logprobs(result: JobResult, prompt: str) -> list[TokenLogprobs | str] | None:
+def _echo_logprobs(out: JobResult | Choice, prompt: str) -> list[TokenLogprobs | str] | None:
     """A completion's log-probabilities with the prompt's before them (echo): the first prompt
     token, which nothing predicts, as its text alone (no log-probability, as OpenAI's)."""
-    if result.logprobs is None:
+    if out.logprobs is None:
         return None
-    scored = [lp for lp in result.prompt_logprobs or [] if lp is not None]
+    scored = [lp for lp in out.prompt_logprobs or [] if lp is not None]
     rest = "".join(lp.token for lp in scored)
     first = prompt[: len(prompt) - len(rest)] if prompt.endswith(rest) else ""
-    return [first, *scored, *result.logprobs]
+    return [first, *scored, *out.logprobs]
 
 
 def openai_logprobs(logprobs: list[TokenLogprobs] | list[TokenLogprobs | str] | None,
@@ -87,42 +99,59 @@ def openai_logprobs(logprobs: list[TokenLogprobs] | list[TokenLogprobs | str] | 
     }
 
 
-def choice_logprobs(result: JobResult, fmt: LineFormat, echo: str | None = None) -> dict[str, Any] | None:
-    """A result's choice `logprobs` object, the echoed prompt's tokens first when `echo` is given."""
+def choice_logprobs(result: JobResult | Choice, fmt: LineFormat, echo: str | None = None) -> dict[str, Any] | None:
+    """A result's (or one choice's) `logprobs` object, the echoed prompt's tokens first when
+    `echo` is given."""
     return openai_logprobs(result.logprobs if echo is None else _echo_logprobs(result, echo), fmt)
+
+
+def result_choices(result: JobResult, echo: str | None = None) -> list[Choice]:
+    """A succeeded result's choices: its `choices`, or its one output as choice 0 (`echo`: the
+    prompt a single-prompt text completion starts with)."""
+    if result.choices is not None:
+        return result.choices
+    return [Choice(index=0, text=result.text, finish_reason=result.finish_reason, logprobs=result.logprobs,
+                   prompt_logprobs=result.prompt_logprobs, echo=echo)]
+
+
+def _prompt_logprobs_field(lps: list[TokenLogprobs | None]) -> list[dict[str, Any] | None]:
+    return [None if lp is None else {
+        "token": lp.token, "logprob": lp.logprob,
+        "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in lp.top]} for lp in lps]
+
+
+def openai_choice(c: Choice, fmt: LineFormat) -> dict[str, Any]:
+    """One choice of a (chat) completion response."""
+    finish = None if c.finish_reason is None else c.finish_reason.value
+    if fmt is LineFormat.OPENAI_CHAT:
+        out: dict[str, Any] = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                               "finish_reason": finish, "logprobs": openai_logprobs(c.logprobs, fmt)}
+    else:
+        out = {"index": c.index, "text": (c.echo or "") + c.text, "finish_reason": finish,
+               "logprobs": choice_logprobs(c, fmt, c.echo)}
+    if c.prompt_logprobs is not None and c.echo is None:  # asked with prompt_logprobs (vLLM's extension)
+        out["prompt_logprobs"] = _prompt_logprobs_field(c.prompt_logprobs)
+    return out
 
 
 def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None,
                     echo: str | None = None) -> tuple[int, dict[str, Any]]:
     """(HTTP status, body) of one result as an OpenAI (chat) completions response; a failed or
     cancelled job gives its error status and an OpenAI error body. The body carries the job's
-    timings under `firsttoken`. `echo`: the prompt a text completion starts with (echo_prompt)."""
+    timings under `firsttoken`. `echo`: the prompt a text completion starts with (echo_prompt; a
+    result with choices has each choice's own)."""
     if result.status is JobStatus.SUCCEEDED:
         created = int(result.timings.finished_at or 0)
-        finish = result.finish_reason.value if result.finish_reason is not None else None
         if fmt is LineFormat.OPENAI_CHAT:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "finish_reason": finish,
-                "logprobs": openai_logprobs(result.logprobs, fmt),
-            }
             obj, prefix = "chat.completion", "chatcmpl-"
         else:
-            choice = {"index": 0, "text": (echo or "") + result.text, "finish_reason": finish,
-                      "logprobs": choice_logprobs(result, fmt, echo)}
             obj, prefix = "text_completion", "cmpl-"
-        if result.prompt_logprobs is not None and echo is None:  # asked with prompt_logprobs (vLLM's extension)
-            choice["prompt_logprobs"] = [None if lp is None else {
-                "token": lp.token, "logprob": lp.logprob,
-                "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in lp.top]}
-                for lp in result.prompt_logprobs]
         return 200, {
             "id": prefix + result.id,
             "object": obj,
             "created": created,
             "model": model or result.model,
-            "choices": [choice],
+            "choices": [openai_choice(c, fmt) for c in result_choices(result, echo)],
             "usage": openai_usage(result),
             "firsttoken": firsttoken_extension(result),
         }

@@ -13,18 +13,19 @@ DONE = b"data: [DONE]\n\n"
 
 
 def completion_chunk(job_id: str, fmt: LineFormat, model: str, created: int, text: str | None,
-                     finish: str | None, role: bool = False) -> dict[str, Any]:
-    """One chunk: a chat `delta` (with the role in the first) or a text completion's `text`."""
+                     finish: str | None, role: bool = False, index: int = 0) -> dict[str, Any]:
+    """One chunk of choice `index`: a chat `delta` (with the role in the first) or a text
+    completion's `text`."""
     if fmt is LineFormat.OPENAI_CHAT:
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
         return {"id": "chatcmpl-" + job_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [choice]}
-    choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
     return {"id": "cmpl-" + job_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
@@ -38,7 +39,7 @@ def error_event(code: str, message: str, *, status: int = 500) -> bytes:
     return sse(error_body(code, message, status=status))
 
 
-def stream_text(sent: str, msg: dict[str, Any]) -> str:
+def stream_text(sent: str, msg: dict[str, Any]) -> str:  # (of the delta's choice: msg["index"], 0 if absent)
     """The part of a delta message not sent yet: a job redelivered to another worker streams again
     from its start, and its deltas then repeat text the client has (dropped by their offsets)."""
     text, offset = msg["text"], msg.get("offset", len(sent))

@@ -191,8 +191,9 @@ def test_text_completions_and_errors(client):
     with pytest.raises(openai.BadRequestError) as e:  # checked at submission against the model's context
         client.completions.create(model="tiny", prompt="x" * 3000, max_tokens=4)
     assert e.value.code == "prompt_too_long"
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3)
+    with pytest.raises(openai.BadRequestError):  # best_of is text completions' only
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                       extra_body={"best_of": 3})
 
 
 def test_a_model_not_served_here_is_model_not_found(client):
@@ -386,3 +387,114 @@ def test_echo_live_streamed_and_in_batch_files(client):
            for x in map(json.loads, client.files.content(b.output_file_id).text.splitlines())}
     for i in range(4):
         assert out[f"e{i}"].startswith(f"echo {i}") == (i % 2 == 0), out
+
+
+def _batch_output(client, endpoint: str, lines: list[dict]) -> dict[str, dict]:
+    """Run `lines` as an OpenAI batch; each output line by its custom id."""
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
+    deadline = time.monotonic() + 180
+    while b.status != "completed":
+        assert time.monotonic() < deadline, b
+        time.sleep(0.3)
+        b = client.batches.retrieve(b.id)
+    out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+    if b.error_file_id:
+        out += [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
+    return {x["custom_id"]: x for x in out}
+
+
+def _streamed_choices(stream) -> tuple[dict[int, str], dict[int, str]]:
+    """The texts (chat contents) and finish reasons of a stream's chunks, joined per choice index."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            piece = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+            if c.finish_reason:
+                assert c.index not in finish, "one finish per choice"
+                finish[c.index] = c.finish_reason
+    return texts, finish
+
+
+def test_prompt_lists_and_token_ids_live_streamed_and_in_batch_files(client):
+    """/v1/completions takes OpenAI's four prompt shapes (a string, strings, token ids, token-id
+    lists): each prompt its own choices, prompt-major, plain, streamed and in a batch file; the
+    same prompt as text or as its token ids answers the same; max_tokens 0 with echo gives the
+    prompt alone (with its log-probabilities when asked); bad token ids and empty prompts are 400s
+    live and failed lines in a batch."""
+    import openai
+
+    from workers.engine.prompts import load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    prompts = ["Kafka brokers", "Postgres rows", "Redis"]
+    ids = [tok.encode(p) for p in prompts]
+    single = [client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0, extra_body={
+        "ignore_eos": True}).choices[0].text for p in prompts]
+    listed = client.completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert [c.index for c in listed.choices] == [0, 1, 2] and [c.text for c in listed.choices] == single
+    assert listed.usage.prompt_tokens == sum(len(x) for x in ids) and listed.usage.completion_tokens == 12
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert [c.text for c in by_ids.choices] == single
+    one = client.completions.create(model="tiny", prompt=ids[1], max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in one.choices] == [single[1]]
+    # n per prompt, prompt-major
+    two_each = client.completions.create(model="tiny", prompt=prompts[:2], n=2, max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert [(c.index, c.text) for c in two_each.choices] == [(0, single[0]), (1, single[0]), (2, single[1]),
+                                                             (3, single[1])]
+    # streamed: each choice's chunks carry its index, one finish each
+    texts, finish = _streamed_choices(client.completions.create(
+        model="tiny", prompt=[ids[0], ids[2]], max_tokens=4, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert texts == {0: single[0], 1: single[2]} and finish == {0: "length", 1: "length"}
+    # echo of token ids: their text; streamed too (that choice's text comes whole with the result)
+    for shape in (ids[:2], prompts[:2]):
+        echoed = client.completions.create(model="tiny", prompt=shape, max_tokens=4, temperature=0,
+                                           echo=True, extra_body={"ignore_eos": True})
+        assert [c.text for c in echoed.choices] == [prompts[0] + single[0], prompts[1] + single[1]]
+        texts, _ = _streamed_choices(client.completions.create(
+            model="tiny", prompt=shape, max_tokens=4, temperature=0, echo=True, stream=True,
+            extra_body={"ignore_eos": True}))
+        assert texts == {0: prompts[0] + single[0], 1: prompts[1] + single[1]}
+    # max_tokens 0 with echo: the prompt alone, scored when logprobs are asked
+    bare = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=0, echo=True)
+    assert bare.choices[0].text == prompts[0] and bare.usage.completion_tokens == 0
+    assert bare.choices[0].finish_reason == "length"
+    scored = client.completions.create(model="tiny", prompt=ids[:2], max_tokens=0, echo=True, logprobs=1)
+    for c, p, x in zip(scored.choices, prompts, ids):
+        assert c.text == p and len(c.logprobs.tokens) == len(x) and c.logprobs.token_logprobs[0] is None
+        assert all(v <= 0 for v in c.logprobs.token_logprobs[1:])
+    # refused: 400 invalid_request_error with its code, nothing queued
+    for bad, needle in (([[5, 6], [7, 99999]], "prompt 1: token id 99999 is outside the vocabulary (512 tokens"),
+                        ([], "empty list"), ([[]], "empty token list"), ([1, "a"], "cannot be mixed"),
+                        ("", "empty"), ([-3], "out of range")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt=bad, max_tokens=2)
+        assert e.value.code == "invalid_request" and needle in e.value.message, (bad, e.value.message)
+        assert e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)  # 0: with echo only
+    assert e.value.code == "invalid_sampling"
+    # in a batch file: the same answers, a bad line failed with its code
+    lines = [{"custom_id": name, "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, **extra}}
+             for name, prompt, extra in (("list", prompts, {}), ("ids", ids[0], {}), ("idlists", ids[1:], {"n": 2}),
+                                         ("bad", [[1, 2], [600]], {}), ("empty", [[]], {}),
+                                         ("bare", ids[0], {"max_tokens": 0, "echo": True}))]
+    out = _batch_output(client, "/v1/completions", lines)
+    assert [c["text"] for c in out["list"]["response"]["body"]["choices"]] == single
+    assert [c["text"] for c in out["ids"]["response"]["body"]["choices"]] == [single[0]]
+    got = out["idlists"]["response"]["body"]["choices"]
+    assert [(c["index"], c["text"]) for c in got] == [(0, single[1]), (1, single[1]), (2, single[2]), (3, single[2])]
+    assert [c["text"] for c in out["bare"]["response"]["body"]["choices"]] == [prompts[0]]
+    for name, needle in (("bad", "token id 600 is outside the vocabulary"), ("empty", "empty token list")):
+        line = out[name]
+        err = line["error"] or line["response"]["body"]["error"]
+        assert err["code"] == "invalid_request" and needle in err["message"], line

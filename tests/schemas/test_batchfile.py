@@ -138,11 +138,11 @@ def test_openai_completions_line_prompt_list_of_one():
         (
             '{"id": "p", "prompt": "a", "max_tokens": 0}',
             ErrorCode.INVALID_SAMPLING,
-            "sampling.max_tokens",
+            "max_tokens must be at least 1 (0 only with echo",
             "p",
         ),
         ('{"id": "p", "prompt": "a", "colour": 1}', ErrorCode.INVALID_REQUEST, "colour: unknown field", "p"),
-        ('{"id": "p"}', ErrorCode.INVALID_REQUEST, "exactly one of 'prompt' or 'messages'", "p"),
+        ('{"id": "p"}', ErrorCode.INVALID_REQUEST, "exactly one of 'prompt', 'prompts' or 'messages'", "p"),
         (
             '{"custom_id": "o", "method": "GET", "url": "/v1/completions", "body": {}}',
             ErrorCode.INVALID_REQUEST,
@@ -168,9 +168,9 @@ def test_openai_completions_line_prompt_list_of_one():
             "o",
         ),
         (
-            '{"custom_id": "o", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 3}}',
-            ErrorCode.INVALID_REQUEST,
-            "body.n: not supported",
+            '{"custom_id": "o", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 3, "best_of": 2}}',
+            ErrorCode.INVALID_SAMPLING,
+            "best_of (2) must be at least n (3)",
             "o",
         ),
         (
@@ -180,9 +180,9 @@ def test_openai_completions_line_prompt_list_of_one():
             "o",
         ),
         (
-            '{"custom_id": "o", "method": "POST", "url": "/v1/completions", "body": {"prompt": [1, 2]}}',
+            '{"custom_id": "o", "method": "POST", "url": "/v1/completions", "body": {"prompt": [1, "a"]}}',
             ErrorCode.INVALID_REQUEST,
-            "body.prompt: must be a string",
+            "body.prompt: strings, token ids and token-id lists cannot be mixed",
             "o",
         ),
     ],
@@ -397,3 +397,42 @@ def test_echo_lines_and_outputs():
     plain = json.loads(format_output_line(r, LineFormat.PLAIN, "ab c"))
     assert plain["text"] == "ab c!!"
     assert json.loads(format_output_line(r, LineFormat.OPENAI_COMPLETIONS))["response"]["body"]["choices"][0]["text"] == "!!"
+
+
+@pytest.mark.parametrize(
+    "prompt, fields",
+    [
+        ("a", {"prompt": "a", "prompts": None}),
+        (["a"], {"prompt": "a", "prompts": None}),
+        (["a", "b"], {"prompt": None, "prompts": ["a", "b"]}),
+        ([1, 2, 3], {"prompt": None, "prompts": [[1, 2, 3]]}),
+        ([[1, 2], [3]], {"prompt": None, "prompts": [[1, 2], [3]]}),
+    ],
+)
+def test_openai_prompt_shapes(prompt, fields):
+    line = {"custom_id": "p", "method": "POST", "url": "/v1/completions", "body": {"prompt": prompt, "n": 2}}
+    job = _ok(json.dumps(line)).job
+    assert {"prompt": job.prompt, "prompts": job.prompts} == fields and job.sampling.n == 2
+    assert job.has_choices  # n=2
+
+
+def test_choices_answer_in_index_order_each_with_its_echo():
+    from schemas.job import Choice, TokenLogprobs
+
+    lp = TokenLogprobs(token="!", id=33, logprob=-0.5)
+    choices = [Choice(index=0, prompt_index=0, text="!", finish_reason=FinishReason.LENGTH, logprobs=[lp],
+                      prompt_logprobs=[None], echo="a"),
+               Choice(index=1, prompt_index=1, text="?", finish_reason=FinishReason.STOP, logprobs=[lp],
+                      prompt_logprobs=[None], echo="bc")]
+    r = _result(choices=choices).model_copy(update={"text": "!"})
+    body = json.loads(format_output_line(r, LineFormat.OPENAI_COMPLETIONS))["response"]["body"]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [(0, "a!", "length"),
+                                                                                      (1, "bc?", "stop")]
+    assert body["choices"][1]["logprobs"]["tokens"] == ["bc", "!"]  # the echoed prompt's token first
+    chat = json.loads(format_output_line(r.model_copy(update={"choices": [c.model_copy(update={"echo": None})
+                                                                          for c in choices]}),
+                                         LineFormat.OPENAI_CHAT))["response"]["body"]
+    assert [c["message"]["content"] for c in chat["choices"]] == ["!", "?"]
+    plain = json.loads(format_output_line(r, LineFormat.PLAIN))
+    assert plain["text"] == "a!" and [c["text"] for c in plain["choices"]] == ["a!", "bc?"]
+    assert "echo" not in plain["choices"][0] and plain["choices"][1]["prompt_index"] == 1

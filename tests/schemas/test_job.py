@@ -47,7 +47,7 @@ def test_chat_job_and_text_content_parts():
 @pytest.mark.parametrize(
     ("data", "code", "needle"),
     [
-        ({}, ErrorCode.INVALID_REQUEST, "prompt/messages: exactly one of 'prompt' or 'messages'"),
+        ({}, ErrorCode.INVALID_REQUEST, "prompt/messages: exactly one of 'prompt', 'prompts' or 'messages'"),
         (
             {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
             ErrorCode.INVALID_REQUEST,
@@ -62,9 +62,44 @@ def test_chat_job_and_text_content_parts():
             "messages.0.content: only text content parts",
         ),
         (
+            {"prompt": "a", "sampling": {"max_tokens": -1}},
+            ErrorCode.INVALID_SAMPLING,
+            "sampling.max_tokens: Input should be greater than or equal to 0",
+        ),
+        (
             {"prompt": "a", "sampling": {"max_tokens": 0}},
             ErrorCode.INVALID_SAMPLING,
-            "sampling.max_tokens: Input should be greater than or equal to 1",
+            "sampling: Value error, max_tokens must be at least 1 (0 only with echo",
+        ),
+        (
+            {"prompts": ["a", []]},
+            ErrorCode.INVALID_REQUEST,
+            "prompts: prompt 1: an empty token list",
+        ),
+        (
+            {"prompts": []},
+            ErrorCode.INVALID_REQUEST,
+            "prompts: List should have at least 1 item",
+        ),
+        (
+            {"prompts": [[1, -2]]},
+            ErrorCode.INVALID_REQUEST,
+            "prompts: prompt 0: token id -2 is out of range",
+        ),
+        (
+            {"prompt": "a", "prompts": ["b"]},
+            ErrorCode.INVALID_REQUEST,
+            "exactly one of 'prompt', 'prompts' or 'messages'",
+        ),
+        (
+            {"prompts": ["a", "b"], "sampling": {"n": 65}},
+            ErrorCode.INVALID_REQUEST,
+            "2 prompts times 65 samples each is 130 sequences; the limit is 128",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "sampling": {"n": 2, "best_of": 3}},
+            ErrorCode.INVALID_REQUEST,
+            "best_of: text completions only",
         ),
         (
             {"prompt": "a", "sampling": {"top_p": 0}},

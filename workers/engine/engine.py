@@ -27,7 +27,7 @@ from workers.engine.outputs import (
     StepOutput,
     TokenLogprob,
 )
-from workers.engine.prompts import length_problem, load_tokenizer, sampling_problem
+from workers.engine.prompts import length_problem, load_tokenizer, sampling_problem, token_ids_problem
 from workers.engine.sampled import SampledTokens
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.sequence import PENDING_TOKEN, Request, RequestStatus, RequestTimes
@@ -138,7 +138,7 @@ class LLMEngine:
             except (TypeError, OverflowError, ValueError) as e:
                 raise InvalidRequestError(ErrorCode.INVALID_REQUEST, f"prompt_token_ids must be integers ({e})") from None
         if ids and (min(ids) < 0 or max(ids) >= vocab):
-            raise InvalidRequestError(ErrorCode.INVALID_REQUEST, f"token ids must be in [0, {vocab})")
+            raise InvalidRequestError(*token_ids_problem(ids, vocab))  # type: ignore[misc]
         n = len(ids)
         problem = length_problem(n, sp, max_model_len=self.max_model_len,
                                  kv_capacity=self.runner.num_blocks * self.config.block_size)
@@ -176,8 +176,8 @@ class LLMEngine:
                 raise InvalidRequestError(ErrorCode.INVALID_SAMPLING, _pydantic_message(e)) from None
         # re-check what model_construct() could have skipped
         s = sampling
-        if s.max_tokens < 1:
-            raise InvalidRequestError(ErrorCode.INVALID_SAMPLING, "max_tokens must be at least 1")
+        if s.max_tokens < 0 or (s.max_tokens == 0 and not s.echo):
+            raise InvalidRequestError(ErrorCode.INVALID_SAMPLING, "max_tokens must be at least 1 (0 only with echo)")
         if s.temperature < 0:
             raise InvalidRequestError(ErrorCode.INVALID_SAMPLING, "temperature must be >= 0")
         if not 0 < s.top_p <= 1:
@@ -361,6 +361,8 @@ class LLMEngine:
     def _check_stop(self, req: Request, tok: int, num_tokens: int) -> FinishReason | None:
         """Why the request stops at `tok`, its token number `num_tokens` (prompt included), if it does."""
         sp = req.sampling
+        if sp.max_tokens == 0:  # the prompt alone (echo): its one sampled token is dropped (_finish)
+            return FinishReason.LENGTH
         # below min_tokens nothing but the length ends it (the sampler bans the end tokens too)
         may_stop = num_tokens - req.num_prompt_tokens >= sp.min_tokens
         if may_stop and (tok in sp.stop_token_ids or tok in req.eos_token_ids):
@@ -395,6 +397,10 @@ class LLMEngine:
         del self.requests[req.request_id]
         self.runner.release(req.request_id)
         out_ids = req.output_token_ids
+        if req.sampling.max_tokens == 0:  # computed to score the prompt (echo): no output
+            out_ids = []
+            if req.logprobs is not None:
+                req.logprobs = []
         if isinstance(req.stop_reason, str):
             text = req.text
         else:

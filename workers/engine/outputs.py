@@ -46,15 +46,33 @@ class FinishedRequest:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     token_texts: dict[int, str] | None = None  # each token id of the two above, decoded alone
     error: str | None = None  # finish_reason "error": what failed (the request made engine steps fail)
+    # a job of several choices (prompt list, n, best_of; workers/choices.py): each choice's own
+    # request, in index order; the fields above are then the job's (usage and timings over all
+    # its sequences; text, finish and log-probabilities its first choice's)
+    choices: tuple[ChoiceOutput, ...] = ()
 
     @property
     def tpot_ms(self) -> float | None:
-        """Mean time per output token after the first."""
+        """Mean time per output token after the first (of a job with choices: the mean of its
+        choices', each a sequence of its own)."""
+        if self.choices:
+            each = [x for c in self.choices if (x := c.output.tpot_ms) is not None]
+            return sum(each) / len(each) if each else None
         t = self.timings
         n = self.usage.completion_tokens
         if t.first_token is None or t.finished is None or n < 2:
             return None
         return (t.finished - t.first_token) * 1e3 / (n - 1)
+
+
+@dataclass(frozen=True)
+class ChoiceOutput:
+    """One choice of a job with several: the request that produced it."""
+
+    index: int  # its place in the job's choices (prompt-major)
+    prompt_index: int  # the prompt of the job's list it continues
+    output: FinishedRequest
+    echo: str | None = None  # the prompt's text, when the job asked for echo
 
 
 @dataclass

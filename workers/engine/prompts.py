@@ -100,6 +100,16 @@ def sampling_problem(sp: SamplingParams, *, vocab_size: int | None) -> Problem |
     return None
 
 
+def token_ids_problem(ids: Sequence[int], vocab_size: int | None) -> Problem | None:
+    """Whether a prompt given as token ids names only tokens of the vocabulary: None when it
+    does, else (ErrorCode, message) naming the first id outside it."""
+    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is None:
+        return None
+    where = "" if vocab_size is None else f" ({vocab_size} tokens: ids 0 to {vocab_size - 1})"
+    return ErrorCode.INVALID_REQUEST, f"token id {bad} is outside the vocabulary{where}"
+
+
 def length_problem(n: int, sp: SamplingParams, *, max_model_len: int, kv_capacity: int | None = None) -> Problem | None:
     """Whether a prompt of `n` tokens and its max_tokens fit the context (and the KV cache, when
     its capacity is given): None when they do, else (ErrorCode, message). In this order: no
@@ -140,6 +150,17 @@ class SubmitCheck:
         problem = sampling_problem(job.sampling, vocab_size=self.vocab_size)
         if problem is not None:
             return problem
+        if job.prompts is not None:
+            for j, p in enumerate(job.prompts):
+                if isinstance(p, str):
+                    n = len(prompt_token_ids(self.tokenizer, p, None))
+                else:
+                    problem = token_ids_problem(p, self.vocab_size)
+                    n = len(p)
+                problem = problem or length_problem(n, job.sampling, max_model_len=self.max_model_len)
+                if problem is not None:
+                    return problem[0], f"prompt {j}: {problem[1]}" if len(job.prompts) > 1 else problem[1]
+            return None
         turns = None if job.messages is None else [(m.role, m.content) for m in job.messages]
         try:
             n = len(prompt_token_ids(self.tokenizer, job.prompt, turns))

@@ -97,7 +97,7 @@ def test_poison_messages_go_to_dlq_and_count_as_done():
     q.publish_raw(
         [
             (b"k", b"{not json"),
-            (b"k", b'{"id": "x", "prompt": "p", "sampling": {"max_tokens": 0}}'),
+            (b"k", b'{"id": "x", "prompt": "p", "sampling": {"max_tokens": -1}}'),
             (b"k", None),
         ]
     )

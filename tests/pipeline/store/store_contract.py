@@ -323,6 +323,24 @@ class StoreContract:
         assert store.get_job("lp-1").request().sampling.logprobs == 1  # type: ignore[union-attr]
         assert store.get_job("lp-2").result().logprobs is None  # type: ignore[union-attr]
 
+    def test_prompt_lists_and_choices_round_trip(self, store: ResultStore):
+        from schemas.job import Choice, TokenLogprobs
+
+        lp = TokenLogprobs(token="a", id=97, logprob=-0.5)
+        choices = [Choice(index=0, prompt_index=0, text="one", finish_reason=FinishReason.LENGTH, logprobs=[lp],
+                          echo="Kafka"),
+                   Choice(index=1, prompt_index=0, text="two", finish_reason=FinishReason.STOP, logprobs=[lp]),
+                   Choice(index=2, prompt_index=1, text="", finish_reason=FinishReason.LENGTH, logprobs=[])]
+        job = JobRequest(id="ch-1", prompts=["Kafka", [256, 75, 97]], sampling={"n": 2, "best_of": 3})
+        store.insert_queued([job, JobRequest(id="ch-2", prompt="x")])
+        store.upsert_results([ok("ch-1").model_copy(update={"text": "one", "choices": choices}), ok("ch-2")])
+        rec = store.get_job("ch-1")
+        assert rec.request().prompts == ["Kafka", [256, 75, 97]] and rec.request().prompt is None  # type: ignore[union-attr]
+        assert rec.request().sampling.n == 2 and rec.request().sampling.best_of == 3  # type: ignore[union-attr]
+        assert rec.result().choices == choices and rec.text == "one"  # type: ignore[union-attr]
+        assert store.get_job("ch-2").result().choices is None  # type: ignore[union-attr]
+        assert store.get_job("ch-2").request().prompts is None  # type: ignore[union-attr]
+
     def test_count_unfinished_counts_one_owners_queued_and_running_jobs(self, store: ResultStore):
         store.insert_queued([JobRequest(id=f"cu-{i}", prompt="x", owner="carol") for i in range(4)]
                             + [JobRequest(id="cu-dave", prompt="x", owner="dave")])

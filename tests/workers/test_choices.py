@@ -1,0 +1,154 @@
+"""Jobs of several choices over one engine (workers.choices): a prompt's sequences share its full
+KV blocks through the prefix cache (only the last partial block is computed again), seeded
+choices differ from each other and repeat, best_of keeps the likeliest, prompt lists answer
+prompt-major, max_tokens 0 with echo scores the prompt alone, and a bad prompt leaves nothing
+behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.job import FinishReason
+from schemas.sampling import SamplingParams
+from workers.choices import ChoiceGroups, choice_seed, cumulative_logprob
+from workers.engine import EngineConfig, FinishedRequest, InvalidRequestError, LLMEngine
+
+PROMPT = "Paged attention keeps the KV cache in fixed-size blocks, shared by"  # 66 byte tokens + BOS
+
+
+@pytest.fixture
+def engine():
+    eng = LLMEngine("tiny", EngineConfig(device="cpu", max_model_len=256))
+    yield eng
+    eng.close()
+
+
+def _ids(engine: LLMEngine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text)
+
+
+def _run(engine: LLMEngine, groups: ChoiceGroups) -> dict[str, FinishedRequest]:
+    done: dict[str, FinishedRequest] = {}
+    while engine.has_unfinished():
+        for f in groups.finished(engine.step().finished):
+            done[f.request_id] = f
+    return done
+
+
+def _job(engine: LLMEngine, prompts: list[str | list[int]], sp: SamplingParams, job_id: str = "job"):
+    groups = ChoiceGroups(engine)
+    ids = [_ids(engine, p) if isinstance(p, str) else p for p in prompts]
+    echoes = [p if isinstance(p, str) else engine.tokenizer.decode(p) if sp.echo else None for p in prompts]
+    groups.add(job_id, ids, [e if sp.echo else None for e in echoes], sp)
+    return _run(engine, groups)[job_id]
+
+
+def test_siblings_share_every_full_prompt_block(engine):
+    """n=4 sequences added together: the first computes the prompt, the other three find all of its
+    full blocks in the prefix cache in the same step (admitted right after it) and compute only
+    the last partial block; their greedy tokens are the lone request's."""
+    bs = engine.config.block_size
+    n_prompt = len(_ids(engine, PROMPT))
+    full = (n_prompt - 1) // bs * bs
+    assert full >= 3 * bs and n_prompt % bs  # a partial last block, three full ones
+    engine.add_request("alone", prompt=PROMPT, sampling=SamplingParams(max_tokens=8, temperature=0.0))
+    single = {f.request_id: f for f in _drain(engine)}["alone"]
+    engine.kv.pool.reset_prefix_cache()  # the job below starts from an empty cache
+    hits_before = engine.kv.num_hit_tokens
+
+    f = _job(engine, [PROMPT], SamplingParams(max_tokens=8, temperature=0.0, n=4))
+    cached = [c.output.usage.cached_prompt_tokens for c in f.choices]
+    assert cached == [0, full, full, full]
+    assert engine.kv.num_hit_tokens - hits_before == 3 * full
+    assert [c.index for c in f.choices] == [0, 1, 2, 3]
+    assert all(c.output.output_token_ids == single.output_token_ids for c in f.choices)
+    # the job's usage: the prompt once, the first sequence's hits, every sequence's output
+    assert f.usage.prompt_tokens == n_prompt and f.usage.cached_prompt_tokens == 0
+    assert f.usage.completion_tokens == sum(c.output.usage.completion_tokens for c in f.choices)
+    # the siblings' prefill share: each computed n_prompt - full tokens, the first all of them
+    # (one step computed all four: the same time per token)
+    shares = [c.output.timings.prefill_compute_s for c in f.choices]
+    assert shares[0] > 0
+    assert shares[1:] == pytest.approx([shares[0] * (n_prompt - full) / n_prompt] * 3)
+    assert f.timings.prefill_compute_s == pytest.approx(sum(shares))
+
+
+def _drain(engine: LLMEngine) -> list[FinishedRequest]:
+    out = []
+    while engine.has_unfinished():
+        out.extend(engine.step().finished)
+    return out
+
+
+def test_seeded_choices_differ_and_repeat(engine):
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, n=4)
+    first = _job(engine, [PROMPT], sp, "a")
+    again = _job(engine, [PROMPT], sp, "b")
+    texts = [c.output.output_token_ids for c in first.choices]
+    assert len({tuple(t) for t in texts}) == 4, texts  # four different samples
+    assert [c.output.output_token_ids for c in again.choices] == texts  # and the same ones again
+    # choice 0 samples with the job's own seed: what n=1 gives
+    engine.add_request("one", prompt=PROMPT, sampling=SamplingParams(max_tokens=12, temperature=1.0, seed=1234))
+    assert {f.request_id: f for f in _drain(engine)}["one"].output_token_ids == texts[0]
+    assert choice_seed(1234, 0) == 1234 and len({choice_seed(1234, k) for k in range(4)}) == 4
+    assert all(0 <= choice_seed(2**63 - 1, k) < 2**63 for k in range(4))  # type: ignore[operator]
+
+
+def test_best_of_keeps_the_likeliest(engine):
+    """best_of=4, n=2: the two of the four sequences (the same seeds as n=4) with the highest
+    cumulative log-probability, likeliest first; logprobs not asked are not returned."""
+    every = _job(engine, [PROMPT], SamplingParams(max_tokens=10, temperature=1.0, seed=99, n=4, logprobs=0), "all")
+    ranked = sorted(every.choices, key=lambda c: cumulative_logprob(c.output), reverse=True)
+    best = _job(engine, [PROMPT], SamplingParams(max_tokens=10, temperature=1.0, seed=99, n=2, best_of=4), "best")
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.output.output_token_ids for c in best.choices] == [c.output.output_token_ids for c in ranked[:2]]
+    assert all(c.output.logprobs is None for c in best.choices) and best.logprobs is None
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # all four were generated
+
+
+def test_a_prompt_list_answers_prompt_major(engine):
+    a, b = "Kafka partitions carry jobs", "The quick brown fox"
+    sp = SamplingParams(max_tokens=6, temperature=0.0, n=2)
+    f = _job(engine, [_ids(engine, a), b], sp)
+    assert [(c.index, c.prompt_index) for c in f.choices] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    for p, got in ((a, f.choices[0]), (b, f.choices[2])):
+        engine.add_request("x", prompt=p, sampling=SamplingParams(max_tokens=6, temperature=0.0))
+        assert {g.request_id: g for g in _drain(engine)}["x"].text == got.output.text
+    assert f.usage.prompt_tokens == len(_ids(engine, a)) + len(_ids(engine, b))
+    assert f.text == f.choices[0].output.text
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(engine):
+    f = _job(engine, [PROMPT], SamplingParams(max_tokens=0, echo=True, logprobs=1, temperature=0.0))
+    (c,) = f.choices
+    assert c.output.output_token_ids == [] and c.output.text == "" and c.output.logprobs == []
+    assert c.output.finish_reason is FinishReason.LENGTH and f.usage.completion_tokens == 0
+    lps = c.output.prompt_logprobs
+    assert lps is not None and lps[0] is None and len(lps) == len(_ids(engine, PROMPT))
+    assert all(lp is not None and lp.logprob <= 0 for lp in lps[1:])
+    assert c.echo == PROMPT
+    engine.add_request("plain", prompt=PROMPT, sampling=SamplingParams(max_tokens=0, echo=True))
+    (g,) = _drain(engine)
+    assert g.output_token_ids == [] and g.usage.completion_tokens == 0 and g.finish_reason is FinishReason.LENGTH
+    with pytest.raises(InvalidRequestError, match="0 only with echo"):
+        engine.add_request("bad", prompt=PROMPT, sampling=SamplingParams.model_construct(max_tokens=0))
+
+
+def test_a_bad_prompt_in_a_list_refuses_the_job_and_leaves_nothing(engine):
+    groups = ChoiceGroups(engine)
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(InvalidRequestError, match=f"prompt 1: token id {vocab} is outside the vocabulary"):
+        groups.add("j", [[5, 6, 7], [5, vocab]], [None, None], SamplingParams(max_tokens=4, n=2))
+    assert "j" not in groups
+    assert _run(engine, groups) == {}  # the sequences added before the bad prompt: aborted, never reported
+    assert not engine.requests
+
+
+def test_aborting_a_job_ends_all_its_sequences(engine):
+    groups = ChoiceGroups(engine)
+    groups.add("j", [_ids(engine, PROMPT)], [None], SamplingParams(max_tokens=50, n=3, ignore_eos=True))
+    groups.finished(engine.step().finished)
+    assert groups.abort("j")
+    done = _run(engine, groups)
+    assert list(done) == ["j"] and done["j"].finish_reason is FinishReason.ABORT
+    assert len(done["j"].choices) == 3 and not engine.requests
