@@ -113,6 +113,8 @@ def message_too_large(job: JobRequest) -> tuple[ErrorCode, str] | None:
     which the producer and the broker are configured to carry). Encoded only when a bound on its
     size (6 bytes a character: a JSON escape) says it might not fit: never within the line limits."""
     chars = len(job.prompt or "") + sum(len(m.content) + 32 for m in job.messages or ())
+    # a prompt list: a text's characters, or 2 a token id (6 * 2 bytes hold "2147483647,")
+    chars += sum(len(p) if isinstance(p, str) else 2 * len(p) for p in job.prompts or ())
     chars += sum(len(x) for x in job.sampling.stop) + len(json.dumps(job.metadata, ensure_ascii=False))
     if 6 * chars + 64 * 1024 <= MAX_MESSAGE_BYTES:
         return None

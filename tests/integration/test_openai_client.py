@@ -498,3 +498,62 @@ def test_prompt_lists_and_token_ids_live_streamed_and_in_batch_files(client):
         line = out[name]
         err = line["error"] or line["response"]["body"]["error"]
         assert err["code"] == "invalid_request" and needle in err["message"], line
+
+
+def test_n_and_best_of_on_the_real_model(real_stack):
+    """n (chat and text) and best_of (text) on SmolLM2 through the whole stack: one job, n choices;
+    seeded, the choices differ from each other and repeat run to run (live, streamed with each
+    chunk's index, and in a batch file); best_of keeps the n of its sequences with the highest
+    cumulative log-probability; the stored row keeps every choice; greedy choices are the n=1 text."""
+    import openai
+
+    client = openai.OpenAI(base_url=real_stack + "/v1", api_key=KEY, max_retries=0, timeout=180)
+    story = [{"role": "user", "content": "Tell me a very short story about a cat."}]
+    ask = dict(model="smollm2-135m", messages=story, max_tokens=12, temperature=1.0, seed=7)
+    r = client.chat.completions.create(n=3, **ask)
+    contents = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(contents)) == 3, contents
+    assert [c.message.content for c in client.chat.completions.create(n=3, **ask).choices] == contents
+    assert client.chat.completions.create(**ask).choices[0].message.content == contents[0]  # choice 0: the seed's
+    scored = client.chat.completions.create(n=3, logprobs=True, **ask)  # (logprobs never change the samples)
+    assert [c.message.content for c in scored.choices] == contents
+    assert scored.usage.completion_tokens == sum(len(c.logprobs.content) for c in scored.choices)
+    assert scored.usage.prompt_tokens == r.usage.prompt_tokens  # the prompt once, not once per choice
+    texts, finish = _streamed_choices(client.chat.completions.create(n=3, stream=True, **ask))
+    assert texts == dict(enumerate(contents)) and set(finish) == {0, 1, 2}
+    # the stored row keeps them all
+    job = httpx.get(f"{real_stack}/v1/jobs/{r.model_extra['firsttoken']['job_id']}",
+                    headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert [c["text"] for c in job["choices"]] == contents and job["text"] == contents[0]
+    # greedy: every choice is the n=1 answer
+    greedy = dict(model="smollm2-135m", messages=story, max_tokens=12, temperature=0)
+    one = client.chat.completions.create(**greedy).choices[0].message.content
+    assert [c.message.content for c in client.chat.completions.create(n=2, **greedy).choices] == [one, one]
+    # best_of: the two likeliest of the four sequences n=4 samples with the same seed
+    text = dict(model="smollm2-135m", prompt="The cat sat on the", max_tokens=8, temperature=1.0, seed=11)
+    four = client.completions.create(n=4, logprobs=0, **text)
+
+    def cumulative(c) -> float:
+        return sum(c.logprobs.token_logprobs)
+
+    ranked = sorted(four.choices, key=cumulative, reverse=True)
+    best = client.completions.create(n=2, best_of=4, logprobs=0, **text)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert cumulative(best.choices[0]) >= cumulative(best.choices[1])
+    assert best.usage.completion_tokens == four.usage.completion_tokens  # all four were generated
+    unasked = client.completions.create(n=2, best_of=4, **text)
+    assert [c.text for c in unasked.choices] == [c.text for c in best.choices]
+    assert all(c.logprobs is None for c in unasked.choices)  # ranked by them, not returned
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(n=1, best_of=2, stream=True, **text)
+    assert "best_of" in e.value.message and e.value.body["type"] == "invalid_request_error"
+    # a batch file: the same seeded choices as live
+    out = _batch_output(client, "/v1/chat/completions", [
+        {"custom_id": "n3", "method": "POST", "url": "/v1/chat/completions",
+         "body": ask | {"n": 3}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+         "body": ask | {"n": 3, "best_of": 4}}])
+    assert [c["message"]["content"] for c in out["n3"]["response"]["body"]["choices"]] == contents
+    err = out["bad"]["response"]["body"]["error"]
+    assert err["code"] == "invalid_request" and "best_of" in err["message"]
