@@ -334,7 +334,8 @@ class JobBody(BaseModel):
             return self.prompt
         if self.prompts is not None:
             first = self.prompts[0]
-            return first if isinstance(first, str) else " ".join(map(str, first))
+            # token ids as decimal text (the first 65536: 128k characters or more, past any routing prefix)
+            return first if isinstance(first, str) else " ".join(map(str, first[:65536]))
         assert self.messages is not None
         return "".join(f"<{m.role}>{m.content}" for m in self.messages)
 

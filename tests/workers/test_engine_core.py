@@ -63,6 +63,13 @@ def mixed_jobs() -> list[JobRequest]:
         JobRequest(id="scored", prompt="log-probabilities cross the pipe",
                    sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2,
                                            prompt_logprobs=1)),
+        # jobs of several choices: each sequence an engine request in the core, one result out of it
+        JobRequest(id="n3", prompt="three seeded samples", sampling=SamplingParams(max_tokens=6, seed=5, n=3)),
+        JobRequest(id="list", prompts=["a text prompt", [72, 105, 33]],
+                   sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=2, logprobs=1)),
+        JobRequest(id="best", prompt="the likeliest two", sampling=SamplingParams(max_tokens=5, seed=3, n=2, best_of=3)),
+        JobRequest(id="echo0", prompts=[[72, 105]], sampling=SamplingParams(max_tokens=0, echo=True, logprobs=0)),
+        JobRequest(id="badids", prompts=[[1, 2], [3, 4096]], sampling=SamplingParams(max_tokens=2, n=2)),
     ]
 
 
@@ -103,10 +110,15 @@ def test_process_core_gives_the_in_thread_results(core, store, tmp_path):
     ref_store = ResultStore.from_url(url)
     ref = run(make_engine_tiny(), ref_store, mixed_jobs())
     ref_store.close()
-    assert sorted(got) == sorted(ref) and len(got) == 11
+    assert sorted(got) == sorted(ref) and len(got) == 16
     for jid, r in got.items():
         assert r.status is ref[jid].status and r.error_code is ref[jid].error_code, jid
         assert r.text == ref[jid].text and r.usage == ref[jid].usage, jid
+        assert (r.choices is None) == (ref[jid].choices is None), jid
+        for a, b in zip(r.choices or (), ref[jid].choices or (), strict=True):
+            assert (a.index, a.prompt_index, a.text, a.finish_reason, a.echo) == (
+                b.index, b.prompt_index, b.text, b.finish_reason, b.echo), jid
+            assert_logprobs_close(a.logprobs, b.logprobs, jid)
         assert_logprobs_close(r.result().logprobs, ref[jid].result().logprobs, jid)  # type: ignore[union-attr]
     scored = got["scored"].result()
     assert scored is not None and len(scored.logprobs) == 4 and all(len(lp.top) == 2 for lp in scored.logprobs)
@@ -114,6 +126,16 @@ def test_process_core_gives_the_in_thread_results(core, store, tmp_path):
     assert_logprobs_close(scored.prompt_logprobs, ref["scored"].result().prompt_logprobs, "scored")
     assert got["long"].error_code is ErrorCode.PROMPT_TOO_LONG and "tokens" in got["long"].error_message
     assert got["ctx"].error_code is ErrorCode.PROMPT_TOO_LONG and "max_tokens" in got["ctx"].error_message
+    n3 = got["n3"].choices
+    assert [c.index for c in n3] == [0, 1, 2] and len({c.text for c in n3}) == 3 and got["n3"].text == n3[0].text
+    assert [(c.index, c.prompt_index) for c in got["list"].choices] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert got["list"].usage.completion_tokens == 16 and all(len(c.logprobs) == 4 for c in got["list"].choices)
+    assert [c.index for c in got["best"].choices] == [0, 1] and got["best"].usage.completion_tokens <= 15
+    assert all(c.logprobs is None for c in got["best"].choices)  # ranked by them, not asked for
+    (e0,) = got["echo0"].choices
+    assert (e0.text, e0.echo, e0.logprobs, got["echo0"].usage.completion_tokens) == ("", "Hi", [], 0)
+    assert got["badids"].error_code is ErrorCode.INVALID_REQUEST
+    assert "prompt 1: token id 4096 is outside the vocabulary" in got["badids"].error_message
     for jid in ("m0", "seeded", "chat"):
         t = got[jid].timings
         assert got[jid].status is JobStatus.SUCCEEDED and got[jid].worker == "w-proc"
