@@ -43,20 +43,23 @@ def _job(engine: LLMEngine, prompts: list[str | list[int]], sp: SamplingParams, 
     return _run(engine, groups)[job_id]
 
 
-def test_siblings_share_every_full_prompt_block(engine):
+@pytest.mark.parametrize("n_prompt", [67, 65, 64])
+def test_siblings_share_every_full_prompt_block(engine, n_prompt):
     """n=4 sequences added together: the first computes the prompt, the other three find all of its
     full blocks in the prefix cache in the same step (admitted right after it) and compute only
-    the last partial block; their greedy tokens are the lone request's."""
+    the last partial block (one token at 65: a decode row over the blocks the first writes in that
+    step; a whole block at 64, as at least one token is computed); their greedy tokens are the lone
+    request's."""
     bs = engine.config.block_size
-    n_prompt = len(_ids(engine, PROMPT))
+    ids = (_ids(engine, PROMPT) * 2)[:n_prompt]
     full = (n_prompt - 1) // bs * bs
-    assert full >= 3 * bs and n_prompt % bs  # a partial last block, three full ones
-    engine.add_request("alone", prompt=PROMPT, sampling=SamplingParams(max_tokens=8, temperature=0.0))
+    assert full >= 3 * bs
+    engine.add_request("alone", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=8, temperature=0.0))
     single = {f.request_id: f for f in _drain(engine)}["alone"]
     engine.kv.pool.reset_prefix_cache()  # the job below starts from an empty cache
     hits_before = engine.kv.num_hit_tokens
 
-    f = _job(engine, [PROMPT], SamplingParams(max_tokens=8, temperature=0.0, n=4))
+    f = _job(engine, [ids], SamplingParams(max_tokens=8, temperature=0.0, n=4))
     cached = [c.output.usage.cached_prompt_tokens for c in f.choices]
     assert cached == [0, full, full, full]
     assert engine.kv.num_hit_tokens - hits_before == 3 * full

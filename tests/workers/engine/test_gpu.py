@@ -70,6 +70,30 @@ def test_cuda_dense_prefill_path(llama_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n_prompt", [67, 65, 150])
+def test_cuda_choices_share_the_prompt_blocks_in_one_step(llama_dir, n_prompt):
+    """n=4 sequences of one prompt (workers.choices) admitted in one step: the three after the first
+    read its full blocks, which the same step writes (the paged prefill kernel, or the decode kernel
+    for a 1-token rest), and give the lone request's greedy tokens, transformers' too."""
+    from workers.choices import ChoiceGroups
+
+    prompt = prompt_set(1, seed=11, min_len=n_prompt, max_len=n_prompt)[0]
+    want = hf_greedy_cuda(llama_dir, [prompt])[0]
+    eng, got = run(llama_dir, [prompt], block_size=16)
+    assert got == [want]
+    eng.kv.pool.reset_prefix_cache()
+    groups = ChoiceGroups(eng)
+    groups.add("job", [prompt], [None], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=4))
+    done = []
+    while eng.has_unfinished():
+        done.extend(groups.finished(eng.step().finished))
+    (f,) = done
+    full = (n_prompt - 1) // 16 * 16
+    assert [c.output.usage.cached_prompt_tokens for c in f.choices] == [0, full, full, full]
+    assert [c.output.output_token_ids for c in f.choices] == [want] * 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("graphs", [True, False])
 def test_cuda_serving_never_compiles_after_start(graphs):
     """Every Triton variant is compiled at start-up: a mixed workload (decodes, chunked and

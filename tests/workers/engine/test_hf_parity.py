@@ -26,6 +26,28 @@ def test_greedy_matches_transformers(ckpt, request):
     assert got == want
 
 
+@pytest.mark.parametrize("n_prompt", [67, 65, 150])
+def test_choices_sharing_the_prompt_blocks_match_transformers(llama_dir, n_prompt):
+    """n=4 sequences of one prompt (workers.choices), admitted in one step: the three after the
+    first read the full blocks that step writes (a 1-token rest through the decode path at 65)
+    and each gives transformers' greedy tokens."""
+    from workers.choices import ChoiceGroups
+    from workers.engine import LLMEngine
+
+    prompt = prompt_set(1, seed=11, min_len=n_prompt, max_len=n_prompt)[0]
+    want = hf_greedy(llama_dir, [prompt], MAX_NEW)[0]
+    engine = LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="float32", block_size=16))
+    groups = ChoiceGroups(engine)
+    groups.add("job", [prompt], [None], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=4))
+    done = []
+    while engine.has_unfinished():
+        done.extend(groups.finished(engine.step().finished))
+    (f,) = done
+    full = (n_prompt - 1) // 16 * 16
+    assert [c.output.usage.cached_prompt_tokens for c in f.choices] == [0, full, full, full]
+    assert [c.output.output_token_ids for c in f.choices] == [want] * 4
+
+
 def test_logprobs_match_transformers(llama_dir):
     """Each output token's log-probability and the top alternatives equal transformers'
     log-softmax of the same positions (teacher-forced over the engine's tokens), for greedy and
