@@ -79,6 +79,11 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
                 continue
             job = item.job
             results[key] = {"id": job.id, "line": item.line_no}
+            if job.has_choices:  # one sequence a line here: never a silent first choice
+                results[key].update({"status": "failed", "error_code": "invalid_request",
+                                     "error": "prompt lists, n and best_of: run the file with `firsttoken run` "
+                                              "(generate runs one sequence a line)"})
+                continue
             sp = job.sampling
             if args.max_tokens is not None and "max_tokens" not in sp.model_fields_set:
                 sp = sp.model_copy(update={"max_tokens": args.max_tokens})

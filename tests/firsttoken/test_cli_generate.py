@@ -19,16 +19,21 @@ def test_generate_cli_with_preset_and_checkpoint(tmp_path, llama_dir):  # noqa: 
     src.write_text('{"id": "a", "prompt": "The quick brown fox"}\n'
                    '{"id": "b", "prompt": "Kafka partitions carry jobs"}\n'
                    "not json\n"
-                   '{"id": "c", "prompt": "x", "sampling": {"top_p": 3}}\n')
+                   '{"id": "c", "prompt": "x", "sampling": {"top_p": 3}}\n'
+                   '{"id": "d", "prompts": ["x", "y"]}\n'
+                   '{"id": "e", "prompt": "x", "sampling": {"n": 2}}\n')
     for model in ("tiny", str(llama_dir)):
         r = _cli("generate", str(src), "--model", model, "--max-tokens", "6", "--device", "cpu")
         assert r.returncode == 3, r.stderr  # it ran; some lines failed
         rows = [json.loads(x) for x in r.stdout.splitlines()]
-        assert [x["id"] for x in rows] == ["a", "b", None, "c"] and [x["line"] for x in rows] == [1, 2, 3, 4]
+        assert [x["id"] for x in rows] == ["a", "b", None, "c", "d", "e"]
+        assert [x["line"] for x in rows] == [1, 2, 3, 4, 5, 6]
         assert rows[0]["status"] == rows[1]["status"] == "succeeded"
         assert rows[0]["usage"]["completion_tokens"] == 6 or rows[0]["finish_reason"] == "stop"
         assert isinstance(rows[0]["text"], str)
         assert rows[2]["error_code"] == "invalid_request" and "not valid JSON" in rows[2]["error"]
         assert rows[3]["status"] == "failed" and rows[3]["error_code"] == "invalid_sampling"
+        for row in rows[4:]:  # one sequence a line: refused, not answered with a first choice alone
+            assert row["status"] == "failed" and "firsttoken run" in row["error"], row
     # with the trained tokenizer the text is real text pieces
     assert rows[0]["text"].strip() != ""
