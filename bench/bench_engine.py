@@ -302,6 +302,11 @@ def main() -> None:
                          "KV cache (e.g. bf16,fp8+kv8,fp8-block+kv8)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--input-len", type=int, default=1000,
+                    help="prompt tokens of each throughput prompt (TensorRT-LLM's published shape: 1000); "
+                         "0: lengths drawn from 100-1024")
+    ap.add_argument("--output-len", type=int, default=1000,
+                    help="tokens generated per throughput prompt (TensorRT-LLM's: 1000); 0: drawn from 100-1024")
     ap.add_argument("--hf-prompts", type=int, default=64)
     ap.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
     ap.add_argument("--ttft-lengths", default=",".join(map(str, TTFT_LENGTHS)))
@@ -330,8 +335,10 @@ def main() -> None:
         print(f"# hf {hf} ({time.perf_counter() - t_start:.0f}s)", flush=True)
 
     r = random.Random(42)
-    lens_in = [r.randint(100, 1024) for _ in range(args.num_prompts)]
-    lens_out = [r.randint(100, 1024) for _ in range(args.num_prompts)]
+    lens_in = [args.input_len or r.randint(100, 1024) for _ in range(args.num_prompts)]
+    lens_out = [args.output_len or r.randint(100, 1024) for _ in range(args.num_prompts)]
+    data["throughput_shape"] = {"prompts": args.num_prompts, "input_len": args.input_len or "100-1024",
+                                "output_len": args.output_len or "100-1024"}
     prompts = [[r.randrange(*token_range(vocab)) for _ in range(n)] for n in lens_in]
     ours = {s: run_engine(s, fields[s], args, sections, vocab, prompts, lens_out) for s in specs}
     print(f"# engines done ({time.perf_counter() - t_start:.0f}s)", flush=True)

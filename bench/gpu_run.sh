@@ -12,7 +12,7 @@
 #   decode_gemms  a decode step's GEMMs: bf16, _scaled_mm, the small-M kernel's configs (bench_fp8_decode)  ~1 min
 #   engine      TTFT and decode: bf16, FP8 (per channel), FP8 with _scaled_mm only; transformers  ~5 min
 #   layouts     the same for the FP8 layouts with group scales (fp8-g128, fp8-block)     ~5 min
-#   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens: bf16, FP8         ~6 min
+#   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens (TensorRT-LLM's shape): FP8, bf16  ~6 min
 #   quality     FP8 on SmolLM2 with the real kernels (needs the model: bench/restore_smollm2.py)  ~2.5 min
 #   load        TTFT under load, bf16: targets none/15/20/30 ms at 8/16/24/32 req/s, 8 s each  ~3 min
 #   goodput     the highest rate within MLPerf's interactive and server limits, bf16      ~3 min
@@ -45,13 +45,13 @@ STAGES=("$@")
 if [ "${SMOKE:-0}" = 1 ]; then  # a CPU run of the same commands, small
   DEV=(--device cpu); PRESET=tiny
   ENGINE_ARGS=(--ttft-lengths 64,256 --decode-batches 1,4 --no-hf --max-num-seqs 8)
-  TPUT_ARGS=(--num-prompts 4 --no-hf --max-num-seqs 8)
+  TPUT_ARGS=(--num-prompts 4 --input-len 64 --output-len 32 --no-hf --max-num-seqs 8)
   LOAD_ARGS=(--rates 8 --duration 2 --max-prompt 256)
   GOODPUT_ARGS=(--duration 2 --max-prompt 256 --search-rates 2,4 --search-steps 1)
   LOAD_TARGETS=none,50
 else
   DEV=(); PRESET=llama3-8b
-  ENGINE_ARGS=(); TPUT_ARGS=(--hf-prompts 32)
+  ENGINE_ARGS=(); TPUT_ARGS=(--hf-prompts 32 --max-num-seqs 1024)
   LOAD_ARGS=(--rates 8,16,24,32 --duration 8)
   GOODPUT_ARGS=(--duration 12 --search-steps 1)
   LOAD_TARGETS=none,15,20,30
@@ -98,7 +98,7 @@ for stage in "${STAGES[@]}"; do
         --engines fp8+kv8,fp8-g128+kv8,fp8-block+kv8 "${ENGINE_ARGS[@]}" ;;
     throughput)
       run throughput 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
-        --engines bf16+kv8,fp8+kv8 "${TPUT_ARGS[@]}" ;;
+        --engines fp8+kv8,bf16+kv8 "${TPUT_ARGS[@]}" ;;
     quality)  # FP8 on SmolLM2 with the real kernels: compare with bench/results/*fp8-quality-cpu*
       [ "${SMOKE:-0}" = 1 ] && continue
       run quality 150 $PY bench/bench_fp8_quality.py --device cuda --out "$OUT/fp8_quality_channel.json"

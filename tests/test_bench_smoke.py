@@ -47,10 +47,12 @@ def _run(args: list[str], out: Path, timeout: int = 300) -> None:
 def test_bench_engine_runs_engines_side_by_side_on_cpu(tmp_path):
     _run(["bench/bench_engine.py", "--device", "cpu", "--preset", "tiny", "--no-hf",
           "--sections", "ttft,decode,throughput", "--engines", "bf16,fp8-block+kv8",
-          "--ttft-lengths", "64,256", "--decode-batches", "1,4", "--num-prompts", "4", "--max-num-seqs", "8"], tmp_path)
+          "--ttft-lengths", "64,256", "--decode-batches", "1,4", "--num-prompts", "4", "--input-len", "48", "--output-len", "0",
+          "--max-num-seqs", "8"], tmp_path)
     data = json.loads((tmp_path / "bench_engine_decode_throughput_ttft_bf16_fp8-blockkv8_seqs8.json").read_text())
     md = (tmp_path / "bench_engine_decode_throughput_ttft_bf16_fp8-blockkv8_seqs8.md").read_text()
     assert data["engines"] == ["bf16", "fp8-block+kv8"]
+    assert data["throughput_shape"] == {"prompts": 4, "input_len": 48, "output_len": "100-1024"}
     eng = data["ours"]["fp8-block+kv8"]["engine"]
     assert eng["quantization"] == "fp8" and eng["fp8_act_group"] == 128 and eng["kv_cache_dtype"] == "fp8"
     metrics = [r["metric"] for r in data["rows"]]
