@@ -10,6 +10,9 @@ allocates it, so the siblings admitted after the first (in the same step, or lat
 the prompt's full blocks and compute only its last partial block
 (tests/workers/test_choices.py counts the hits).
 
+A job that asks for prompt log-probabilities (echo with logprobs) computes them in each prompt's
+first sequence only, so the others still take its cached blocks; every choice reports them.
+
 Seeds: a seeded job's k-th sequence of each prompt samples with `choice_seed(seed, k)` (the
 seed itself for the first), so the choices differ from each other and repeat run to run.
 best_of: each prompt samples best_of sequences and keeps the n with the highest cumulative
@@ -90,7 +93,10 @@ class ChoiceGroups:
             for j, ids in enumerate(prompts):
                 for k in range(samples):
                     request_id = f"{job_id}{SEP}{j * samples + k}"
-                    sp = sampling.model_copy(update={**child_sp, "seed": choice_seed(sampling.seed, k)})
+                    update = {**child_sp, "seed": choice_seed(sampling.seed, k)}
+                    if k:  # a prompt's log-probabilities are its first sequence's (_merge): the others
+                        update["prompt_logprobs"] = None  # skip them, and so can take its cached blocks
+                    sp = sampling.model_copy(update=update)
                     self.engine.add_request(request_id, prompt_token_ids=ids, sampling=sp, **kw)
                     group.children.append(request_id)
         except InvalidRequestError as exc:
@@ -168,6 +174,11 @@ def _merge(g: _Group) -> FinishedRequest:
     choices: list[ChoiceOutput] = []
     for j in range(len(g.prompt_lens)):
         seqs = outs[j * samples : (j + 1) * samples]
+        if sp.prompt_logprobs is not None:  # the prompt's, computed by its first sequence alone
+            head = seqs[0]
+            seqs = [head, *(dataclasses.replace(o, prompt_logprobs=head.prompt_logprobs,
+                                                token_texts={**(head.token_texts or {}), **(o.token_texts or {})})
+                            for o in seqs[1:])]
         if samples > sp.n:
             seqs = sorted(seqs, key=cumulative_logprob, reverse=True)[: sp.n]
             if sp.logprobs is None:  # computed to rank them, not asked for

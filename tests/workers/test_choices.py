@@ -155,3 +155,26 @@ def test_aborting_a_job_ends_all_its_sequences(engine):
     done = _run(engine, groups)
     assert list(done) == ["j"] and done["j"].finish_reason is FinishReason.ABORT
     assert len(done["j"].choices) == 3 and not engine.requests
+
+
+def test_prompt_logprobs_come_from_the_first_sequence_and_the_others_share_its_blocks(engine):
+    """echo with logprobs and n=3: the prompt's log-probabilities are computed once (its first
+    sequence needs every prompt position computed), the other two take its full blocks from the
+    prefix cache, and every choice reports the same prompt log-probabilities, those of the lone
+    request, with their tokens' texts."""
+    bs = engine.config.block_size
+    ids = _ids(engine, PROMPT)
+    full = (len(ids) - 1) // bs * bs
+    engine.add_request("alone", prompt_token_ids=ids, sampling=SamplingParams(
+        max_tokens=3, temperature=0.0, echo=True, logprobs=2))
+    alone = {f.request_id: f for f in _drain(engine)}["alone"]
+    f = _job(engine, [ids], SamplingParams(max_tokens=3, temperature=0.0, echo=True, logprobs=2, n=3))
+    assert [c.output.usage.cached_prompt_tokens for c in f.choices] == [0, full, full]
+    want = [None if lp is None else (lp.token_id, round(lp.logprob, 4), tuple(t for t, _ in lp.top))
+            for lp in alone.prompt_logprobs]
+    for c in f.choices:
+        got = [None if lp is None else (lp.token_id, round(lp.logprob, 4), tuple(t for t, _ in lp.top))
+               for lp in c.output.prompt_logprobs]
+        assert got == want
+        assert all(t in c.output.token_texts for lp in c.output.prompt_logprobs if lp is not None
+                   for t in (lp.token_id, *(x for x, _ in lp.top)))
