@@ -99,6 +99,7 @@ class ErrorCode(StrEnum):
     INVALID_REQUEST = "invalid_request"  # the request is malformed (missing/extra field, bad type)
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens do not fit the model's context
     INVALID_SAMPLING = "invalid_sampling"  # a sampling parameter is out of range
+    INVALID_GRAMMAR = "invalid_grammar"  # a guided-decoding spec (JSON schema, regex) the grammar engine refuses
     UNDECODABLE = "undecodable"  # the input bytes are not valid UTF-8 text
     DUPLICATE_ID = "duplicate_id"  # another line of the batch already has this id (the first one runs)
     TOO_LARGE = "too_large"  # the line, or a field of it, is over a size or nesting limit

@@ -22,6 +22,8 @@ MAX_METADATA_BYTES = 16 * 1024  # the client's metadata, as JSON
 MAX_METADATA_DEPTH = 8
 MAX_LOGPROBS = 20  # alternatives reported per output token (OpenAI: top_logprobs <= 20)
 MAX_LOGIT_BIAS = 1_024  # tokens one request may bias (OpenAI's logit_bias)
+MAX_GUIDE_CHARS = 64 * 1024  # a guided-decoding spec (a JSON schema as JSON, a regex, the choices together)
+MAX_GUIDE_CHOICES = 1_024  # guided_choice alternatives
 MAX_TOP_K = 1 << 20  # top_k before the model's vocabulary is known (the engine checks it against that)
 # One job as a queue message (JSON): a line of MAX_LINE_BYTES and what the server adds to it. The
 # producer's max_request_size and the broker's message.max.bytes are set to carry it (settings,

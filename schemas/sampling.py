@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.limits import (
+    MAX_GUIDE_CHARS,
+    MAX_GUIDE_CHOICES,
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -16,6 +19,39 @@ from schemas.limits import (
     MAX_TOKENS,
     MAX_TOP_K,
 )
+
+
+class GuidedDecoding(BaseModel):
+    """Output constrained to a language: any JSON object (OpenAI's `response_format` json_object), a
+    JSON schema (json_schema), a regular expression or one of a list of strings (vLLM's
+    guided_regex / guided_choice). The engine masks every token that would leave the language, so
+    the output parses (and validates) whenever it ends by the grammar's own end (not by max_tokens)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json_object", "json_schema", "regex", "choice"]
+    json_schema: dict[str, Any] | None = Field(default=None, description="kind json_schema: the schema")
+    regex: str | None = Field(default=None, description="kind regex: the whole output matches it")
+    choices: list[str] | None = Field(default=None, max_length=MAX_GUIDE_CHOICES,
+                                      description="kind choice: the output is one of them")
+
+    @model_validator(mode="after")
+    def _one_spec(self) -> GuidedDecoding:
+        given = {k for k in ("json_schema", "regex", "choices") if getattr(self, k) is not None}
+        want = {"json_object": set(), "json_schema": {"json_schema"}, "regex": {"regex"}, "choice": {"choices"}}[self.kind]
+        if given != want:
+            raise ValueError(f"guided decoding of kind {self.kind} takes {sorted(want) or 'no spec'}, got {sorted(given)}")
+        if self.choices is not None and (not self.choices or any(c == "" for c in self.choices)):
+            raise ValueError("guided choices must be non-empty strings")
+        if len(self.key) > MAX_GUIDE_CHARS:
+            raise ValueError(f"a guided-decoding spec may hold at most {MAX_GUIDE_CHARS} characters")
+        return self
+
+    @property
+    def key(self) -> str:
+        """The spec as canonical JSON: equal specs, equal keys (a compiled grammar's cache key)."""
+        return json.dumps({"kind": self.kind, "json_schema": self.json_schema, "regex": self.regex,
+                           "choices": self.choices}, sort_keys=True, separators=(",", ":"))
 
 
 class SamplingParams(BaseModel):
@@ -91,6 +127,10 @@ class SamplingParams(BaseModel):
         default=None, ge=1, le=MAX_CHOICES, strict=True,
         description="text completions: sample this many per prompt and return the n with the highest "
         "cumulative log-probability (at least n); None: n",
+    )
+
+    guided: GuidedDecoding | None = Field(
+        default=None, description="constrain the output to JSON, a JSON schema, a regex or a choice (None: free text)"
     )
 
     echo: bool = Field(
