@@ -298,10 +298,10 @@ def engine_killed_by(poison: str):
     eng = make_engine_tiny()
     real = eng.runner.execute
 
-    def execute(out, prev=None):
+    def execute(out, prev=None, guide=None):
         if any(e.request.request_id == poison for e in out.scheduled):
             raise AcceleratorError("CUDA error: an illegal memory access was encountered")
-        return real(out, prev)
+        return real(out, prev, guide)
 
     eng.runner.execute = execute
     return eng

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from pydantic import ValidationError
 
 from schemas.job import ErrorCode, FinishReason, Usage
@@ -52,6 +53,7 @@ class InFlightStep:
     shape: StepShape | None = None  # what it computes, for the SLO cost model (with a target)
     # (request, its prompt tokens computed in the step): each gets that share of the step's time
     prefills: list[tuple[Request, int]] = field(default_factory=list)
+    read: bool = False  # read back (a guided step after it may read it back before its own sampling)
 
 
 def _token_logprob(token_id: int, row: tuple[float, list[int], list[float]], k: int) -> TokenLogprob:
@@ -103,6 +105,13 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None  # launched, not read back (async scheduling)
         self._isolation: deque[frozenset[str]] = deque()  # a failed step's requests, in groups retried apart
         self._history: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
+        # guided decoding: the grammar compiler (built at the first guided request), the live
+        # guided requests, and two host buffers for their masks (pinned on CUDA: copied while
+        # the step before runs, each reused every other step)
+        self._grammars: Any = None
+        self._num_guided = 0
+        self._mask_bufs: list[torch.Tensor] = []
+        self._mask_turn = 0
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(
@@ -160,6 +169,9 @@ class LLMEngine:
         req.logprobs = None if sp.logprobs is None else []
         req.prompt_logprobs = None if sp.prompt_logprobs is None else [None] * n
         req.stop_holdback = max((len(s) for s in sp.stop), default=1) - 1
+        if sp.guided is not None:
+            req.guide = self._grammar_compiler().matcher(sp.guided)  # InvalidRequestError: invalid_grammar
+            self._num_guided += 1
         self.requests[request_id] = req
         if sp.stop or stream:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids)
@@ -223,11 +235,15 @@ class LLMEngine:
             out = self.scheduler.schedule()
             if not out.is_empty:
                 t_launch = time.monotonic()
-                sampled = self.runner.execute(out, prev.sampled if prev is not None else None)
+                guide = None
+                if self._num_guided:
+                    def guide(reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                        return self._guide_masks(reqs, prev, result)
+                sampled = self.runner.execute(out, prev.sampled if prev is not None else None, guide)
                 launched = self._launched(out, sampled, t_launch)
                 result.num_scheduled = len(out.scheduled)
                 result.num_batched_tokens = out.num_batched_tokens
-            if prev is not None:
+            if prev is not None and not prev.read:
                 self._read_back(prev, result)
             if launched is not None:
                 if self.async_scheduling and not launched.has_first_tokens:
@@ -312,8 +328,46 @@ class LLMEngine:
         shape = StepShape.of(out.scheduled, out.num_decodes, self.runner.last_path) if self.slo is not None else None
         return InFlightStep(sampled, rows, first, t_launch, out.num_batched_tokens, out.num_decodes, shape, prefills)
 
+    # ---- guided decoding ---------------------------------------------------------------
+    def _grammar_compiler(self) -> Any:
+        if self._grammars is None:
+            from workers.engine.guided import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammars
+
+    def _guide_masks(self, reqs: list[Request], prev: InFlightStep | None,
+                     result: StepOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The token bitmasks of a step's guided rows, on the device: called by the runner with the
+        forward launched. A guided row whose last token is still pending on the step before
+        (async scheduling) needs it: that step is read back here, while this one's forward runs."""
+        from workers.engine.guided import bitmask_words
+
+        rows = [i for i, r in enumerate(reqs) if r.guide is not None]
+        if not rows:
+            return None
+        if prev is not None and not prev.read and any(reqs[i].num_pending for i in rows):
+            self._read_back(prev, result)
+        dev = self.runner.device
+        words = bitmask_words(self.model_config.vocab_size)
+        if not self._mask_bufs:
+            n = self.config.max_num_seqs
+            pin = dev.type == "cuda"
+            self._mask_bufs = [torch.empty((n, words), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        buf = self._mask_bufs[self._mask_turn][: len(rows)]
+        self._mask_turn ^= 1
+        for j, i in enumerate(rows):
+            req = reqs[i]
+            if req.status is RequestStatus.FINISHED:
+                buf[j].fill_(-1)  # stopped by the step read back just now: its token here is dropped
+            else:
+                req.guide.fill_bitmask(buf, j)
+        index = torch.tensor(rows, dtype=torch.int64)
+        return index.to(dev, non_blocking=True), buf.to(dev, non_blocking=True)
+
     def _read_back(self, step: InFlightStep, result: StepOutput) -> None:
         """Wait for a launched step's tokens; put them in place, report first tokens, check stops."""
+        step.read = True
         tokens = step.sampled.tolist()
         now = time.monotonic()
         # the step's time on the device (CUDA events: exact under async scheduling); on a CPU,
@@ -338,6 +392,9 @@ class LLMEngine:
             if req.status is RequestStatus.FINISHED:
                 continue  # aborted, or stopped by an earlier token: this one is dropped
             req.token_ids[pos] = tok
+            if req.guide is not None and not (tok in req.eos_token_ids or req.guide.accept(tok)):
+                self._guide_refused(req, tok, pos, result, now)
+                continue
             if req.logprobs is not None and logprobs is not None:  # read back in order: one per output token
                 req.logprobs.append(_token_logprob(tok, logprobs[i], req.sampling.logprobs))  # type: ignore[arg-type]
             req.num_pending -= 1
@@ -357,6 +414,17 @@ class LLMEngine:
                 result.finished.append(self._finish(req, now))
             elif req.stream:
                 self._stream_delta(req, pos + 1 - req.num_prompt_tokens, result)
+
+    def _guide_refused(self, req: Request, tok: int, pos: int, result: StepOutput, now: float) -> None:
+        """A guided request sampled a token its grammar does not allow (its mask should prevent
+        that): it fails alone rather than return output outside its grammar."""
+        log.warning("request %s: its grammar refused sampled token %d", req.request_id, tok)
+        del req.token_ids[pos:]
+        req.num_pending = 0
+        req.pending_row = None
+        self.scheduler.finish(req, FinishReason.ERROR)
+        req.error = f"the grammar refused sampled token {tok} (a guided-decoding mask did not hold)"
+        result.finished.append(self._finish(req, now))
 
     def _check_stop(self, req: Request, tok: int, num_tokens: int) -> FinishReason | None:
         """Why the request stops at `tok`, its token number `num_tokens` (prompt included), if it does."""
@@ -380,6 +448,8 @@ class LLMEngine:
                         req.text = req.text[:pos]
                         req.stop_reason = s
                         return FinishReason.STOP
+        if req.guide is not None and req.guide.done:  # the grammar has ended: nothing may follow
+            return FinishReason.STOP
         if num_tokens - req.num_prompt_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -394,6 +464,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, now: float) -> FinishedRequest:
         req.times.finished = now
+        if req.guide is not None:
+            self._num_guided -= 1
         del self.requests[req.request_id]
         self.runner.release(req.request_id)
         out_ids = req.output_token_ids

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,9 @@ from workers.engine.step_inputs import (
     pending_inputs,
 )
 
+
+# the engine's guided-decoding masks of a step: sampling requests -> (rows, bitmasks) on the device
+GuideMasks = Callable[[list[Request]], "tuple[torch.Tensor, torch.Tensor] | None"]
 log = logging.getLogger(__name__)
 
 # rows of prompt log-probabilities computed at once: a [rows, vocab] fp32 log-softmax each
@@ -232,30 +236,34 @@ class ModelRunner:
         return pending_inputs(out, None if prev is None else prev.device_tokens)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, prev: SampledTokens | None = None) -> SampledTokens:
+    def execute(self, out: SchedulerOutput, prev: SampledTokens | None = None,
+                guide: GuideMasks | None = None) -> SampledTokens:
         """Launch the step; return its sampled tokens (one per entry that samples, in order).
 
         Nothing here waits for the device: `SampledTokens.tolist()` does. Decode inputs still
         pending on `prev` (async scheduling) are read from its tokens on the device. On CUDA the
         step's work is bracketed by two timing events: `SampledTokens.device_seconds()`.
+        `guide`: called with the sampling requests once the forward and logits are launched and
+        before sampling; returns the guided rows' token bitmasks on the device (or None). The host
+        computes them while the device runs the forward.
         """
         if self.device.type != "cuda":
-            return self._execute(out, prev)
+            return self._execute(out, prev, guide)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        sampled = self._execute(out, prev)
+        sampled = self._execute(out, prev, guide)
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         sampled.timing = (start, end)
         return sampled
 
-    def _execute(self, out: SchedulerOutput, prev: SampledTokens | None) -> SampledTokens:
+    def _execute(self, out: SchedulerOutput, prev: SampledTokens | None, guide: GuideMasks | None) -> SampledTokens:
         try:
-            return self._run_step(out, prev)
+            return self._run_step(out, prev, guide)
         finally:
             self.path_steps[self.last_path] = self.path_steps.get(self.last_path, 0) + 1
 
-    def _run_step(self, out: SchedulerOutput, prev: SampledTokens | None) -> SampledTokens:
+    def _run_step(self, out: SchedulerOutput, prev: SampledTokens | None, guide: GuideMasks | None) -> SampledTokens:
         sampling_reqs = [e.request for e in out.scheduled if e.samples]
         n_seq = len(out.scheduled)
         pending = self.pending_inputs(out, prev)
@@ -284,7 +292,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows], residual[rows])
         if not sampling_reqs:
             return SampledTokens(None, prompt=prompt) if prompt else SampledTokens.empty()
-        tokens = self.sampler(logits, self.sampling_batch(sampling_reqs))
+        batch = self.sampling_batch(sampling_reqs)
+        if guide is not None:
+            batch.guide = guide(sampling_reqs)
+        tokens = self.sampler(logits, batch)
         asked = [i for i, r in enumerate(sampling_reqs) if r.sampling.logprobs is not None]
         if not asked:
             return SampledTokens(tokens, prompt=prompt)

@@ -24,6 +24,8 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per row: the request's own RNG when seeded
     # logit_bias, penalties, min_tokens of the rows that ask (workers/engine/penalties.py); None: none
     adjust: LogitsPlan | None = None
+    # guided decoding: (rows [G] int64, their token bitmasks [G, words] int32) on the device; None: none
+    guide: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def sampling_batch(reqs: list[Request], device: torch.device, vocab_size: int,
@@ -67,13 +69,20 @@ class Sampler:
         self.processor = processor
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        # logits: [N, V] fp32 -> token ids [N] int64 (on the device)
-        if batch.adjust is not None and self.processor is not None:
-            logits = self.processor.apply(logits, batch.adjust)
-            tokens = self._choose(logits, batch)
-            self.processor.update(batch.adjust, tokens)
-            return tokens
-        return self._choose(logits, batch)
+        # logits: [N, V] fp32 -> token ids [N] int64 (on the device). `logits` itself is left as it
+        # is: log-probabilities report the raw distribution
+        adjusted = batch.adjust is not None and self.processor is not None
+        x = self.processor.apply(logits, batch.adjust) if adjusted else logits  # type: ignore[union-attr,arg-type]
+        if batch.guide is not None:
+            from workers.engine.guided import apply_bitmask
+
+            if x is logits:
+                x = logits.clone()
+            apply_bitmask(x, batch.guide[1], batch.guide[0])
+        tokens = self._choose(x, batch)
+        if adjusted:
+            self.processor.update(batch.adjust, tokens)  # type: ignore[union-attr,arg-type]
+        return tokens
 
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:

@@ -107,6 +107,9 @@ class Request:
     # one's value is at row `pending_row` of its step's sampled tokens on the device
     num_pending: int = 0
     pending_row: int | None = None
+    # guided decoding (sampling.guided): the grammar matcher, advanced by each token read back;
+    # the next token's mask comes from its state (workers/engine/guided.py)
+    guide: Any = None
     # per output token read back: its log-probability and the top alternatives (sampling.logprobs set)
     logprobs: list[Any] | None = None
     # per prompt position (None at 0, and until computed), when sampling.prompt_logprobs is set

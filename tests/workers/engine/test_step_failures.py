@@ -36,12 +36,12 @@ def fail_steps_with(engine: LLMEngine, poison: set[str], *, together: bool = Fal
     real = engine.runner.execute
     failures: list[int] = []
 
-    def execute(out, prev=None):
+    def execute(out, prev=None, guide=None):
         ids = {e.request.request_id for e in out.scheduled}
         if (poison <= ids) if together else (poison & ids):
             failures.append(len(ids))
             raise exc("device-side trouble in the sampler")
-        return real(out, prev)
+        return real(out, prev, guide)
 
     engine.runner.execute = execute  # type: ignore[method-assign]
     return failures
@@ -105,13 +105,13 @@ def test_a_request_failing_late_in_its_decode_keeps_its_neighbours_exact(engine,
     real = engine.runner.execute
     failures: list[int] = []
 
-    def execute(out, prev=None):
+    def execute(out, prev=None, guide=None):
         for e in out.scheduled:
             r = e.request
             if r.request_id == "r2" and r.num_output_tokens >= 3:
                 failures.append(len(out.scheduled))
                 raise ValueError("Overflow when unpacking long long")
-        return real(out, prev)
+        return real(out, prev, guide)
 
     engine.runner.execute = execute  # type: ignore[method-assign]
     ids = [f"r{i}" for i in range(len(prompts))]
