@@ -1,0 +1,83 @@
+"""What a guided-decoding spec means as a grammar of the grammar engine (llguidance), and whether
+the engine takes it. The engine compiles this grammar against its tokenizer
+(workers/engine/guided.py); the API and the batch submission check it with no tokenizer at all
+(`grammar_problem`, a fraction of a millisecond), so a spec the engine would refuse is a 400 at once.
+
+JSON is generated compactly with one space after `,` and `:` (no free whitespace: a small model
+left free to emit whitespace can fill max_tokens with newlines); properties in the schema's order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from schemas.sampling import GuidedDecoding
+
+# llguidance's JSON options (JsonCompileOptions), applied over the schema's own "x-guidance"
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+# the characters that are special in llguidance's regex syntax (Rust's regex-syntax: escaping each is allowed)
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+MAX_MESSAGE_CHARS = 300  # a refusal's message is cut here: it may quote the spec, which is user data
+
+
+class GrammarError(ValueError):
+    """The grammar engine refuses a spec (unsupported JSON-schema keywords, a bad regex, ...)."""
+
+
+def regex_literal(text: str) -> str:
+    """A regex matching `text` exactly."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+def grammar_of(spec: GuidedDecoding) -> str:
+    """The spec as an llguidance grammar (serialized). Not checked: see grammar_problem. Raises
+    GrammarError when the spec cannot even be translated."""
+    from llguidance import LLMatcher
+
+    try:
+        if spec.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
+        if spec.kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(spec.json_schema or {}, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
+        if spec.kind == "regex":
+            return LLMatcher.grammar_from_regex(spec.regex or "")
+        return LLMatcher.grammar_from_regex("(" + "|".join(regex_literal(c) for c in spec.choices or ()) + ")")
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(refusal(spec, str(exc))) from None
+
+
+def refusal(spec: GuidedDecoding, why: str) -> str:
+    """The message of a refused spec: its kind and the engine's reason, bounded."""
+    what = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regex", "choice": "choice"}[spec.kind]
+    why = " ".join(why.split())  # one line
+    if len(why) > MAX_MESSAGE_CHARS:
+        why = why[:MAX_MESSAGE_CHARS] + "..."
+    return f"the grammar engine cannot enforce this {what}: {why}"
+
+
+def grammar_problem(spec: GuidedDecoding) -> str | None:
+    """None when the grammar engine takes the spec, else why not (a bounded message). Needs no
+    tokenizer; the answers are kept by the spec's key (a batch file of one schema checks it once)."""
+    from llguidance import LLMatcher
+
+    key = spec.key
+    with _lock:
+        if key in _answers:
+            _answers.move_to_end(key)
+            return _answers[key]
+    try:
+        err = LLMatcher.validate_grammar(grammar_of(spec))
+        problem = refusal(spec, err) if err else None
+    except GrammarError as exc:
+        problem = str(exc)
+    with _lock:
+        _answers[key] = problem
+        while len(_answers) > _MAX_ANSWERS:
+            _answers.popitem(last=False)
+    return problem
+
+
+_MAX_ANSWERS = 1024
+_answers: OrderedDict[str, str | None] = OrderedDict()
+_lock = threading.Lock()
