@@ -48,12 +48,38 @@ def grammar_of(spec: GuidedDecoding) -> str:
 
 
 def refusal(spec: GuidedDecoding, why: str) -> str:
-    """The message of a refused spec: its kind and the engine's reason, bounded."""
+    """The message of a refused spec: its kind and the engine's reason, bounded, without the spec's
+    own strings (a regex, a pattern, an enum value: user data, which the job's error row and logs
+    must not carry). A regex syntax error keeps the parser's reason ("unclosed group")."""
     what = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regex", "choice": "choice"}[spec.kind]
+    if "regex parse error" in why and "error: " in why:  # the parser's report quotes the pattern
+        reason = why.rsplit("error: ", 1)[1].split("\n", 1)[0]
+        why = f"a regular expression the engine cannot take ({reason})"
+    for text in sorted(_strings(spec), key=len, reverse=True):
+        why = why.replace(text, "<...>")
     why = " ".join(why.split())  # one line
     if len(why) > MAX_MESSAGE_CHARS:
         why = why[:MAX_MESSAGE_CHARS] + "..."
     return f"the grammar engine cannot enforce this {what}: {why}"
+
+
+def _strings(spec: GuidedDecoding) -> set[str]:
+    """The strings a spec holds (its regex, choices, and the schema's string values), 3 characters
+    and up (shorter ones would blank the engine's own words)."""
+    out: set[str] = set()
+
+    def walk(x: object) -> None:
+        if isinstance(x, str):
+            out.add(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk([spec.regex, spec.choices, spec.json_schema])
+    return {t for t in out if len(t) >= 3}
 
 
 def grammar_problem(spec: GuidedDecoding) -> str | None:
