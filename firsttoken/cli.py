@@ -57,6 +57,7 @@ def _output_file(path: str | None, *inputs: Path) -> Path | None:
 def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     """Generate for every prompt of a JSONL file with the engine in this process."""
     from schemas.batchfile import BatchLineError, parse_lines
+    from schemas.tools import template_tools
     from workers.engine import InvalidRequestError, LLMEngine
     from workers.engine.llm import LLM
     from workers.engine.prompts import prompt_token_ids
@@ -89,9 +90,9 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
                 sp = sp.model_copy(update={"max_tokens": args.max_tokens})
             if "temperature" not in sp.model_fields_set:
                 sp = sp.model_copy(update={"temperature": args.temperature})
-            turns = None if job.messages is None else [(m.role, m.content) for m in job.messages]
+            turns = None if job.messages is None else [m.turn() for m in job.messages]
             try:
-                todo.append((key, prompt_token_ids(engine.tokenizer, job.prompt, turns), sp))
+                todo.append((key, prompt_token_ids(engine.tokenizer, job.prompt, turns, template_tools(job.tools)), sp))
             except InvalidRequestError as e:
                 results[key].update({"status": "failed", "error_code": e.code, "error": e.message})
     t1 = time.perf_counter()

@@ -60,7 +60,7 @@ def result_lines(
         result = rec.result()
         if result is not None and (statuses is None or result.status in statuses):
             fmt = _format_of(rec, fallback)
-            yield format_output_line(result, fmt, echo_prompt(rec.prompt, rec.sampling, fmt))
+            yield format_output_line(result, fmt, echo_prompt(rec.prompt, rec.sampling, fmt), rec.tool_use)
 
 
 def write_results(store: ResultStore, batch_id: str, out: TextIO, fallback: LineFormat = LineFormat.PLAIN) -> int:

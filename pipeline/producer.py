@@ -112,7 +112,8 @@ def message_too_large(job: JobRequest) -> tuple[ErrorCode, str] | None:
     """`too_large` when the job would not fit one queue message (schemas.limits.MAX_MESSAGE_BYTES,
     which the producer and the broker are configured to carry). Encoded only when a bound on its
     size (6 bytes a character: a JSON escape) says it might not fit: never within the line limits."""
-    chars = len(job.prompt or "") + sum(len(m.content) + 32 for m in job.messages or ())
+    chars = len(job.prompt or "") + sum(m.chars + 32 for m in job.messages or ())
+    chars += 0 if job.tools is None else sum(len(t.model_dump_json()) for t in job.tools)
     # a prompt list: a text's characters, or 2 a token id (6 * 2 bytes hold "2147483647,")
     chars += sum(len(p) if isinstance(p, str) else 2 * len(p) for p in job.prompts or ())
     chars += sum(len(x) for x in job.sampling.stop) + len(json.dumps(job.metadata, ensure_ascii=False))

@@ -29,8 +29,12 @@ from schemas.limits import (
     MAX_METADATA_DEPTH,
     MAX_PROMPT_CHARS,
     MAX_PROMPTS,
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+    MAX_TOOLS_CHARS,
 )
 from schemas.sampling import SamplingParams
+from schemas.tools import NamedToolChoice, Tool, ToolCall, ToolChoice, ToolUse, tool_use, tools_guide
 
 
 def _check_identifier(value: str) -> str:
@@ -146,14 +150,23 @@ def _check_utf8(value: str) -> str:
 
 
 class ChatMessage(BaseModel):
-    """One chat turn; rendered into a prompt with the checkpoint's own chat template."""
+    """One chat turn; rendered into a prompt with the checkpoint's own chat template. An assistant
+    turn may carry the `tool_calls` it made (its content may then be null); a `tool` turn answers
+    one of them (`tool_call_id`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Annotated[str, StringConstraints(pattern=r"^(system|developer|user|assistant|tool)$")] = Field(
         description="system, developer, user, assistant or tool"
     )
-    content: str = Field(max_length=MAX_PROMPT_CHARS, description="the turn's text")
+    content: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS,
+                                description="the turn's text (null only for an assistant turn with tool calls)")
+    name: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = Field(
+        default=None, description="the participant's (or, for a tool turn, the function's) name")
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, max_length=MAX_TOOL_CALLS, description="assistant turns: the calls it made")
+    tool_call_id: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = Field(
+        default=None, description="tool turns: the call this answers")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -162,8 +175,35 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _utf8(cls, v: str) -> str:
-        return _check_utf8(v)
+    def _utf8(cls, v: str | None) -> str | None:
+        return None if v is None else _check_utf8(v)
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("tool_calls_role", "tool_calls: assistant turns only")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("tool_call_id", "a tool turn needs the tool_call_id it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise PydanticCustomError("tool_call_id_role", "tool_call_id: tool turns only")
+        if self.content is None and not self.tool_calls:
+            raise PydanticCustomError("content_missing", "content: required (null only with tool_calls)")
+        return self
+
+    @property
+    def chars(self) -> int:
+        """Characters of its text and of its calls' arguments."""
+        return len(self.content or "") + sum(len(c.function.arguments) + 64 for c in self.tool_calls or ())
+
+    def turn(self) -> dict[str, Any]:
+        """The turn as a chat template is given it (the OpenAI message dict, unset fields left out)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        for k in ("name", "tool_call_id"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 def nests_deeper_than(value: object, limit: int) -> bool:
@@ -257,6 +297,59 @@ class JobBody(BaseModel):
     metadata: Annotated[dict[str, JsonValue], BeforeValidator(_check_metadata)] = Field(
         default_factory=dict, description="the client's, returned as is"
     )
+    # function calling (chat only): the functions the template is shown, and how the model may call them
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS, description="functions the model may call")
+    tool_choice: ToolChoice | None = Field(
+        default=None, description="none, auto (the default with tools), required, or one named function")
+    parallel_tool_calls: bool = Field(default=True, strict=True, description="more than one call per answer")
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_distinct(cls, v: list[Tool] | None) -> list[Tool] | None:
+        if not v:
+            return None  # [] is no tools
+        names = [t.function.name for t in v]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise PydanticCustomError("tool_name_twice", "function {name} is declared twice", {"name": dup})
+        size = len(json.dumps([t.model_dump(exclude_none=True) for t in v], ensure_ascii=False))
+        if size > MAX_TOOLS_CHARS:
+            raise PydanticCustomError("too_large", "the tools are {size} characters of JSON; the limit is {limit}",
+                                      {"size": size, "limit": MAX_TOOLS_CHARS})
+        return v
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> JobBody:
+        """tool_choice names a declared function and needs tools (unless none); required or a
+        named function holds the output to the calls through sampling.guided."""
+        choice = self.tool_choice
+        if self.tools is None:
+            if choice not in (None, "none"):
+                raise PydanticCustomError("tool_choice_needs_tools", "tool_choice: only with tools")
+            return self
+        if self.messages is None:
+            raise PydanticCustomError("tools_need_messages", "tools: chat turns only (messages)")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise PydanticCustomError("tool_choice_unknown", "tool_choice names function {name}, not among the tools",
+                                      {"name": choice.function.name})
+        try:
+            guide = tools_guide(self.tools, choice, self.parallel_tool_calls)
+        except ValueError as exc:  # (the combined schema past the guided-decoding limit)
+            raise PydanticCustomError("too_large", "tool_choice: the functions' schemas together are too large "
+                                      "to constrain the output ({why})", {"why": str(exc)[:200]}) from None
+        if guide is not None:
+            if self.sampling.guided is None:
+                self.sampling = self.sampling.model_copy(update={"guided": guide})
+            elif self.sampling.guided.key != guide.key:
+                raise PydanticCustomError(
+                    "tool_choice_guided", "tool_choice required or a named function constrains the output "
+                    "itself: not with response_format (or another guided decoding)")
+        return self
+
+    @property
+    def tool_use(self) -> ToolUse | None:
+        """How to read tool calls out of its output (None: plain text)."""
+        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @field_validator("prompt")
     @classmethod
@@ -308,7 +401,7 @@ class JobBody(BaseModel):
                     {"chars": chars, "limit": MAX_PROMPT_CHARS},
                 )
         if self.messages is not None:
-            chars = sum(len(m.content) for m in self.messages)
+            chars = sum(m.chars for m in self.messages)
             if chars > MAX_PROMPT_CHARS:
                 raise PydanticCustomError(
                     "too_large",
@@ -338,7 +431,7 @@ class JobBody(BaseModel):
             # token ids as decimal text (the first 65536: 128k characters or more, past any routing prefix)
             return first if isinstance(first, str) else " ".join(map(str, first[:65536]))
         assert self.messages is not None
-        return "".join(f"<{m.role}>{m.content}" for m in self.messages)
+        return "".join(f"<{m.role}>{m.content or ''}" for m in self.messages)
 
 
 # Fields the server sets; a client (a batch line, a POST body) that sends one gets an error
@@ -365,6 +458,9 @@ class JobInput(JobBody):
             "priority": self.priority,
             "prefix_key": self.prefix_key,
             "metadata": self.metadata,
+            "tools": self.tools,
+            "tool_choice": self.tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
             "custom_id": self.id,
             "batch_id": None,
             "owner": None,

@@ -24,6 +24,11 @@ MAX_LOGPROBS = 20  # alternatives reported per output token (OpenAI: top_logprob
 MAX_LOGIT_BIAS = 1_024  # tokens one request may bias (OpenAI's logit_bias)
 MAX_GUIDE_CHARS = 64 * 1024  # a guided-decoding spec (a JSON schema as JSON, a regex, the choices together)
 MAX_GUIDE_CHOICES = 1_024  # guided_choice alternatives
+MAX_TOOLS = 128  # functions one chat job may declare (OpenAI's limit)
+MAX_TOOLS_CHARS = 512 * 1024  # all of them together, as JSON
+MAX_TOOL_DESCRIPTION_CHARS = 8 * 1024  # one function's description
+MAX_SCHEMA_DEPTH = 24  # nesting of one function's parameters schema (within MAX_JSON_DEPTH of the line)
+MAX_TOOL_CALLS = 128  # calls one assistant turn of the conversation may carry
 MAX_TOP_K = 1 << 20  # top_k before the model's vocabulary is known (the engine checks it against that)
 # One job as a queue message (JSON): a line of MAX_LINE_BYTES and what the server adds to it. The
 # producer's max_request_size and the broker's message.max.bytes are set to carry it (settings,

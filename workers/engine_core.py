@@ -45,7 +45,7 @@ from schemas.sampling import SamplingParams
 from workers.choices import ChoiceGroups
 from workers.engine import EngineConfig, FinishedRequest, InvalidRequestError, LLMEngine
 from workers.engine.outputs import EngineStats
-from workers.engine.prompts import prompt_token_ids
+from workers.engine.prompts import Turn, prompt_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +62,14 @@ class AddRequest:
 
     request_id: str
     prompt: str | None
-    messages: tuple[tuple[str, str], ...] | None  # (role, content) turns
+    messages: tuple[Turn, ...] | None  # chat turns: (role, content), or the template's message dicts
     sampling: SamplingParams
     priority: int = 0
     arrival_time: float | None = None  # monotonic; None: when the core adds it
     stream: bool = False  # report its text deltas (CoreOutputs.deltas)
     fair_rank: int = 0  # LLMEngine.add_request's fair_rank
     prompts: tuple[str | tuple[int, ...], ...] | None = None  # a prompt list (JobBody.prompts)
+    tools: list[dict[str, Any]] | None = None  # the chat template's `tools` (schemas.tools.template_tools)
 
     @property
     def has_choices(self) -> bool:
@@ -100,7 +101,7 @@ def _add(engine: LLMEngine, groups: ChoiceGroups, req: AddRequest, rejected: lis
         if req.has_choices:
             _add_choices(engine, groups, req)
             return
-        ids = prompt_token_ids(engine.tokenizer, req.prompt, req.messages)
+        ids = prompt_token_ids(engine.tokenizer, req.prompt, req.messages, req.tools)
         engine.add_request(
             req.request_id,
             prompt_token_ids=ids,
@@ -121,7 +122,7 @@ def _add_choices(engine: LLMEngine, groups: ChoiceGroups, req: AddRequest) -> No
     for j, p in enumerate(req.prompts if req.prompts is not None else (req.prompt,)):
         try:
             if isinstance(p, str) or p is None:
-                ids = prompt_token_ids(engine.tokenizer, p, req.messages)
+                ids = prompt_token_ids(engine.tokenizer, p, req.messages, req.tools)
             else:
                 ids = list(p)
         except InvalidRequestError as exc:

@@ -38,6 +38,7 @@ from schemas.job import (
     JobResult,
     JobStatus,
 )
+from schemas.tools import template_tools
 from workers.engine import FinishedRequest, LLMEngine
 from workers.engine.outputs import EngineStats
 from workers.engine_core import (
@@ -381,7 +382,7 @@ class Worker:
                     AddRequest(
                         job.id,
                         job.prompt,
-                        None if job.messages is None else tuple((m.role, m.content) for m in job.messages),
+                        None if job.messages is None else tuple(m.turn() for m in job.messages),
                         job.sampling,
                         job.priority,
                         # the engine's clock: submission time moved onto the monotonic clock
@@ -390,6 +391,7 @@ class Worker:
                         fair_rank=(rank := self._fair_rank(msg.partition, floor)),
                         prompts=None if job.prompts is None else tuple(
                             p if isinstance(p, str) else tuple(p) for p in job.prompts),
+                        tools=template_tools(job.tools),
                     )
                 )
                 paused = self.intake.paused_between(submitted, wall)

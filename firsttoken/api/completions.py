@@ -53,6 +53,7 @@ from schemas.openai import (
     result_choices,
 )
 from schemas.openai.stream import DONE, completion_chunk, error_event, sse, stream_text
+from schemas.openai.tool_calls import ToolCallParser, delta_of, tool_finish
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
@@ -284,6 +285,18 @@ async def _events(run: _Run, fmt: LineFormat, include_usage: bool) -> AsyncItera
     # an echoed prompt of token ids: its text is known with the result only, so its choice's
     # output waits for it (sent whole at the end) rather than go out before its prompt
     held = {i for i, e in enumerate(echoes) if e is None}
+    use = job.tool_use if fmt is LineFormat.OPENAI_CHAT else None
+    # a job with tools: each choice's text goes through its parser, which sends content and tool-call deltas
+    parsers = None if use is None else [ToolCallParser(use, job.id, i) for i in range(len(echoes))]
+
+    def tool_chunks(i: int, events: list[Any]) -> list[bytes]:
+        out = []
+        for e in events:
+            chunk = completion_chunk(job.id, fmt, model, created, None, None, index=i)
+            chunk["choices"][0]["delta"] = delta_of(e)
+            out.append(sse(chunk))
+        return out
+
     try:
         for i in range(len(echoes)):
             yield sse(completion_chunk(job.id, fmt, model, created, "" if fmt is LineFormat.OPENAI_CHAT else None,
@@ -310,7 +323,11 @@ async def _events(run: _Run, fmt: LineFormat, include_usage: bool) -> AsyncItera
                 new = stream_text(sent[i], msg)
                 if new:
                     sent[i] += new
-                    yield sse(completion_chunk(job.id, fmt, model, created, new, None, index=i))
+                    if parsers is not None:
+                        for event in tool_chunks(i, parsers[i].feed(new)):
+                            yield event
+                    else:
+                        yield sse(completion_chunk(job.id, fmt, model, created, new, None, index=i))
             elif msg["type"] == "final":
                 result = msg["result"]
         run.ended = result is not None  # terminal (done, failed or run again): nothing to cancel
@@ -328,6 +345,11 @@ async def _events(run: _Run, fmt: LineFormat, include_usage: bool) -> AsyncItera
             for c in choices:
                 finish = None if c.finish_reason is None else c.finish_reason.value
                 rest = ((c.echo or "") if c.index in held else "") + c.text[len(sent[c.index]):]
+                if parsers is not None:  # the rest through the parser, then a last chunk of no text
+                    p = parsers[c.index]
+                    for event in tool_chunks(c.index, p.feed(rest) + p.finish()):
+                        yield event
+                    rest, finish = None, tool_finish(c.finish_reason, p.calls > 0)
                 last = completion_chunk(job.id, fmt, model, created, rest, finish, index=c.index)
                 # all of them with the last chunk: a client that joins the chunks' log-probabilities gets the list
                 last["choices"][0]["logprobs"] = choice_logprobs(c, fmt, c.echo)
@@ -382,7 +404,8 @@ async def _complete(request: Request, who: Principal, state: ApiState, fmt: Line
         result = await _final(state, request, run)
     finally:
         run.clean_up()
-    status, body = openai_response(result, fmt, state.model_name, echo_prompt(job.prompt, job.sampling, fmt))
+    status, body = openai_response(result, fmt, state.model_name, echo_prompt(job.prompt, job.sampling, fmt),
+                                   job.tool_use if fmt is LineFormat.OPENAI_CHAT else None)
     return JSONResponse(body, status_code=status)
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from schemas.job import (
     ChatMessage,
     Choice,
@@ -19,6 +21,7 @@ from schemas.job import (
     Usage,
 )
 from schemas.sampling import SamplingParams
+from schemas.tools import Tool, ToolChoice, ToolUse, tool_use
 
 
 @dataclass
@@ -61,6 +64,17 @@ class JobRecord:
     deliveries: int = 0  # times a worker took it into its engine (ResultStore.admit)
     prompts: list[str | list[int]] | None = None  # a prompt list (`prompt` is then None)
     choices: list[Choice] | None = None  # every choice, of a job that has several
+    tools: dict[str, Any] | None = None  # a chat job's {"tools", "tool_choice", "parallel_tool_calls"}
+
+    @property
+    def tool_use(self) -> ToolUse | None:
+        """How to read tool calls out of its output (None: plain text)."""
+        if self.tools is None:
+            return None
+        t = self.tools
+        return tool_use([Tool.model_validate(x) for x in t.get("tools") or ()],
+                        TypeAdapter(ToolChoice | None).validate_python(t.get("tool_choice")),
+                        t.get("parallel_tool_calls", True) is not False)
 
     def request(self) -> JobRequest | None:
         """The JobRequest this row was made from, or None for a row written from a result alone."""
@@ -81,6 +95,7 @@ class JobRecord:
             prefix_key=self.prefix_key,
             metadata=self.metadata,
             submitted_at=self.timings.submitted_at,
+            **(self.tools or {}),
         )
 
     def result(self) -> JobResult | None:

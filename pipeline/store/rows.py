@@ -42,7 +42,8 @@ MAX_PARAMS = 30_000
 # recorded at submission, admitted_at and worker recorded by admit).
 KEEP_IF_NULL = ("submitted_at", "admitted_at", "first_token_at", "worker", "model")
 REQUEST_COLUMNS = (
-    "prompt", "prompts", "messages", "sampling", "prefix_key", "metadata", "custom_id", "owner", "line_no", "line_format"
+    "prompt", "prompts", "messages", "sampling", "prefix_key", "metadata", "custom_id", "owner", "line_no", "line_format",
+    "tools",
 )
 # What a row that holds a line's error (no JobRequest) may be given besides the result.
 LINE_COLUMNS = frozenset({"owner", "line_no", "line_format"})
@@ -64,8 +65,9 @@ def request_row(job: JobRequest, status: JobStatus, now: float) -> dict[str, Any
         "status": status.value,
         "prompt": job.prompt,
         "prompts": job.prompts,
-        "messages": None if job.messages is None else [m.model_dump() for m in job.messages],
+        "messages": None if job.messages is None else [m.model_dump(exclude_none=True) for m in job.messages],
         "sampling": job.sampling.model_dump(mode="json"),
+        "tools": tools_doc(job),
         "priority": job.priority,
         "prefix_key": job.prefix_key,
         "metadata": dict(job.metadata),
@@ -91,6 +93,7 @@ def result_row(
         "prompts": None,
         "messages": None,
         "sampling": None,
+        "tools": None,
         "prefix_key": None,
         "metadata": None,
         "custom_id": result.custom_id,
@@ -163,6 +166,16 @@ def first_by_id(items: Iterable[Any], key: Callable[[Any], str]) -> list[Any]:
     return out
 
 
+def tools_doc(job: JobRequest) -> dict[str, Any] | None:
+    """The `tools` column of a job: its tools, tool_choice and parallel_tool_calls, or null."""
+    if job.tools is None:
+        return None
+    choice = job.tool_choice
+    return {"tools": [t.model_dump(exclude_none=True) for t in job.tools],
+            "tool_choice": choice if choice is None or isinstance(choice, str) else choice.model_dump(),
+            "parallel_tool_calls": job.parallel_tool_calls}
+
+
 def job_record(row: Row[Any]) -> JobRecord:
     m = row._mapping
     messages = m["messages"]
@@ -201,6 +214,7 @@ def job_record(row: Row[Any]) -> JobRecord:
             None if x is None else TokenLogprobs.model_validate(x) for x in m["prompt_logprobs"]],
         deliveries=m["deliveries"],
         choices=None if m["choices"] is None else [Choice.model_validate(x) for x in m["choices"]],
+        tools=m["tools"],
     )
 
 

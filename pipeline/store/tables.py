@@ -81,6 +81,8 @@ jobs = Table(
     # every choice of a job that has several (text, finish_reason, logprobs: the first choice's)
     Column("prompts", JsonDoc, nullable=True),
     Column("choices", JsonDoc, nullable=True),
+    # added by revision 0010: a chat job's tools, tool_choice and parallel_tool_calls (one JSON object)
+    Column("tools", JsonDoc, nullable=True),
     # row bookkeeping, epoch seconds
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),

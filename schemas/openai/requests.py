@@ -34,9 +34,9 @@ _OPENAI_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "echo": (False, None),
     "suffix": (None, ""),
     "response_format": ({"type": "text"}, None),
-    "tools": ([], None),
-    "tool_choice": ("none", None),
 }
+# chat only: taken as they are (schemas.tools validates them)
+_OPENAI_TOOLS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 
 
 def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | None = None) -> dict[str, Any]:
@@ -49,6 +49,9 @@ def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | 
             request["messages"] = value
         elif key == "prompt" and fmt is LineFormat.OPENAI_COMPLETIONS:
             request.update(openai_prompt(value))
+        elif key in _OPENAI_TOOLS and fmt is LineFormat.OPENAI_CHAT:
+            if value is not None:
+                request[key] = value
         elif key in ("echo", "best_of") and fmt is LineFormat.OPENAI_COMPLETIONS:
             if value is not None:
                 sampling[key] = value

@@ -10,13 +10,16 @@ from typing import Any
 from schemas.job import Choice, ErrorCode, JobResult, JobStatus, TokenLogprobs, TopLogprob
 from schemas.openai.errors import HTTP_STATUS, error_body
 from schemas.openai.formats import LineFormat
+from schemas.openai.tool_calls import parse_tool_calls, tool_finish
 from schemas.sampling import SamplingParams
+from schemas.tools import ToolUse
 
 
-def plain_output(result: JobResult, echo: str | None = None) -> dict[str, Any]:
+def plain_output(result: JobResult, echo: str | None = None, tools: ToolUse | None = None) -> dict[str, Any]:
     """The plain output object of one result: `id` is the client's id (null for a line that had
     none), `job_id` firsttoken's, then the JobResult's fields, JSON-ready (`echo`: the prompt the
-    text starts with)."""
+    text starts with; `tools`: the job's ToolUse, whose calls are added as `tool_calls`, the raw
+    text kept)."""
     out: dict[str, Any] = {"id": result.custom_id, "job_id": result.id}
     # not asked: not shown
     absent = {k for k in ("logprobs", "prompt_logprobs", "choices") if getattr(result, k) is None}
@@ -27,6 +30,11 @@ def plain_output(result: JobResult, echo: str | None = None) -> dict[str, Any]:
         out["choices"] = [_plain_choice(c) for c in result.choices]
         if result.status is JobStatus.SUCCEEDED:  # the first choice's, as the row's own columns
             out["text"] = out["choices"][0]["text"]
+    if tools is not None and result.status is JobStatus.SUCCEEDED:
+        for c, target in zip(result_choices(result), out.get("choices") or [out]):
+            calls = parse_tool_calls(tools, c.text, result.id, c.index)[1]
+            if calls:
+                target["tool_calls"] = calls
     return out
 
 
@@ -120,11 +128,18 @@ def _prompt_logprobs_field(lps: list[TokenLogprobs | None]) -> list[dict[str, An
         "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in lp.top]} for lp in lps]
 
 
-def openai_choice(c: Choice, fmt: LineFormat) -> dict[str, Any]:
-    """One choice of a (chat) completion response."""
+def openai_choice(c: Choice, fmt: LineFormat, tools: ToolUse | None = None, job_id: str = "") -> dict[str, Any]:
+    """One choice of a (chat) completion response; `tools`: how to read the tool calls of job
+    `job_id` out of its text (the message's tool_calls, finish_reason tool_calls)."""
     finish = None if c.finish_reason is None else c.finish_reason.value
     if fmt is LineFormat.OPENAI_CHAT:
-        out: dict[str, Any] = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if tools is not None:
+            content, calls = parse_tool_calls(tools, c.text, job_id, c.index)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = tool_finish(c.finish_reason, True)
+        out: dict[str, Any] = {"index": c.index, "message": message,
                                "finish_reason": finish, "logprobs": openai_logprobs(c.logprobs, fmt)}
     else:
         out = {"index": c.index, "text": (c.echo or "") + c.text, "finish_reason": finish,
@@ -135,11 +150,12 @@ def openai_choice(c: Choice, fmt: LineFormat) -> dict[str, Any]:
 
 
 def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None,
-                    echo: str | None = None) -> tuple[int, dict[str, Any]]:
+                    echo: str | None = None, tools: ToolUse | None = None) -> tuple[int, dict[str, Any]]:
     """(HTTP status, body) of one result as an OpenAI (chat) completions response; a failed or
     cancelled job gives its error status and an OpenAI error body. The body carries the job's
     timings under `firsttoken`. `echo`: the prompt a text completion starts with (echo_prompt; a
-    result with choices has each choice's own)."""
+    result with choices has each choice's own). `tools`: the job's ToolUse (its tool calls are
+    read out of each choice's text)."""
     if result.status is JobStatus.SUCCEEDED:
         created = int(result.timings.finished_at or 0)
         if fmt is LineFormat.OPENAI_CHAT:
@@ -151,7 +167,7 @@ def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None
             "object": obj,
             "created": created,
             "model": model or result.model,
-            "choices": [openai_choice(c, fmt) for c in result_choices(result, echo)],
+            "choices": [openai_choice(c, fmt, tools, result.id) for c in result_choices(result, echo)],
             "usage": openai_usage(result),
             "firsttoken": firsttoken_extension(result),
         }
@@ -160,11 +176,12 @@ def openai_response(result: JobResult, fmt: LineFormat, model: str | None = None
     return status, error_body(code, result.error_message or code.value, status=status)
 
 
-def openai_output(result: JobResult, fmt: LineFormat, echo: str | None = None) -> dict[str, Any]:
+def openai_output(result: JobResult, fmt: LineFormat, echo: str | None = None,
+                  tools: ToolUse | None = None) -> dict[str, Any]:
     """The OpenAI Batch API output object of one result (`custom_id` = the line's custom id)."""
     if fmt is LineFormat.PLAIN:
         raise ValueError("openai_output needs an OpenAI line format")
-    status_code, body = openai_response(result, fmt, echo=echo)
+    status_code, body = openai_response(result, fmt, echo=echo, tools=tools)
     return {
         "id": f"batch_req_{result.id}",
         "custom_id": result.custom_id,
@@ -173,8 +190,10 @@ def openai_output(result: JobResult, fmt: LineFormat, echo: str | None = None) -
     }
 
 
-def format_output_line(result: JobResult, fmt: LineFormat, echo: str | None = None) -> str:
+def format_output_line(result: JobResult, fmt: LineFormat, echo: str | None = None,
+                       tools: ToolUse | None = None) -> str:
     """One output JSONL line (with its newline) for `result`, in the format its input line had
-    (`echo`: the prompt its text completion starts with)."""
-    obj = plain_output(result, echo) if fmt is LineFormat.PLAIN else openai_output(result, fmt, echo)
+    (`echo`: the prompt its text completion starts with; `tools`: the job's ToolUse, whose calls
+    are read out of the text)."""
+    obj = plain_output(result, echo, tools) if fmt is LineFormat.PLAIN else openai_output(result, fmt, echo, tools)
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"

@@ -66,13 +66,15 @@ def render_chat(
     *,
     add_generation_prompt: bool = True,
     special_tokens: dict[str, str] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text of `messages` under the template `source` (special token strings such as
-    bos_token and eos_token passed to it). Raises ChatTemplateError."""
+    bos_token and eos_token passed to it; `tools`, the functions the model may call, as
+    transformers passes them: OpenAI's tool dicts, or None). Raises ChatTemplateError."""
     template = compile_template(source)
     try:
         return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **(special_tokens or {})
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **(special_tokens or {})
         )
     except jinja2.exceptions.SecurityError as exc:
         raise ChatTemplateError(f"the chat template tried an unsafe operation: {exc}") from None

@@ -13,11 +13,14 @@ later on a worker, and LLMEngine.add_request runs them again on the worker.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from schemas.job import ErrorCode, JobRequest
 from schemas.sampling import SamplingParams
+from schemas.tools import template_tools
 from workers.engine.chat_template import ChatTemplateError
 from workers.engine.config import ModelConfig
 from workers.engine.downloads import resolve_model, unknown_model_message
@@ -63,21 +66,68 @@ def model_context(model: str, max_model_len: int | None = None) -> int:
     return max_model_len or _model_config(model).max_position_embeddings
 
 
+# a chat turn: (role, content), or the message dict a template is given (ChatMessage.turn())
+Turn = tuple[str, str] | Mapping[str, Any]
+
+
+def _call_for_template(call: Mapping[str, Any]) -> dict[str, Any]:
+    """An assistant turn's tool call with its arguments as an object, as chat templates (and
+    transformers' documentation) expect them; arguments that are no JSON object stay text."""
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            fn["arguments"] = parsed
+    return {**call, "function": fn}
+
+
+def _calls_as_text(calls: list[dict[str, Any]]) -> str:
+    """Tool calls written the way Hermes / Qwen templates write them (for a template that does
+    not render tool_calls: the model still sees what it called)."""
+    return "\n".join("<tool_call>\n" + json.dumps({"name": c["function"].get("name"), "arguments":
+                      c["function"].get("arguments")}, ensure_ascii=False) + "\n</tool_call>" for c in calls)
+
+
+def template_turns(messages: Sequence[Turn], template: str | None) -> list[dict[str, Any]]:
+    """The message dicts a chat template is given. Tool calls' arguments become objects; a
+    template that never mentions `tool_calls` gets an assistant turn's calls in its content instead
+    (Hermes' `<tool_call>` form), and no turn's content is then null."""
+    renders_calls = template is not None and "tool_calls" in template
+    out = []
+    for t in messages:
+        turn = {"role": t[0], "content": t[1]} if isinstance(t, tuple) else dict(t)
+        calls = [_call_for_template(c) for c in turn.get("tool_calls") or ()]
+        if calls and renders_calls:
+            turn["tool_calls"] = calls
+        elif calls:
+            del turn["tool_calls"]
+            turn["content"] = "\n".join(x for x in (turn.get("content"), _calls_as_text(calls)) if x)
+        out.append(turn)
+    return out
+
+
 def prompt_token_ids(
-    tokenizer: Tokenizer, prompt: str | None, messages: Sequence[tuple[str, str]] | None
+    tokenizer: Tokenizer, prompt: str | None, messages: Sequence[Turn] | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The token ids of a job's prompt (text, or (role, content) chat turns).
+    """The token ids of a job's prompt: text, or chat turns (with the tools the model may call,
+    passed to the template as transformers does).
 
     Raises InvalidRequestError (invalid_request) when the chat template refuses the turns.
     """
     if prompt is not None:
         return tokenizer.encode(prompt)
-    turns = [{"role": role, "content": content} for role, content in messages or ()]
+    turns = template_turns(messages or (), tokenizer.chat_template)
     if not tokenizer.chat_template:
-        text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+        text = "" if not tools else "tools: " + json.dumps(tools, ensure_ascii=False) + "\n"
+        text += "".join(f"{t['role']}: {t.get('content') or ''}\n" for t in turns) + "assistant:"
         return tokenizer.encode(text)
     try:
-        text = tokenizer.apply_chat_template(turns)
+        text = tokenizer.apply_chat_template(turns, tools=tools)
     except ChatTemplateError as exc:
         raise InvalidRequestError(ErrorCode.INVALID_REQUEST, f"chat template: {exc}") from None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -161,9 +211,9 @@ class SubmitCheck:
                 if problem is not None:
                     return problem[0], f"prompt {j}: {problem[1]}" if len(job.prompts) > 1 else problem[1]
             return None
-        turns = None if job.messages is None else [(m.role, m.content) for m in job.messages]
+        turns = None if job.messages is None else [m.turn() for m in job.messages]
         try:
-            n = len(prompt_token_ids(self.tokenizer, job.prompt, turns))
+            n = len(prompt_token_ids(self.tokenizer, job.prompt, turns, template_tools(job.tools)))
         except InvalidRequestError as exc:
             return exc.code, exc.message
         return length_problem(n, job.sampling, max_model_len=self.max_model_len)

@@ -82,8 +82,10 @@ class Tokenizer:
         """Each id decoded alone, special tokens included (log-probabilities name their tokens)."""
         return self._tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the checkpoint's own Jinja chat template, in a sandbox.
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render chat messages (and the tools the model may call) with the checkpoint's own Jinja
+        chat template, in a sandbox.
 
         The text already holds the template's special tokens (a BOS, for Llama and Mistral):
         encode it with `add_special_tokens=False`, as transformers does. Raises ChatTemplateError.
@@ -91,7 +93,8 @@ class Tokenizer:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt")
         return render_chat(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt, special_tokens=self.special
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt, special_tokens=self.special,
+            tools=tools,
         )
 
 
