@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from schemas.sampling import GuidedDecoding
+from schemas.job import ErrorCode
+from schemas.sampling import GuidedDecoding, SamplingParams
 
 # llguidance's JSON options (JsonCompileOptions), applied over the schema's own "x-guidance"
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -61,6 +62,15 @@ def refusal(spec: GuidedDecoding, why: str) -> str:
     if len(why) > MAX_MESSAGE_CHARS:
         why = why[:MAX_MESSAGE_CHARS] + "..."
     return f"the grammar engine cannot enforce this {what}: {why}"
+
+
+def job_grammar_problem(sampling: SamplingParams) -> tuple[ErrorCode, str] | None:
+    """A job's guided spec, checked: None when it has none or the engine takes it, else
+    (invalid_grammar, why): the shape of a submission check (pipeline.producer.JobCheck)."""
+    if sampling.guided is None:
+        return None
+    problem = grammar_problem(sampling.guided)
+    return None if problem is None else (ErrorCode.INVALID_GRAMMAR, problem)
 
 
 def _strings(spec: GuidedDecoding) -> set[str]:

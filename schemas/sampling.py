@@ -8,9 +8,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.limits import (
+    MAX_CHOICES,
     MAX_GUIDE_CHARS,
     MAX_GUIDE_CHOICES,
-    MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_CHARS,

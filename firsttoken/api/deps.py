@@ -19,11 +19,25 @@ from pipeline.queue.base import JobQueue
 from pipeline.settings import Settings
 from pipeline.store import BatchRecord, JobRecord, ResultStore
 from schemas.batchfile import loads_strict
-from schemas.job import ErrorCode, job_id_of_owner
+from schemas.grammar import job_grammar_problem
+from schemas.job import ErrorCode, JobRequest, job_id_of_owner
 
 log = logging.getLogger(__name__)
 
 Canceller = Callable[[Sequence[str], "str | None"], None]
+
+
+def _with_grammar_check(check: JobCheck | None) -> JobCheck:
+    """`check`, after the guided-decoding spec's: a spec the grammar engine refuses is the
+    job's invalid_grammar at submission (checked with no tokenizer: schemas.grammar)."""
+
+    def checked(job: JobRequest) -> tuple[ErrorCode, str] | None:
+        problem = job_grammar_problem(job.sampling)
+        if problem is None and check is not None:
+            problem = check(job)
+        return problem
+
+    return checked
 
 
 class ApiError(Exception):
@@ -98,6 +112,7 @@ class ApiState:
 
     def __post_init__(self) -> None:
         self.model_ids = served_model_ids(self.model_name)
+        self.check = _with_grammar_check(self.check)
 
     def check_model(self, name: object, where: str = "model") -> None:
         """Nothing when a request's `model` names the served model (or is absent); 404

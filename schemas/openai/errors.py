@@ -15,6 +15,7 @@ HTTP_STATUS = {
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.PROMPT_TOO_LONG: 400,
     ErrorCode.INVALID_SAMPLING: 400,
+    ErrorCode.INVALID_GRAMMAR: 400,
     ErrorCode.UNDECODABLE: 400,
     ErrorCode.DUPLICATE_ID: 400,
     ErrorCode.TOO_LARGE: 413,

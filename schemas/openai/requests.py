@@ -8,6 +8,7 @@ from typing import Any
 from schemas.job import ErrorCode, LineError, prompt_item_problem
 from schemas.limits import MAX_LOGPROBS
 from schemas.openai.formats import LineFormat
+from schemas.openai.guided import GUIDED_FIELDS, openai_guided
 
 # OpenAI body fields taken as they are, renamed, or accepted only at their default (no-op) value.
 _OPENAI_SAMPLING = {
@@ -33,7 +34,6 @@ _OPENAI_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "stream": (False, None),
     "echo": (False, None),
     "suffix": (None, ""),
-    "response_format": ({"type": "text"}, None),
 }
 # chat only: taken as they are (schemas.tools validates them)
 _OPENAI_TOOLS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
@@ -44,6 +44,7 @@ def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | 
     request: dict[str, Any] = {} if custom_id is None else {"id": custom_id}
     sampling: dict[str, Any] = {}
     metadata: dict[str, Any] = {}
+    guided: dict[str, Any] = {}  # response_format and vLLM's guided_* (schemas.openai.guided)
     for key, value in body.items():
         if key == "messages" and fmt is LineFormat.OPENAI_CHAT:
             request["messages"] = value
@@ -64,6 +65,8 @@ def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | 
                         f"body.{key}: given twice (max_tokens/max_completion_tokens)",
                     )
                 sampling[name] = value
+        elif key in GUIDED_FIELDS:
+            guided[key] = value
         elif key in ("logprobs", "top_logprobs"):
             pass  # below: their meaning depends on the endpoint
         elif key in _OPENAI_IGNORED:
@@ -83,6 +86,9 @@ def openai_body_request(body: dict[str, Any], fmt: LineFormat, custom_id: str | 
         raise LineError(ErrorCode.INVALID_REQUEST, "body.messages: required for /v1/chat/completions")
     if fmt is LineFormat.OPENAI_COMPLETIONS and "prompt" not in request and "prompts" not in request:
         raise LineError(ErrorCode.INVALID_REQUEST, "body.prompt: required for /v1/completions")
+    spec = openai_guided(guided)
+    if spec is not None:
+        sampling["guided"] = spec
     n = openai_logprobs_asked(body, fmt)
     if n is not None:
         sampling["logprobs"] = n
