@@ -333,7 +333,8 @@ class LLMEngine:
         if self._grammars is None:
             from workers.engine.guided import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                             sorted(self.eos_token_ids) or None)
         return self._grammars
 
     def _guide_masks(self, reqs: list[Request], prev: InFlightStep | None,
@@ -356,12 +357,15 @@ class LLMEngine:
             self._mask_bufs = [torch.empty((n, words), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         buf = self._mask_bufs[self._mask_turn][: len(rows)]
         self._mask_turn ^= 1
+        live = []
         for j, i in enumerate(rows):
             req = reqs[i]
             if req.status is RequestStatus.FINISHED:
                 buf[j].fill_(-1)  # stopped by the step read back just now: its token here is dropped
             else:
-                req.guide.fill_bitmask(buf, j)
+                live.append((req.guide, j))
+        if live:
+            self._grammars.fill_bitmasks(live, buf)  # in llguidance's threads
         index = torch.tensor(rows, dtype=torch.int64)
         return index.to(dev, non_blocking=True), buf.to(dev, non_blocking=True)
 
