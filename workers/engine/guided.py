@@ -26,15 +26,16 @@ The contract the engine relies on (workers/engine/engine.py, model_runner.py):
 
 The grammar engine is llguidance, chosen by measurement (bench/bench_grammar.py,
 bench/results/2026-12-02-grammar-cpu.md: SmolLM2-135M's tokenizer, 16 JSON schemas, json_object, a
-regex and a choice, on the 2-core development CPU). The deciding number, one decode step's 64 masks
-(64 rows over 18 specs): llguidance p50 1.0 ms, p99 2.0 ms, inside the H200's b64 TPOT (4.4 ms FP8,
-6.8 ms bf16) even at p99, so the host fills them while the device runs the forward; xgrammar 0.4-0.8
-ms at p50 but 11-16 ms at p99 (numeric bounds: 10 ms for one mask), outlines-core 1.9 / 4.0 ms. Of
-the three only llguidance refuses what it cannot enforce (uniqueItems, not, if/then: by name) rather
-than accepting the schema and letting invalid output through (xgrammar: not, if/then; outlines-core:
-five schemas); it has no dependencies (xgrammar needs torch, transformers and apache-tvm-ffi) and
-validates a grammar without a tokenizer (the API's cheap check). Its cost: 2.7 s to index a 49k
-vocabulary once per engine (LLTokenizer).
+regex and a choice, on the 2-core development CPU, busy). The deciding number, one decode step's 64
+masks (64 rows over 18 specs): llguidance p50 0.7-1.7 ms, p99 2.0-2.6 ms on the quieter runs, inside
+the H200's b64 TPOT (4.4 ms FP8, 6.8 ms bf16), so the host fills them while the device runs the
+forward; xgrammar 0.45-0.75 ms at p50 but 11-26 ms at p99 (numeric bounds: 10-24 ms for one mask),
+outlines-core about 2 / 4-7 ms. Of the three only llguidance refuses what it cannot enforce
+(uniqueItems, not, if/then: by name) rather than accepting the schema and letting invalid output
+through (xgrammar: not, if/then; outlines-core: five schemas); it has no dependencies (xgrammar
+needs torch, transformers and apache-tvm-ffi) and validates a grammar without a tokenizer (the
+API's check, under 1.5 ms). Its cost: 0.3-0.6 s to index a 49k vocabulary once per engine
+(LLTokenizer). Not measured yet on the H200 host (16 cores) nor the apply on the device.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class GrammarCompiler:
         if any(not 0 <= t < tokenizer.vocab_size for t in self.eos_token_ids):
             raise ValueError(f"guided decoding: end-of-sequence ids {self.eos_token_ids} outside the tokenizer's "
                              f"vocabulary ({tokenizer.vocab_size})")
-        # indexes the vocabulary once (2.7 s for SmolLM2's 49k tokens on the 2-core CPU); ids past
+        # indexes the vocabulary once (0.3-0.6 s for SmolLM2's 49k tokens on the 2-core CPU); ids past
         # the tokenizer's up to vocab_size are tokens of no bytes, never allowed
         self._tok = llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=vocab_size,
                                            eos_token=self.eos_token_ids)
