@@ -115,12 +115,16 @@ def _bit(j: int) -> int:
 
 
 def _row(bitmask: torch.Tensor, row: int, words: int) -> torch.Tensor:
+    return _checked(bitmask, words)[row]
+
+
+def _checked(bitmask: torch.Tensor, words: int) -> torch.Tensor:
     if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
         raise ValueError(f"a token bitmask is a CPU int32 [rows, words] tensor, not {bitmask.dtype} {tuple(bitmask.shape)} "
                          f"on {bitmask.device}")
     if bitmask.shape[1] != words or not bitmask.is_contiguous():
         raise ValueError(f"a token bitmask row has {words} contiguous words here, not {bitmask.shape[1]}")
-    return bitmask[row]
+    return bitmask
 
 
 class GrammarCompiler:
@@ -185,7 +189,7 @@ class GrammarCompiler:
         """Each (matcher, row)'s mask into its row of `bitmask`, in parallel threads."""
         import llguidance
 
-        _row(bitmask, 0, self.words)  # the checks
+        _checked(bitmask, self.words)
         live = [(m._m, r) for m, r in matchers if not m._m.is_error()]
         for m, r in matchers:
             if m._m.is_error():

@@ -340,6 +340,9 @@ def test_parallel_fill_equals_row_by_row(tiny):
         m.fill_bitmask(seq, r)
     assert torch.equal(par, seq)
     assert par[: len(matchers)].any(dim=1).all()
+    compiler.fill_bitmasks([], torch.zeros((0, compiler.words), dtype=torch.int32))  # no rows: nothing to do
+    with pytest.raises(ValueError, match="CPU int32"):
+        compiler.fill_bitmasks(list(zip(matchers, rows)), par.to(torch.int64))
 
 
 def _reference_apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
