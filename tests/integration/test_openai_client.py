@@ -557,3 +557,153 @@ def test_n_and_best_of_on_the_real_model(real_stack):
     assert [c["message"]["content"] for c in out["n3"]["response"]["body"]["choices"]] == contents
     err = out["bad"]["response"]["body"]["error"]
     assert err["code"] == "invalid_request" and "best_of" in err["message"]
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+       "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}},
+         {"type": "function", "function": {"name": "now", "description": "The time now"}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD, "now": {"type": "object", "properties": {}, "additionalProperties": False}}
+
+
+def _valid_calls(calls) -> list[tuple[str, dict]]:
+    """Each call's (name, arguments), having checked its id, type, and arguments against its schema."""
+    import jsonschema
+
+    out = []
+    for c in calls:
+        c = c if isinstance(c, dict) else c.model_dump()
+        assert c["id"].startswith("call_") and c["type"] == "function", c
+        args = json.loads(c["function"]["arguments"])
+        jsonschema.validate(args, SCHEMAS[c["function"]["name"]])
+        out.append((c["function"]["name"], args))
+    return out
+
+
+def _streamed_tool_calls(stream) -> tuple[list[dict], str | None, str | None, int]:
+    """A chat stream's tool calls joined from their delta chunks (the header with id, type and name
+    first, then argument pieces), its content, its finish reason, and how many argument pieces came."""
+    calls: dict[int, dict] = {}
+    content, finish, pieces = None, None, 0
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.delta.content:
+                content = (content or "") + c.delta.content
+            for d in c.delta.tool_calls or ():
+                if d.index not in calls:
+                    assert d.id and d.type == "function" and d.function.name and d.function.arguments == "", d
+                    calls[d.index] = {"id": d.id, "type": "function",
+                                      "function": {"name": d.function.name, "arguments": ""}}
+                else:
+                    assert d.id is None and d.function.name is None
+                    calls[d.index]["function"]["arguments"] += d.function.arguments
+                    pieces += 1
+            if c.finish_reason:
+                assert finish is None
+                finish = c.finish_reason
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in sorted(calls)], content, finish, pieces
+
+
+def test_tools_on_the_real_model_live_streamed_and_in_batch_files(real_stack):
+    """tools / tool_choice on SmolLM2 through the whole stack with the openai client: a named
+    function and required hold the output to calls whose arguments validate against the function's
+    schema (greedy and sampled, n > 1), with finish_reason tool_calls; streamed, the tool-call
+    deltas join into the plain answer; a conversation with an assistant turn's tool calls and a
+    tool turn is rendered and answered; auto and none answer (SmolLM2's template ignores tools:
+    a plain message unless it writes a call); bad tools are 400 invalid_request_error live and a
+    failed line in a batch file, whose other lines answer as live."""
+    import openai
+
+    from workers.engine.prompts import load_tokenizer, prompt_token_ids
+
+    client = openai.OpenAI(base_url=real_stack + "/v1", api_key=KEY, max_retries=0, timeout=180)
+    ask = dict(model="smollm2-135m", max_tokens=60, temperature=0, tools=TOOLS)
+    questions = ["What is the weather in Paris?", "Add 2 and 40.", "What time is it?", "Is it cold in Oslo today?"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    live: dict[tuple[str, str], object] = {}
+    for q in questions:
+        messages = [{"role": "user", "content": q}]
+        r = client.chat.completions.create(messages=messages, tool_choice=named, **ask)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        assert [n for n, _ in _valid_calls(c.message.tool_calls)] == ["get_weather"]
+        live[(q, "named")] = c.message
+        r = client.chat.completions.create(messages=messages, tool_choice="required", **ask)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None and c.message.tool_calls, c
+        assert {n for n, _ in _valid_calls(c.message.tool_calls)} <= set(SCHEMAS)
+        live[(q, "required")] = c.message
+    # sampled, several choices: every one a valid call; one call only without parallel calls
+    r = client.chat.completions.create(messages=[{"role": "user", "content": questions[1]}], tool_choice="required",
+                                       n=3, seed=5, **(ask | {"temperature": 1.0, "max_tokens": 300}))
+    assert len(r.choices) == 3
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and _valid_calls(c.message.tool_calls)
+    one = client.chat.completions.create(messages=[{"role": "user", "content": questions[0]}], tool_choice="required",
+                                         parallel_tool_calls=False, **ask).choices[0]
+    assert len(_valid_calls(one.message.tool_calls)) == 1
+    # streamed: the deltas join into the plain answer
+    for q, mode in [(questions[0], "named"), (questions[1], "required")]:
+        calls, content, finish, pieces = _streamed_tool_calls(client.chat.completions.create(
+            messages=[{"role": "user", "content": q}], tool_choice=named if mode == "named" else "required",
+            stream=True, **ask))
+        assert finish == "tool_calls" and content is None and pieces > 3  # the arguments as they were written
+        # the plain answer's calls, argument text for argument text (the ids are each job's own)
+        assert [c["function"] for c in calls] == [t.function.model_dump() for t in live[(q, mode)].tool_calls]
+        assert all(c["id"].startswith("call_") for c in calls)
+    # the conversation goes on: the call and its result rendered, a normal answer
+    call = live[(questions[0], "named")].tool_calls[0]
+    conversation = [{"role": "user", "content": questions[0]},
+                    {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}]
+    for choice in ("none", "auto"):
+        r = client.chat.completions.create(messages=conversation, tool_choice=choice, **ask)
+        c = r.choices[0]
+        if c.message.tool_calls:  # auto: SmolLM2 wrote a call of its own
+            assert choice == "auto" and _valid_calls(c.message.tool_calls) and c.finish_reason == "tool_calls"
+        else:
+            assert isinstance(c.message.content, str) and c.finish_reason in ("stop", "length")
+    tok = load_tokenizer("smollm2-135m")
+    turns = [{"role": "user", "content": questions[0]},
+             {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+             {"role": "tool", "tool_call_id": call.id, "content": conversation[2]["content"]}]
+    assert r.usage.prompt_tokens == len(prompt_token_ids(tok, None, turns, TOOLS))
+    text = tok.decode(prompt_token_ids(tok, None, turns, TOOLS), skip_special_tokens=False)
+    assert "<tool_call>" in text and '"sky": "clear"' in text  # what it called and what came back
+    # bad tools: 400 invalid_request_error
+    msgs = [{"role": "user", "content": "hi"}]
+    for bad, needle in [
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "fly"}}), "fly"),
+        (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "name"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]), "object"),
+        (dict(tool_choice="required"), "only with tools"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=5, **bad)
+        assert e.value.body["type"] == "invalid_request_error" and needle in e.value.message, e.value.message
+    # a batch file: the same calls as live, and a failed line
+    lines = [{"custom_id": f"{mode}-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "smollm2-135m", "messages": [{"role": "user", "content": q}], "max_tokens": 60,
+                       "temperature": 0, "tools": TOOLS, "tool_choice": named if mode == "named" else "required"}}
+             for i, q in enumerate(questions) for mode in ("named", "required")]
+    lines.append({"custom_id": "unknown", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"messages": msgs, "tools": TOOLS, "tool_choice": {"type": "function",
+                                                                             "function": {"name": "fly"}}}})
+    out = _batch_output(client, "/v1/chat/completions", lines)
+    for i, q in enumerate(questions):
+        for mode in ("named", "required"):
+            body = out[f"{mode}-{i}"]["response"]["body"]
+            choice = body["choices"][0]
+            assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+            want = live[(q, mode)].tool_calls
+            # the same calls (ids are the job's own)
+            assert _valid_calls(choice["message"]["tool_calls"]) == _valid_calls(want)
+    err = out["unknown"]["response"]["body"]["error"]
+    assert out["unknown"]["response"]["status_code"] == 400
+    assert err["code"] == "invalid_request" and "fly" in err["message"]
