@@ -28,14 +28,12 @@ Canceller = Callable[[Sequence[str], "str | None"], None]
 
 
 def _with_grammar_check(check: JobCheck | None) -> JobCheck:
-    """`check`, after the guided-decoding spec's: a spec the grammar engine refuses is the
-    job's invalid_grammar at submission (checked with no tokenizer: schemas.grammar)."""
+    """`check`, then the guided-decoding spec's: a spec the grammar engine refuses is the job's
+    invalid_grammar at submission (checked with no tokenizer: schemas.grammar)."""
 
     def checked(job: JobRequest) -> tuple[ErrorCode, str] | None:
-        problem = job_grammar_problem(job.sampling)
-        if problem is None and check is not None:
-            problem = check(job)
-        return problem
+        problem = None if check is None else check(job)
+        return problem or job_grammar_problem(job.sampling)
 
     return checked
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from schemas.grammar import job_grammar_problem
 from schemas.job import ErrorCode, JobRequest
 from schemas.sampling import SamplingParams
 from schemas.tools import template_tools
@@ -197,9 +198,13 @@ class SubmitCheck:
         return cls(load_tokenizer(model), max_model_len or mc.max_position_embeddings, mc.vocab_size)
 
     def __call__(self, job: JobRequest) -> Problem | None:
+        # the engine's order: sampling, then the prompt's tokens and length, then the grammar
         problem = sampling_problem(job.sampling, vocab_size=self.vocab_size)
         if problem is not None:
             return problem
+        return self._prompt_problem(job) or job_grammar_problem(job.sampling)
+
+    def _prompt_problem(self, job: JobRequest) -> Problem | None:
         if job.prompts is not None:
             for j, p in enumerate(job.prompts):
                 if isinstance(p, str):

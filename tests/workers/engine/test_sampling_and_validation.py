@@ -174,6 +174,12 @@ def test_timings_and_stats(engine):
     {"prompt": "x" * 200, "sampling": {"max_tokens": 100}},
     {"prompt": "hi", "sampling": {"max_tokens": 4, "top_k": 1000}},
     {"prompt": "fine", "sampling": {"max_tokens": 4}},
+    # guided decoding: a spec the grammar engine refuses, after the prompt's own checks
+    {"prompt": "hi", "sampling": {"max_tokens": 4, "guided": {"kind": "regex", "regex": "a(b"}}},
+    {"prompt": "hi", "sampling": {"max_tokens": 4, "guided": {"kind": "json_schema",
+                                                              "json_schema": {"type": "array", "uniqueItems": True}}}},
+    {"prompt": "x" * 300, "sampling": {"max_tokens": 4, "guided": {"kind": "regex", "regex": "a(b"}}},
+    {"prompt": "fine", "sampling": {"max_tokens": 4, "guided": {"kind": "choice", "choices": ["yes", "no"]}}},
 ])
 def test_the_submission_check_and_the_engine_refuse_alike(engine, job):
     """One admission check with one set of codes: what SubmitCheck says at submission is what the
