@@ -26,6 +26,7 @@ from schemas.job import (
     new_job_id,
 )
 from schemas.openai import LineFormat
+from schemas.openai.tool_calls import parse_tool_calls
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["jobs"])
@@ -61,6 +62,7 @@ class JobView(BaseModel):
     error_code: str | None = None
     error_message: str | None = None
     choices: list[Choice] | None = None  # a job of several choices: all of them (text is the first's)
+    tool_calls: list[dict[str, Any]] | None = None  # a job with tools: the calls read out of its text (the first choice's)
 
 
 class Cancelled(BaseModel):
@@ -116,6 +118,9 @@ def job_view(rec: JobRecord) -> JobView:
             error_message=result.error_message,
             choices=result.choices,
         )
+        use = rec.tool_use
+        if use is not None and result.error_code is None:
+            base["tool_calls"] = parse_tool_calls(use, result.text, rec.id)[1] or None
     return JobView(**base)
 
 

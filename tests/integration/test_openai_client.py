@@ -634,6 +634,11 @@ def test_tools_on_the_real_model_live_streamed_and_in_batch_files(real_stack):
         assert c.finish_reason == "tool_calls" and c.message.content is None, c
         assert [n for n, _ in _valid_calls(c.message.tool_calls)] == ["get_weather"]
         live[(q, "named")] = c.message
+        if q == questions[0]:  # the stored row: the raw text, and the same calls read out of it
+            job = httpx.get(f"{real_stack}/v1/jobs/{r.model_extra['firsttoken']['job_id']}",
+                            headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+            assert job["tool_calls"] == [t.model_dump() for t in c.message.tool_calls]
+            assert json.loads(job["text"]) == json.loads(c.message.tool_calls[0].function.arguments)
         r = client.chat.completions.create(messages=messages, tool_choice="required", **ask)
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and c.message.content is None and c.message.tool_calls, c
