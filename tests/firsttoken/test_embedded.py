@@ -469,3 +469,42 @@ def test_the_progress_bar_counts_results_as_they_are_written(monkeypatch):
     queue.committed = committed
     embedded._wait_until_done(queue, worker, progress=True)  # type: ignore[arg-type]
     assert shown == [1, 2, 3, 4]  # by the offsets: 0, 0, 0, 4
+
+
+def test_tools_in_a_run_plain_and_openai_lines(tmp_path, capsys):
+    """Lines with tools in `firsttoken run` (tiny model, guided): a named function and required
+    (one call) answer with calls whose arguments validate, finish_reason tool_calls, in each line's
+    format; an unknown function fails its line alone; a re-run gives the same calls (same ids)."""
+    import jsonschema
+
+    unit = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+            "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "pick_unit", "parameters": unit}},
+             {"type": "function", "function": {"name": "now"}}]
+    named = {"type": "function", "function": {"name": "pick_unit"}}
+    ask = [{"role": "user", "content": "Which unit?"}]
+    body = {"messages": ask, "tools": tools, "max_tokens": 100, "temperature": 0}
+    _write(tmp_path / "in.jsonl", [
+        {"custom_id": "named", "method": "POST", "url": "/v1/chat/completions", "body": body | {"tool_choice": named}},
+        {"custom_id": "required", "method": "POST", "url": "/v1/chat/completions",
+         "body": body | {"tool_choice": "required", "parallel_tool_calls": False}},
+        {"id": "plain", "messages": ask, "tools": tools, "tool_choice": named, "sampling": {"max_tokens": 100}},
+        {"custom_id": "unknown", "method": "POST", "url": "/v1/chat/completions",
+         "body": body | {"tool_choice": {"type": "function", "function": {"name": "fly"}}}},
+    ])
+    db = f"sqlite:///{tmp_path / 'run.db'}"
+    out = run(tmp_path, db, src="in.jsonl")
+    for line in out[:2]:
+        choice = line["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, line
+        (call,) = choice["message"]["tool_calls"]
+        assert call["id"].startswith("call_") and call["type"] == "function"
+        schema = unit if call["function"]["name"] == "pick_unit" else {"type": "object", "maxProperties": 0}
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+    assert out[0]["response"]["body"]["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "pick_unit"
+    plain = out[2]
+    assert plain["status"] == "succeeded" and json.loads(plain["text"])["unit"] in ("celsius", "fahrenheit")
+    assert plain["tool_calls"][0]["function"] == {"name": "pick_unit", "arguments": plain["text"]}
+    assert out[3]["response"]["status_code"] == 400
+    assert "fly" in out[3]["response"]["body"]["error"]["message"]
+    assert run(tmp_path, db, src="in.jsonl") == out  # resumed: nothing runs, the same calls and ids
