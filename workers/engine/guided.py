@@ -18,7 +18,9 @@ The contract the engine relies on (workers/engine/engine.py, model_runner.py):
   32 * w + j; end-of-sequence allowed when the grammar may end there).
 - `Matcher.accept(token_id) -> bool`: advance by a sampled token (False: the token is not
   allowed, which a correct mask prevents). `Matcher.done`: the grammar has ended (only the end
-  of sequence may follow).
+  of sequence may follow). `Matcher.error`: why it stopped short of its grammar (a refused token,
+  or a parser limit the grammar engine hit while computing a mask), else None; such a matcher's
+  masks allow only the end of sequence, never nothing.
 - `compiler.fill_bitmasks([(matcher, row), ...], bitmask)`: the same for many matchers at once, in
   llguidance's thread pool (the GIL released): what one decode step's rows want on a many-core host.
 - `apply_bitmask(logits, bitmask, rows)`: on the device, logits[rows[i], t] = -inf where bit t
@@ -48,7 +50,7 @@ from typing import Any
 
 import torch
 
-from schemas.grammar import GrammarError, grammar_of, refusal
+from schemas.grammar import MAX_MESSAGE_CHARS, GrammarError, grammar_of, refusal
 from schemas.job import ErrorCode
 from schemas.sampling import GuidedDecoding
 from workers.engine.errors import InvalidRequestError
@@ -86,12 +88,22 @@ class Matcher:
         """Row `row` of `bitmask` (CPU int32 [rows, words]): the tokens allowed next."""
         # bitmask: [R, W] int32 on the CPU; row: [W] written in place
         v = _row(bitmask, row, self._words)
-        if self._m.is_error():  # refused a token before (the engine fails the request): only the end
-            v.zero_()
-            for t in self._eos:
-                v[t // 32] |= _bit(t % 32)
-            return
-        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)  # GIL released while it runs
+        if not self._m.is_error():
+            self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)  # GIL released while it runs
+            if not self._m.is_error():
+                return
+        # refused a token before, or the engine gave up on this step (a parser limit): only the end,
+        # never a mask of nothing (the engine fails the request: see `error`)
+        _only_end(v, self._eos)
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher stopped short of its grammar (a refused token, a parser limit hit), or
+        None: the engine's first line, bounded (no tokens, no grammar)."""
+        if not self._m.is_error():
+            return None
+        first = (self._m.get_error() or "the grammar engine stopped").strip().split("\n", 1)[0]
+        return first[:MAX_MESSAGE_CHARS]
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False when the grammar does not allow it (the matcher then
@@ -107,6 +119,12 @@ class Matcher:
     def accepting(self) -> bool:
         """The output so far is a whole sentence of the grammar (it may end here)."""
         return bool(self._m.is_accepting())
+
+
+def _only_end(v: torch.Tensor, eos: Sequence[int]) -> None:
+    v.zero_()
+    for t in eos:
+        v[t // 32] |= _bit(t % 32)
 
 
 def _bit(j: int) -> int:
@@ -148,6 +166,9 @@ class GrammarCompiler:
         # the tokenizer's up to vocab_size are tokens of no bytes, never allowed
         self._tok = llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=vocab_size,
                                            eos_token=self.eos_token_ids)
+        # a parser limit hit in a step (a pathological regex) errs the matcher with a short message:
+        # the verbose one quotes the tokens so far and the grammar (user data)
+        self._limits = llguidance.LLParserLimits(verbose_errors=False)
         self._cache: OrderedDict[str, Any] = OrderedDict()  # key -> an LLMatcher at its start, or a refusal
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -180,7 +201,7 @@ class GrammarCompiler:
             grammar = grammar_of(spec)
         except GrammarError as exc:
             return str(exc)
-        m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
+        m = llguidance.LLMatcher(self._tok, grammar, log_level=0, limits=self._limits)
         if m.is_error():
             return refusal(spec, m.get_error())
         return m
@@ -191,14 +212,13 @@ class GrammarCompiler:
 
         _checked(bitmask, self.words)
         live = [(m._m, r) for m, r in matchers if not m._m.is_error()]
-        for m, r in matchers:
+        if live:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(num_threads=self._threads)
+            self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
+        for m, r in matchers:  # refused before, or now: only the end
             if m._m.is_error():
-                m.fill_bitmask(bitmask, r)
-        if not live:
-            return
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor(num_threads=self._threads)
-        self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
+                _only_end(bitmask[r], self.eos_token_ids)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

@@ -202,6 +202,30 @@ def test_walks_end_in_the_language_smollm2(smollm2):
     _walk_all(tok, compiler, walks=4)
 
 
+@pytest.mark.slow
+def test_a_parser_limit_mid_walk_leaves_only_the_end(smollm2):
+    """A regex whose lexer grows past llguidance's limits a few tokens in: the matcher errs, its
+    masks allow only the end (never nothing: the sampler would have no token), and its error is
+    one short line without the tokens or the grammar."""
+    tok, compiler = smollm2
+    w = Walk(tok, compiler)
+    m = compiler.matcher(GuidedDecoding(kind="regex", regex="(([a-z]{1,50}){1,50}){1,50}"))
+    bm = torch.zeros((1, compiler.words), dtype=torch.int32)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        m.fill_bitmask(bm, 0)
+        if m.error is not None:
+            break
+        ids = np.flatnonzero(w.allowed(bm, 0))
+        assert m.accept(int(ids[rng.integers(len(ids))]))
+    assert m.error is not None and "too many" in m.error, m.error
+    assert "\n" not in m.error and "[a-z]" not in m.error and len(m.error) < 200
+    assert np.flatnonzero(w.allowed(bm, 0)).tolist() == compiler.eos_token_ids
+    par = torch.zeros((2, compiler.words), dtype=torch.int32)
+    compiler.fill_bitmasks([(m, 1)], par)
+    assert torch.equal(par[1], bm[0])
+
+
 def test_choice_and_regex_texts_are_exact(tiny):
     """The walk reaches each choice, special characters literal (regex_literal)."""
     tok, compiler = tiny
@@ -223,8 +247,9 @@ def test_forced_text_through_accept(tiny):
     assert all(m.accept(t) for t in ids)
     assert m.done and m.accepting
     m = compiler.matcher(spec)
-    assert m.accept(ord("{"))
+    assert m.accept(ord("{")) and m.error is None
     assert not m.accept(ord("x"))  # a key must start with its quote
+    assert m.error and m.done
     bm = torch.zeros((1, compiler.words), dtype=torch.int32)
     m.fill_bitmask(bm, 0)
     allowed = np.flatnonzero(np.unpackbits(bm[0].numpy().view(np.uint8), bitorder="little"))
