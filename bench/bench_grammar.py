@@ -482,16 +482,21 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512, help="a walk's cap")
     ap.add_argument("--steps", type=int, default=300, help="batch-64 steps timed")
     ap.add_argument("--threads", type=int, default=2, help="threads of the parallel fills")
+    ap.add_argument("--tokenizer", choices=["smollm2", "tiny"], default="smollm2")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = ap.parse_args()
-    path = ensure_model("smollm2-135m")
-    tok = Tokenizer.from_dir(path)
-    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    eos = tok._tok.token_to_id(tok.special["eos_token"])
+    if args.tokenizer == "tiny":  # the tiny preset's byte-level tokenizer: a smoke run (tests/test_bench_smoke.py)
+        tok, vocab, eos, tok_name = Tokenizer.byte_level(256, 257), 512, 257, "tiny (byte-level)"
+    else:
+        path = ensure_model("smollm2-135m")
+        tok = Tokenizer.from_dir(path)
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        eos = tok._tok.token_to_id(tok.special["eos_token"])
+        tok_name = "SmolLM2-135M-Instruct"
     data: dict[str, Any] = {
         "header": {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                    "commit": git_commit(), "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
-                   "tokenizer": "SmolLM2-135M-Instruct", "vocab": vocab, "eos": eos},
+                   "tokenizer": tok_name, "vocab": vocab, "eos": eos},
         "args": vars(args), "engines": []}
     for name in args.engines.split(","):
         print(f"# {name}", file=sys.stderr, flush=True)

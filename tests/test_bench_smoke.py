@@ -149,3 +149,13 @@ def test_the_one_command_gpu_run_script_on_cpu(tmp_path):
     data = json.loads((tmp_path / "bench_load_tiny_fp8_goodput.json").read_text())
     assert data["quantization"] == "fp8" and data["kv_cache_dtype"] == "fp8" and data["rates"][0]["requests"] > 0
     assert data["max_rate_interactive"] >= 0 and data["max_rate_server"] >= data["max_rate_interactive"]
+
+
+def test_bench_grammar_runs_on_the_tiny_tokenizer(tmp_path):
+    _run(["bench/bench_grammar.py", "--engines", "llguidance", "--tokenizer", "tiny", "--walks", "1",
+          "--steps", "4", "--out", str(tmp_path / "grammar")], tmp_path)
+    data = json.loads((tmp_path / "grammar.json").read_text())
+    (eng,) = data["engines"]
+    assert eng["engine"] == "llguidance" and eng["refused"] == ["ifthen", "not", "uniqueitems"]
+    assert eng["not_enforced"] == [] and eng["batch64"]["steps"] == 4
+    assert "| llguidance" in (tmp_path / "grammar.md").read_text()
