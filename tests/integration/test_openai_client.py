@@ -712,3 +712,46 @@ def test_tools_on_the_real_model_live_streamed_and_in_batch_files(real_stack):
     err = out["unknown"]["response"]["body"]["error"]
     assert out["unknown"]["response"]["status_code"] == 400
     assert err["code"] == "invalid_request" and "fly" in err["message"]
+
+
+def test_auto_reads_the_calls_the_real_model_writes(real_stack):
+    """tool_choice auto on SmolLM2 (its template ignores tools, so guided decoding makes it write):
+    a Hermes `<tool_call>` block after some content is read into tool_calls with that content,
+    plain and streamed alike (the content streams first, the call after); a bare JSON call
+    (response_format) is a call too; an answer with no call stays a message; with none, the same
+    text is never read."""
+    import openai
+
+    client = openai.OpenAI(base_url=real_stack + "/v1", api_key=KEY, max_retries=0, timeout=180)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    ask = dict(model="smollm2-135m", messages=messages, max_tokens=80, temperature=0, tools=TOOLS)
+    hermes = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+              r'\{"city": "(Paris|Oslo)", "unit": "(celsius|fahrenheit)"\}\}\n</tool_call>')
+    r = client.chat.completions.create(tool_choice="auto", extra_body={"guided_regex": hermes}, **ask)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Let me check.", c
+    ((name, args),) = _valid_calls(c.message.tool_calls)
+    assert name == "get_weather" and args["city"] in ("Paris", "Oslo")
+    chunks = list(client.chat.completions.create(tool_choice="auto", extra_body={"guided_regex": hermes},
+                                                 stream=True, **ask))
+    kinds = [("content" if ch.choices[0].delta.content else "call") for ch in chunks
+             if ch.choices and (ch.choices[0].delta.content or ch.choices[0].delta.tool_calls)]
+    assert kinds[0] == "content" and kinds[-1] == "call" and kinds == sorted(kinds, key=lambda k: k == "call")
+    calls, content, finish, _ = _streamed_tool_calls(iter(chunks))
+    assert (content, finish) == ("Let me check.", "tool_calls")
+    assert [x["function"] for x in calls] == [t.function.model_dump() for t in c.message.tool_calls]
+    # a bare JSON call of a declared function
+    bare = {"type": "object", "properties": {"name": {"const": "now"}, "arguments": {
+        "type": "object", "properties": {}, "additionalProperties": False}}, "required": ["name", "arguments"],
+        "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "call", "schema": bare}}
+    c = client.chat.completions.create(tool_choice="auto", response_format=fmt, **ask).choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert _valid_calls(c.message.tool_calls) == [("now", {})]
+    # no call: a message, as without tools; none: the call's text stays text
+    words = r"It is sunny in Paris\."
+    c = client.chat.completions.create(tool_choice="auto", extra_body={"guided_regex": words}, **ask).choices[0]
+    assert c.message.content == "It is sunny in Paris." and not c.message.tool_calls and c.finish_reason == "stop"
+    c = client.chat.completions.create(tool_choice="none", extra_body={"guided_regex": hermes}, **ask).choices[0]
+    assert c.message.content.startswith("Let me check.\n<tool_call>") and not c.message.tool_calls
+    assert c.finish_reason == "stop"
