@@ -1,5 +1,6 @@
 """Structured output in OpenAI request bodies: `response_format` (OpenAI's: text, json_object,
-json_schema) and vLLM's `guided_json`, `guided_regex`, `guided_choice`, as the
+json_schema) and vLLM's `guided_json`, `guided_regex`, `guided_choice` (and their newer form,
+`structured_outputs` with one of `json`, `regex`, `choice`, `json_object`), as the
 `SamplingParams.guided` spec (schemas.sampling.GuidedDecoding). Raises LineError."""
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from typing import Any
 from schemas.job import ErrorCode, LineError
 
 # the body fields that ask for structured output (at most one of them, text apart)
-GUIDED_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice"})
+GUIDED_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs"})
+# vLLM's newer form: structured_outputs {json | regex | choice | json_object: true}, one of them
+_STRUCTURED = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice"}
 _JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 
 
@@ -32,6 +35,19 @@ def openai_guided(fields: dict[str, Any]) -> dict[str, Any] | None:
 def _one(key: str, value: Any) -> dict[str, Any] | None:
     if key == "response_format":
         return response_format(value)
+    if key == "structured_outputs":
+        given = {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else None
+        if not given or len(given) != 1 or set(given) - {*_STRUCTURED, "json_object"}:
+            raise _bad(key, 'an object with one of "json", "regex", "choice" or "json_object": true')
+        (k, v), = given.items()
+        if k == "json_object":
+            if v is not True:
+                raise _bad(f"{key}.json_object", "true")
+            return {"kind": "json_object"}
+        try:
+            return _one(_STRUCTURED[k], v)
+        except LineError as exc:
+            raise _bad(f"{key}.{k}", exc.message.split(": ", 1)[1]) from None
     if key == "guided_json":
         if isinstance(value, str):  # vLLM takes the schema as JSON text too
             try:

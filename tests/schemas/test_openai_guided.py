@@ -44,6 +44,10 @@ def _guided(body: dict, fmt: LineFormat) -> GuidedDecoding | None:
         ({"guided_json": json.dumps(SCHEMA)}, GuidedDecoding(kind="json_schema", json_schema=SCHEMA)),
         ({"guided_regex": r"[0-9]{3}-[a-z]+"}, GuidedDecoding(kind="regex", regex=r"[0-9]{3}-[a-z]+")),
         ({"guided_choice": ["yes", "no"]}, GuidedDecoding(kind="choice", choices=["yes", "no"])),
+        ({"structured_outputs": {"json": SCHEMA}}, GuidedDecoding(kind="json_schema", json_schema=SCHEMA)),
+        ({"structured_outputs": {"regex": "a+", "choice": None}}, GuidedDecoding(kind="regex", regex="a+")),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, GuidedDecoding(kind="choice", choices=["x", "y"])),
+        ({"structured_outputs": {"json_object": True}}, GuidedDecoding(kind="json_object")),
         # text alongside a guided field: the guided one
         ({"response_format": {"type": "text"}, "guided_choice": ["a"]}, GuidedDecoding(kind="choice", choices=["a"])),
         ({"guided_regex": None, "guided_choice": ["a"]}, GuidedDecoding(kind="choice", choices=["a"])),
@@ -78,6 +82,12 @@ def test_bodies_map_to_the_guided_spec(fmt, base, fields, want):
         ({"guided_choice": "a"}, "body.guided_choice"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format and guided_regex"),
         ({"guided_json": SCHEMA, "guided_choice": ["a"]}, "give one"),
+        ({"structured_outputs": {}}, "body.structured_outputs: an object with one of"),
+        ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "body.structured_outputs: an object with one of"),
+        ({"structured_outputs": {"grammar": "start: x"}}, "body.structured_outputs: an object with one of"),
+        ({"structured_outputs": {"json_object": 1}}, "body.structured_outputs.json_object: true"),
+        ({"structured_outputs": {"choice": []}}, "body.structured_outputs.choice: a non-empty list"),
+        ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "give one"),
     ],
 )
 def test_malformed_structured_output_fields_are_invalid_request(fields, message):
