@@ -67,7 +67,7 @@ def _written_calls(value: object, names: frozenset[str]) -> list[tuple[str, str]
 def _partial_tag(text: str) -> int:
     """Length of the longest end of `text` that begins the tag (held back: it may become one)."""
     for n in range(min(len(TAG) - 1, len(text)), 0, -1):
-        if TAG.startswith(text[-n:]):
+        if text.endswith(TAG[:n]):
             return n
     return 0
 
@@ -242,10 +242,11 @@ class ToolCallParser:
         at = self.buf.find(TAG, max(0, self._sent - len(TAG)))
         if at >= 0:
             self._state = "calls"
-            end = len(self.buf[:at].rstrip())
+            end = at
         else:
             end = len(self.buf) - _partial_tag(self.buf)
-            end = len(self.buf[:end].rstrip())  # trailing blanks wait: they may precede a tag
+        while end > self._sent and self.buf[end - 1].isspace():  # trailing blanks wait: they may precede a tag
+            end -= 1
         if end <= self._sent:
             return []
         piece, self._sent = self.buf[self._sent:end], end
