@@ -19,6 +19,9 @@ from schemas.sampling import GuidedDecoding, SamplingParams
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 # the characters that are special in llguidance's regex syntax (Rust's regex-syntax: escaping each is allowed)
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+# JSON Schema's own words a schema's values often are (types, drafts' formats): not user data
+_SCHEMA_WORDS = frozenset({"string", "integer", "number", "object", "array", "boolean", "null", "date", "date-time",
+                           "time", "email", "uuid", "uri", "ipv4", "ipv6", "hostname", "duration"})
 MAX_MESSAGE_CHARS = 300  # a refusal's message is cut here: it may quote the spec, which is user data
 
 
@@ -89,7 +92,7 @@ def _strings(spec: GuidedDecoding) -> set[str]:
                 walk(v)
 
     walk([spec.regex, spec.choices, spec.json_schema])
-    return {t for t in out if len(t) >= 3}
+    return {t for t in out if len(t) >= 3} - _SCHEMA_WORDS
 
 
 def grammar_problem(spec: GuidedDecoding) -> str | None:

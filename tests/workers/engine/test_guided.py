@@ -86,6 +86,8 @@ REFUSED = {
     "if_then": GuidedDecoding(kind="json_schema", json_schema={"if": {"type": "object"}, "then": {"required": ["a"]}}),
     "bad_type": GuidedDecoding(kind="json_schema", json_schema={"type": "objectt"}),
     "lookahead_pattern": GuidedDecoding(kind="json_schema", json_schema={"type": "string", "pattern": "(?=a)a+"}),
+    "unsatisfiable": GuidedDecoding(kind="json_schema", json_schema={"type": "string", "minLength": 5, "maxLength": 2}),
+    "bad_type_in_list": GuidedDecoding(kind="json_schema", json_schema={"type": ["string", "Secret"]}),
     "unclosed_regex": GuidedDecoding(kind="regex", regex="ab(c"),
     "backreference": GuidedDecoding(kind="regex", regex=r"(a)\1"),
 }
@@ -295,6 +297,10 @@ def test_refused_specs_are_invalid_grammar(tiny, name):
         assert "(?=a)" not in exc.value.message and "look-around" in exc.value.message
     if name == "unclosed_regex":
         assert "unclosed group" in exc.value.message
+    if name == "unsatisfiable":  # the schema's own words (types) are kept: the reason reads whole
+        assert "minLength (5) is greater than maxLength (2)" in exc.value.message
+    if name == "bad_type_in_list":
+        assert "Secret" not in exc.value.message and "Invalid type" in exc.value.message
     problem = grammar_problem(spec)  # the API's check, no tokenizer: the same answer
     assert problem == exc.value.message
     with pytest.raises(InvalidRequestError):  # refused again from the cache
