@@ -7,8 +7,8 @@ The contract the engine relies on (workers/engine/engine.py, model_runner.py):
   `Tokenizer` (workers/engine/tokenizer.py; the tiny preset's byte-level one included) and the
   model's logits width `vocab_size` (>= the tokenizer's vocabulary: ids past it are never
   allowed). `eos_token_ids`: the ids that end a sequence (the model config's; default: the
-  tokenizer's eos_token, else a token named <eos>, </s>, <|endoftext|>, ...); where the grammar
-  may end, the mask allows them all.
+  tokenizer's eos_token, else a token named <eos>, </s>, <|endoftext|>, ...; ids past the
+  tokenizer's vocabulary left out); where the grammar may end, the mask allows them all.
 - `compiler.matcher(spec)` -> `Matcher` for a `schemas.sampling.GuidedDecoding`; compiled
   grammars are cached by `spec.key`. A spec the grammar engine refuses raises
   `InvalidRequestError(ErrorCode.INVALID_GRAMMAR, message)` (the message never quotes the spec at
@@ -158,10 +158,10 @@ class GrammarCompiler:
                              f"vocabulary ({tokenizer.vocab_size})")
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
-        self.eos_token_ids = list(eos_token_ids) if eos_token_ids else default_eos_ids(tokenizer)
-        if any(not 0 <= t < tokenizer.vocab_size for t in self.eos_token_ids):
-            raise ValueError(f"guided decoding: end-of-sequence ids {self.eos_token_ids} outside the tokenizer's "
-                             f"vocabulary ({tokenizer.vocab_size})")
+        # the grammar engine knows the tokenizer's ids only: an end id past them (a config's) is left
+        # out, and with none left the tokenizer's own end is used
+        ends = [t for t in eos_token_ids or () if 0 <= t < tokenizer.vocab_size]
+        self.eos_token_ids = ends or default_eos_ids(tokenizer)
         # indexes the vocabulary once (0.3-0.6 s for SmolLM2's 49k tokens on the 2-core CPU); ids past
         # the tokenizer's up to vocab_size are tokens of no bytes, never allowed
         self._tok = llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=vocab_size,

@@ -276,8 +276,8 @@ def test_several_end_ids_and_a_wider_vocabulary():
     assert np.flatnonzero(np.unpackbits(bm[0].numpy().view(np.uint8), bitorder="little")).tolist() == [256, 257]
     with pytest.raises(ValueError, match="below the tokenizer"):
         GrammarCompiler(tok, 200)
-    with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
-        GrammarCompiler(tok, 300, eos_token_ids=[299])
+    assert GrammarCompiler(tok, 300, eos_token_ids=[299, 256]).eos_token_ids == [256]  # 299: past the tokenizer's
+    assert GrammarCompiler(tok, 300, eos_token_ids=[299]).eos_token_ids == [257]  # none left: the tokenizer's <eos>
     with pytest.raises(ValueError, match="a token bitmask row has 10"):
         m.fill_bitmask(torch.zeros((1, 9), dtype=torch.int32), 0)
 
