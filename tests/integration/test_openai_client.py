@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -755,3 +756,77 @@ def test_auto_reads_the_calls_the_real_model_writes(real_stack):
     c = client.chat.completions.create(tool_choice="none", extra_body={"guided_regex": hermes}, **ask).choices[0]
     assert c.message.content.startswith("Let me check.\n<tool_call>") and not c.message.tool_calls
     assert c.finish_reason == "stop"
+
+
+RECORD = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 16}, "population": {"type": "integer", "minimum": 0, "maximum": 10**8},
+    "capital": {"type": "boolean"}, "rivers": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
+    "required": ["city", "population", "capital", "rivers"], "additionalProperties": False}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                                           "role": {"enum": ["engineer", "doctor", "artist"]}},
+          "required": ["name", "age", "role"], "additionalProperties": False}
+
+
+def test_structured_output_on_the_real_model_live_streamed_and_in_batch_files(real_stack):
+    """response_format (json_schema, json_object) and vLLM's guided_regex / guided_choice on SmolLM2
+    through the whole stack with the openai client: every answer parses and validates against its
+    schema, greedy and sampled (n > 1); streamed, the deltas join into the plain greedy answer; a
+    batch file's lines answer as live; a schema the grammar engine refuses is a 400 live and a failed
+    line with invalid_grammar in a batch file."""
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=real_stack + "/v1", api_key=KEY, max_retries=0, timeout=180)
+    asks = [("Describe Paris as a record.", RECORD), ("Invent a person who works in a hospital.", PERSON)]
+    greedy: dict[str, str] = {}
+    for q, schema in asks:
+        messages = [{"role": "user", "content": q}]
+        fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+        r = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=120, temperature=0,
+                                           response_format=fmt)
+        c = r.choices[0]
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.message.content), schema)
+        greedy[q] = c.message.content
+        sampled = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=120,
+                                                 temperature=1.0, seed=3, n=3, response_format=fmt)
+        for c in sampled.choices:
+            assert c.finish_reason == "stop", c
+            jsonschema.validate(json.loads(c.message.content), schema)
+        texts, finish = _streamed_choices(client.chat.completions.create(
+            model="smollm2-135m", messages=messages, max_tokens=120, temperature=0, response_format=fmt, stream=True))
+        assert texts == {0: greedy[q]} and finish == {0: "stop"}
+    # json_object: any JSON object
+    obj = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Give a JSON object with a name and an id."}],
+        max_tokens=160, temperature=0, response_format={"type": "json_object"}).choices[0]
+    assert obj.finish_reason == "stop" and isinstance(json.loads(obj.message.content), dict), obj
+    # vLLM's extensions, on text completions
+    phone = client.completions.create(model="smollm2-135m", prompt="Call me at", max_tokens=20, temperature=0,
+                                      extra_body={"guided_regex": r" \([0-9]{3}\) [0-9]{3}-[0-9]{4}"}).choices[0]
+    assert re.fullmatch(r" \([0-9]{3}\) [0-9]{3}-[0-9]{4}", phone.text) and phone.finish_reason == "stop"
+    mood = client.completions.create(model="smollm2-135m", prompt="The review 'I loved it' is", max_tokens=8,
+                                     temperature=1.0, seed=1, n=4,
+                                     extra_body={"guided_choice": ["positive", "negative", "mixed"]})
+    assert all(c.text in ("positive", "negative", "mixed") and c.finish_reason == "stop" for c in mood.choices)
+    # refused specs
+    bad = {"type": "json_schema", "json_schema": {"name": "u", "schema": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=8, response_format=bad)
+    assert e.value.body["type"] == "invalid_request_error"
+    # a batch file: the same answers as live, and the refused schema's line fails alone
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "smollm2-135m", "messages": [{"role": "user", "content": q}], "max_tokens": 120,
+                       "temperature": 0, "response_format": {"type": "json_schema",
+                                                             "json_schema": {"name": "a", "schema": schema}}}}
+             for i, (q, schema) in enumerate(asks)]
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 8, "response_format": bad}})
+    out = _batch_output(client, "/v1/chat/completions", lines)
+    for i, (q, _) in enumerate(asks):
+        assert out[f"q{i}"]["response"]["body"]["choices"][0]["message"]["content"] == greedy[q]
+    err = out["bad"]["response"]["body"]["error"] if out["bad"].get("response") else out["bad"]["error"]
+    assert err["code"] == "invalid_grammar", err
