@@ -71,6 +71,28 @@ class StoreContract:
         rec = store.get_job("c1")
         assert rec is not None and rec.request() == job
 
+    def test_tools_and_tool_turns_round_trip(self, store: ResultStore):
+        tools = [{"type": "function", "function": {"name": "get_weather", "description": "é", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+                 {"type": "function", "function": {"name": "now"}}]
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        job = JobRequest(
+            id="t1",
+            messages=[{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "sunny", "name": "get_weather"}],
+            tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            parallel_tool_calls=False,
+        )
+        plain = JobRequest(id="t2", messages=[{"role": "user", "content": "x"}])
+        store.insert_queued([job, plain])
+        rec = store.get_job("t1")
+        assert rec is not None and rec.request() == job and rec.request().sampling.guided == job.sampling.guided
+        assert rec.tool_use == job.tool_use and rec.tool_use.mode == "named" and not rec.tool_use.parallel
+        store.upsert_results([ok("t1", '{"city": "Oslo"}')])
+        after = store.get_job("t1").request()  # the result kept the request's tools and turns
+        assert (after.tools, after.tool_choice, after.messages) == (job.tools, job.tool_choice, job.messages)
+        assert store.get_job("t2").tools is None and store.get_job("t2").tool_use is None
+
     def test_upsert_results_idempotent_and_never_overwrites_terminal(self, store: ResultStore):
         store.insert_queued([JobRequest(id="a", prompt="x", batch_id="b", submitted_at=990.0)])
         assert store.upsert_results([ok("a", "first")]) == 1
