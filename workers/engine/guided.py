@@ -145,6 +145,30 @@ def _checked(bitmask: torch.Tensor, words: int) -> torch.Tensor:
     return bitmask
 
 
+def _is_byte_level(tokenizer: Tokenizer) -> bool:
+    """The random presets' tokenizer (Tokenizer.byte_level): ids 0-255 are the 256 bytes."""
+    from workers.engine.tokenizer import _bytes_to_unicode
+
+    chars = _bytes_to_unicode()
+    return tokenizer.vocab_size <= 258 and all(tokenizer._tok.id_to_token(b) == chars[b] for b in range(256))
+
+
+class _ByteVocab:
+    """A byte-level vocabulary as llguidance's TokenizerWrapper reads one: token i < 256 is byte i,
+    every other id up to the logits' width a special token (the ends among them)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, ends: Sequence[int]) -> None:
+        self.tokens = [bytes([b]) for b in range(256)] + [b"\xff<|special_%d|>" % i for i in range(256, vocab_size)]
+        for t in ends:
+            self.tokens[t] = b"\xff<|end_%d|>" % t
+        self.eos_token_id = ends[0]
+        self.bos_token_id = tokenizer._tok.token_to_id("<bos>")
+        self.special_token_ids = list(range(256, vocab_size))
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
 class GrammarCompiler:
     """Compiles guided-decoding specs against one tokenizer; the compiled grammars are kept, least
     recently used first out, by the spec's key."""
@@ -158,14 +182,20 @@ class GrammarCompiler:
                              f"vocabulary ({tokenizer.vocab_size})")
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
-        # the grammar engine knows the tokenizer's ids only: an end id past them (a config's) is left
-        # out, and with none left the tokenizer's own end is used
-        ends = [t for t in eos_token_ids or () if 0 <= t < tokenizer.vocab_size]
-        self.eos_token_ids = ends or default_eos_ids(tokenizer)
-        # indexes the vocabulary once (0.3-0.6 s for SmolLM2's 49k tokens on the 2-core CPU); ids past
-        # the tokenizer's up to vocab_size are tokens of no bytes, never allowed
-        self._tok = llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=vocab_size,
-                                           eos_token=self.eos_token_ids)
+        ends = [t for t in eos_token_ids or () if 0 <= t < vocab_size]
+        if any(t >= tokenizer.vocab_size for t in ends) and _is_byte_level(tokenizer):
+            # a random preset's byte-level tokenizer under a real model's ends (llama3-8b: 128001...):
+            # its 256 bytes, and every other id a special token, the ends among them
+            self.eos_token_ids = ends
+            self._tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(tokenizer, vocab_size, ends)),
+                                               eos_token=ends)
+        else:
+            # llguidance reads the tokenizer's own JSON (0.3-0.6 s for SmolLM2's 49k tokens on the
+            # 2-core CPU) and knows its ids only: an end past them is left out (none left: the
+            # tokenizer's own); ids past the tokenizer's up to vocab_size are never allowed
+            self.eos_token_ids = [t for t in ends if t < tokenizer.vocab_size] or default_eos_ids(tokenizer)
+            self._tok = llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=vocab_size,
+                                               eos_token=self.eos_token_ids)
         # a parser limit hit in a step (a pathological regex) errs the matcher with a short message:
         # the verbose one quotes the tokens so far and the grammar (user data)
         self._limits = llguidance.LLParserLimits(verbose_errors=False)

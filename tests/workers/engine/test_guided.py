@@ -127,8 +127,9 @@ class Walk:
         for i, t in enumerate(tok.decode_each(list(range(n)))):
             self.closing[i] = any(ch in t for ch in '"}],')
         self.closing[compiler.eos_token_ids] = True
-        self.real = np.zeros(compiler.vocab_size, dtype=bool)
+        self.real = np.zeros(compiler.vocab_size, dtype=bool)  # the ids a mask may allow
         self.real[:n] = True
+        self.real[compiler.eos_token_ids] = True
 
     def allowed(self, bitmask: torch.Tensor, row: int) -> np.ndarray:
         bits = np.unpackbits(bitmask[row].numpy().view(np.uint8), bitorder="little")
@@ -195,6 +196,17 @@ def _walk_all(tok: Tokenizer, compiler: GrammarCompiler, walks: int) -> None:
 
 def test_walks_end_in_the_language_byte_level(tiny):
     _walk_all(*tiny, walks=4)
+
+
+def test_a_preset_byte_level_tokenizer_under_a_real_models_ends():
+    """llama3-8b's preset: the byte-level tokenizer (no special tokens) under Llama-3's logits and
+    end ids (past the tokenizer's 256): the walks end in their language, only by those ends."""
+    tok = Tokenizer.byte_level(None, None)
+    compiler = GrammarCompiler(tok, 128256, eos_token_ids=[128001, 128008, 128009])
+    assert compiler.eos_token_ids == [128001, 128008, 128009] and compiler.words == 4008
+    _walk_all(tok, compiler, walks=2)
+    # a byte-level tokenizer with the ends inside it keeps its own JSON (the tiny preset's <eos>)
+    assert GrammarCompiler(Tokenizer.byte_level(256, 257), 512, eos_token_ids=[257]).eos_token_ids == [257]
 
 
 @pytest.mark.slow
@@ -276,8 +288,14 @@ def test_several_end_ids_and_a_wider_vocabulary():
     assert np.flatnonzero(np.unpackbits(bm[0].numpy().view(np.uint8), bitorder="little")).tolist() == [256, 257]
     with pytest.raises(ValueError, match="below the tokenizer"):
         GrammarCompiler(tok, 200)
-    assert GrammarCompiler(tok, 300, eos_token_ids=[299, 256]).eos_token_ids == [256]  # 299: past the tokenizer's
-    assert GrammarCompiler(tok, 300, eos_token_ids=[299]).eos_token_ids == [257]  # none left: the tokenizer's <eos>
+    # an end past the byte-level tokenizer's ids (a model's): a special token of its own
+    wide = GrammarCompiler(tok, 300, eos_token_ids=[299, 256, 900])  # 900: past the logits, left out
+    assert wide.eos_token_ids == [299, 256]
+    m = wide.matcher(GuidedDecoding(kind="choice", choices=["ok"]))
+    assert m.accept(ord("o")) and m.accept(ord("k"))
+    m.fill_bitmask(bm, 0)
+    assert np.flatnonzero(np.unpackbits(bm[0].numpy().view(np.uint8), bitorder="little")).tolist() == [256, 299]
+    assert GrammarCompiler(tok, 300, eos_token_ids=[900]).eos_token_ids == [257]  # none left: the tokenizer's <eos>
     with pytest.raises(ValueError, match="a token bitmask row has 10"):
         m.fill_bitmask(torch.zeros((1, 9), dtype=torch.int32), 0)
 
