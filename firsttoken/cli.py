@@ -57,7 +57,8 @@ def _output_file(path: str | None, *inputs: Path) -> Path | None:
 def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     """Generate for every prompt of a JSONL file with the engine in this process."""
     from schemas.batchfile import BatchLineError, parse_lines
-    from schemas.tools import template_tools
+    from schemas.openai.tool_calls import parse_tool_calls
+    from schemas.tools import ToolUse, template_tools
     from workers.engine import InvalidRequestError, LLMEngine
     from workers.engine.llm import LLM
     from workers.engine.prompts import prompt_token_ids
@@ -69,6 +70,7 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     load_s = time.perf_counter() - t0
     order: list[str] = []
     results: dict[str, dict[str, Any]] = {}
+    uses: dict[str, ToolUse] = {}  # the lines with tools
     todo: list[tuple[str, list[int], Any]] = []  # (line key, prompt token ids, sampling) of the valid lines
     with path.open("rb") as f:
         for item in parse_lines(f):
@@ -80,6 +82,8 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
                 continue
             job = item.job
             results[key] = {"id": job.id, "line": item.line_no}
+            if job.tool_use is not None:
+                uses[key] = job.tool_use
             if job.has_choices:  # one sequence a line here: never a silent first choice
                 results[key].update({"status": "failed", "error_code": "invalid_request",
                                      "error": "prompt lists, n and best_of: run the file with `firsttoken run` "
@@ -115,6 +119,10 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
             "engine_ttft_ms": round(o.timings.engine_ttft_ms or 0.0, 3),
             "tpot_ms": None if o.tpot_ms is None else round(o.tpot_ms, 3),
         })
+        if key in uses:  # a line with tools: the calls read out of its text, as firsttoken run's plain lines
+            calls = parse_tool_calls(uses[key], o.text, results[key]["id"] or key)[1]
+            if calls:
+                results[key]["tool_calls"] = calls
     gen_s = time.perf_counter() - t1
     failed = 0
     for key in order:

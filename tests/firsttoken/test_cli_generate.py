@@ -37,3 +37,21 @@ def test_generate_cli_with_preset_and_checkpoint(tmp_path, llama_dir):  # noqa: 
             assert row["status"] == "failed" and "firsttoken run" in row["error"], row
     # with the trained tokenizer the text is real text pieces
     assert rows[0]["text"].strip() != ""
+
+
+def test_generate_reads_tool_calls(tmp_path):
+    """A line with tools and a named function (guided on tiny): its calls beside the raw text."""
+    unit = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+            "additionalProperties": False}
+    line = {"id": "t", "messages": [{"role": "user", "content": "Which unit?"}],
+            "tools": [{"type": "function", "function": {"name": "pick_unit", "parameters": unit}}],
+            "tool_choice": {"type": "function", "function": {"name": "pick_unit"}}, "sampling": {"max_tokens": 60}}
+    src = tmp_path / "t.jsonl"
+    src.write_text(json.dumps(line) + '\n{"id": "plain", "prompt": "x"}\n')
+    r = _cli("generate", str(src), "--model", "tiny", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in r.stdout.splitlines()]
+    (call,) = rows[0]["tool_calls"]
+    assert call["function"] == {"name": "pick_unit", "arguments": rows[0]["text"]} and call["id"].startswith("call_")
+    assert json.loads(rows[0]["text"])["unit"] in ("celsius", "fahrenheit")
+    assert "tool_calls" not in rows[1]
