@@ -23,6 +23,9 @@
 #   load_fp8    goodput with FP8 projections and an fp8 KV cache                            ~3 min
 #   goodput_b2048  goodput, steps of at most 2048 tokens, bf16 then FP8 + fp8 KV (mixed graphs on:
 #               the configuration of bench/results/2026-12-02-load-h200.md's best FP8 rows)    ~6 min
+#   guided      guided decoding's cost at batch 64 (json_object, a JSON schema, masks in llguidance's pool
+#               and in one thread) against unguided, bf16 then FP8 (bench_guided); needs SmolLM2's
+#               tokenizer files in .tok (carry it; see bench_guided.py)                           ~3 min
 # The SmolLM2 checkpoint does not fit one call: carry .ckpt_a (the GGUF's first 49 MB and the small
 # files) and copy it to /tmp there, then in the next call (the machine still warm) carry .ckpt_b and
 # rebuild: cat the parts in order into one file, bench/restore_smollm2.py --parts FILE (see its doc).
@@ -127,6 +130,12 @@ for stage in "${STAGES[@]}"; do
         "${GOODPUT_ARGS[@]}"
       run goodput_b2048_fp8 280 $PY bench/bench_load.py "${DEV[@]}" --preset $PRESET --goodput --max-num-batched-tokens 2048 \
         --quantization fp8 --kv-cache-dtype fp8 "${GOODPUT_ARGS[@]}" ;;
+    guided)
+      [ "${SMOKE:-0}" = 1 ] && { run guided 200 $PY bench/bench_guided.py --device cpu --preset tiny --tokenizer preset \
+        --batch 8 --steps 12; continue; }
+      run guided 280 $PY bench/bench_guided.py --preset $PRESET --tokenizer "${TOKENIZER:-.tok}"
+      run guided_fp8 280 $PY bench/bench_guided.py --preset $PRESET --tokenizer "${TOKENIZER:-.tok}" \
+        --quantization fp8 --kv-cache-dtype fp8 ;;
     *) echo "unknown stage $stage"; STATUS[$stage]="unknown" ;;
   esac
 done

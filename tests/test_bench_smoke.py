@@ -159,3 +159,14 @@ def test_bench_grammar_runs_on_the_tiny_tokenizer(tmp_path):
     assert eng["engine"] == "llguidance" and eng["refused"] == ["ifthen", "not", "uniqueitems"]
     assert eng["not_enforced"] == [] and eng["batch64"]["steps"] == 4
     assert "| llguidance" in (tmp_path / "grammar.md").read_text()
+
+
+def test_bench_guided_times_guided_against_plain_steps_on_cpu(tmp_path):
+    _run(["bench/bench_guided.py", "--device", "cpu", "--preset", "tiny", "--tokenizer", "preset",
+          "--batch", "4", "--steps", "8", "--prompt-len", "32"], tmp_path)
+    data = json.loads((tmp_path / "bench_guided_tiny_b4.json").read_text())
+    rows = {r["guided"]: r for r in data["rows"]}
+    assert set(rows) == {"none", "json_object", "json_schema", "json_schema, masks in one thread", "none (again)"}
+    assert all(r["tpot_ms"] > 0 and r["decode_steps"] > 0 for r in rows.values())
+    assert rows["json_schema"]["mask_host_ms"] > 0 and rows["none"]["mask_host_ms"] == 0
+    assert "| json_schema |" in (tmp_path / "bench_guided_tiny_b4.md").read_text()

@@ -37,6 +37,10 @@ from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
+# guided rows of a CUDA step from which their masks are filled in llguidance's thread pool (the host
+# is idle then: the device runs the forward); fewer, and on a CPU device, in the engine's thread
+PARALLEL_MASKS = 8
+
 STATS_WINDOW_S = 10.0
 
 
@@ -333,8 +337,10 @@ class LLMEngine:
         if self._grammars is None:
             from workers.engine.guided import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                             sorted(self.eos_token_ids) or None)
+            # the model's end ids the tokenizer knows (a random preset's may lie past a real
+            # tokenizer's vocabulary: the tokenizer's own end token then)
+            eos = sorted(t for t in self.eos_token_ids if t < self.tokenizer.vocab_size)
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos or None)
         return self._grammars
 
     def _guide_masks(self, reqs: list[Request], prev: InFlightStep | None,
@@ -364,8 +370,11 @@ class LLMEngine:
                 buf[j].fill_(-1)  # stopped by the step read back just now: its token here is dropped
             else:
                 live.append((req.guide, j))
-        if live:
+        if dev.type == "cuda" and len(live) >= PARALLEL_MASKS:
             self._grammars.fill_bitmasks(live, buf)  # in llguidance's threads
+        else:  # in this thread: on a CPU device the pool's threads would take the model's cores
+            for m, j in live:
+                m.fill_bitmask(buf, j)
         index = torch.tensor(rows, dtype=torch.int64)
         return index.to(dev, non_blocking=True), buf.to(dev, non_blocking=True)
 
