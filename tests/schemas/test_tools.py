@@ -53,6 +53,8 @@ def test_function_names_follow_openais_rule(name):
     ({"type": "string"}, "JSON object"),
     ({"type": "object", "properties": {"a": {"type": 5}}}, "valid JSON schema"),
     ({"type": "object", "required": "city"}, "valid JSON schema"),
+    ({"type": "object", "properties": {"a": {"pattern": "[a-"}}}, "valid JSON schema"),
+    ({"$schema": 5, "type": "object"}, "valid JSON schema"),  # jsonschema fails on it with an AttributeError
 ])
 def test_parameters_must_be_a_json_schema_of_an_object(params, needle):
     code, msg = _refused(tools=[{"type": "function", "function": {"name": "f", "parameters": params}}])
