@@ -337,10 +337,9 @@ class LLMEngine:
         if self._grammars is None:
             from workers.engine.guided import GrammarCompiler
 
-            # the model's end ids the tokenizer knows (a random preset's may lie past a real
-            # tokenizer's vocabulary: the tokenizer's own end token then)
-            eos = sorted(t for t in self.eos_token_ids if t < self.tokenizer.vocab_size)
-            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos or None)
+            # the model's end ids (GrammarCompiler leaves out those its tokenizer cannot name)
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                             sorted(self.eos_token_ids) or None)
         return self._grammars
 
     def _guide_masks(self, reqs: list[Request], prev: InFlightStep | None,
