@@ -651,6 +651,15 @@ def test_tools_on_the_real_model_live_streamed_and_in_batch_files(real_stack):
     assert len(r.choices) == 3
     for c in r.choices:
         assert c.finish_reason == "tool_calls" and _valid_calls(c.message.tool_calls)
+    # streamed, several choices: each index's deltas join into that choice's calls
+    chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": questions[1]}],
+                                                 tool_choice="required", n=3, seed=5, stream=True,
+                                                 **(ask | {"temperature": 1.0, "max_tokens": 300})))
+    for c in r.choices:
+        mine = [ch.model_copy(update={"choices": [x for x in ch.choices if x.index == c.index]}) for ch in chunks]
+        calls, content, finish, _ = _streamed_tool_calls(iter(mine))
+        assert finish == "tool_calls" and content is None
+        assert [x["function"] for x in calls] == [t.function.model_dump() for t in c.message.tool_calls]
     one = client.chat.completions.create(messages=[{"role": "user", "content": questions[0]}], tool_choice="required",
                                          parallel_tool_calls=False, **ask).choices[0]
     assert len(_valid_calls(one.message.tool_calls)) == 1
