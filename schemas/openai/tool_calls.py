@@ -85,7 +85,6 @@ class _ArrayScan:
     value_start: int | None = None  # where that value began
     name: str | None = None  # the item's function name, once read
     args: list[str] = field(default_factory=list)  # its parameters' text not sent yet (no name yet)
-    args_done: bool = False
 
 
 class ToolCallParser:
@@ -173,7 +172,6 @@ class ToolCallParser:
                         s.args = []
             elif s.key == "parameters":
                 flush_args(i)
-                s.args_done = True
             s.key, s.value_start = None, None
 
         for i in range(self._pos, len(buf)):
@@ -211,7 +209,7 @@ class ToolCallParser:
             elif ch in "[{":
                 s.depth += 1
                 if s.depth == 2:  # an item begins
-                    s.name, s.args, s.args_done, s.key = None, [], False, None
+                    s.name, s.args, s.key = None, [], None
             elif ch in "]}":
                 if s.depth == 3 and s.value_start is not None:  # the item's container value closes
                     s.depth -= 1
