@@ -118,6 +118,27 @@ HANDWRITTEN: list[bytes] = [
     b'{"prompt": "x", "top_k": 5.0}',
     b'{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": true}}',
     b'{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": "4"}}',
+    # issue 20: tools that break OpenAI's rules
+    b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "a b"}}]}',
+    b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", '
+    b'"parameters": {"$schema": 5}}}]}',
+    b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", '
+    b'"parameters": {"type": "array"}}}]}',
+    b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}], '
+    b'"tool_choice": {"type": "function", "function": {"name": "g"}}}',
+    b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',
+    b'{"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}',
+    b'{"messages": [{"role": "tool", "content": "x"}]}',
+    b'{"messages": [{"role": "assistant", "content": null}]}',
+    b'{"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "c", "function": {"name": "f", '
+    b'"arguments": "{}"}}]}]}',
+    b'{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "tools": []}}',
+    b'{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
+    b'[{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}], '
+    b'"tool_choice": "sometimes"}}',
+    b'{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
+    b'[{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}], '
+    b'"parallel_tool_calls": "no"}}',
 ]
 
 # Valid lines that only the model can refuse (their prompt, or top_k past its vocabulary): with
