@@ -44,6 +44,16 @@ def _nesting(value: object) -> int:
     return deepest
 
 
+_KEYWORDS = frozenset({
+    "$schema", "$id", "$ref", "$defs", "definitions", "type", "properties", "patternProperties",
+    "additionalProperties", "required", "items", "prefixItems", "additionalItems", "enum", "const", "pattern",
+    "format", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "minItems", "maxItems", "uniqueItems",
+    "minProperties", "maxProperties", "dependentRequired", "dependentSchemas", "propertyNames", "contains",
+    "title", "description", "default", "examples",
+})
+
+
 def schema_problem(schema: dict[str, Any]) -> str | None:
     """What makes `schema` unusable as a function's parameters (None: nothing): it is a JSON
     schema (checked against its draft's meta-schema), at most MAX_GUIDE_CHARS of JSON and
@@ -72,8 +82,10 @@ def _checked_schema(text: str) -> str | None:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
-        where = "/".join(str(p) for p in exc.path)
-        return f"is not a valid JSON schema ({exc.message[:120]}{f' at {where[:80]}' if where else ''})"
+        # the rule and where, not jsonschema's message: that quotes the schema (user data, which
+        # a failed row's message and the logs must not carry); property names masked as *
+        where = "/".join(str(p) if isinstance(p, int) or p in _KEYWORDS else "*" for p in exc.path)[:120]
+        return f"is not a valid JSON schema (the meta-schema's {exc.validator!r} rule fails at {where or 'its root'})"
     except Exception as exc:  # (hostile input: jsonschema's own errors are not all SchemaError, e.g. "$schema": 5)
         return f"is not a valid JSON schema ({type(exc).__name__})"
     return None

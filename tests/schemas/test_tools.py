@@ -61,6 +61,13 @@ def test_parameters_must_be_a_json_schema_of_an_object(params, needle):
     assert code is ErrorCode.INVALID_REQUEST and needle in msg, msg
 
 
+def test_a_bad_schemas_message_names_the_rule_not_the_schemas_strings():
+    params = {"type": "object", "properties": {"secret_field": {"type": "string", "pattern": "[hunter2-"}}}
+    _code, msg = _refused(tools=[{"type": "function", "function": {"name": "f", "parameters": params}}])
+    assert "'format' rule fails at properties/*/pattern" in msg
+    assert "secret" not in msg and "hunter2" not in msg
+
+
 def test_tool_choice_and_tool_turns_are_checked():
     assert _refused(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})[1].endswith(
         "tool_choice names function nope, not among the tools")
