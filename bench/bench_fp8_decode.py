@@ -31,17 +31,17 @@ CONFIGS_M = [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 8, 3), (1
              (64, 32, 256, 4, 4), (128, 128, 128, 8, 3), (64, 64, 256, 4, 3), (128, 64, 64, 4, 4)]
 
 
-def chain_us(call, copies: int, reps: int = 20) -> float:
-    """Median us per call of call(i), i over `copies` distinct weights, replayed back to back in one
-    CUDA graph: as a decode step runs its layers, no host launch in the timing, and every weight
-    read from DRAM (the copies together are several times the L2)."""
-    for i in range(copies):  # compile and warm up outside the capture
-        call(i)
+def chain_us(fn, calls: list[tuple], reps: int = 20) -> float:
+    """Median us per call of fn(*args) over `calls` (each on its own weight copy), replayed back to
+    back in one CUDA graph: as a decode step runs its layers, no host launch in the timing, and
+    every weight read from DRAM (the copies together are several times the L2)."""
+    for args in calls:  # compile and warm up outside the capture
+        fn(*args)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for i in range(copies):
-            call(i)
+        for args in calls:
+            fn(*args)
     g.replay()
     torch.cuda.synchronize()
     times = []
@@ -52,7 +52,7 @@ def chain_us(call, copies: int, reps: int = 20) -> float:
         t1.record()
         t1.synchronize()
         times.append(t0.elapsed_time(t1))
-    return 1e3 * statistics.median(times) / copies
+    return 1e3 * statistics.median(times) / len(calls)
 
 
 def main() -> None:
@@ -76,8 +76,8 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize(x)
             row = {"proj": name, "K": k, "N": n, "M": m, "copies": copies}
-            row["bf16_us"] = chain_us(lambda i: lin(x, ws_bf16[i]), copies)
-            row["scaled_mm_us"] = chain_us(lambda i: fp8_gemm_scaled_mm(xq, xs, *ws_fp8[i], None, torch.bfloat16), copies)
+            row["bf16_us"] = chain_us(lin, [(x, w) for w in ws_bf16])
+            row["scaled_mm_us"] = chain_us(fp8_gemm_scaled_mm, [(xq, xs, q, sc, None, torch.bfloat16) for q, sc in ws_fp8])
             ref = fp8_gemm_ref(xq, xs, *ws_fp8[0], None, torch.float32)
             timed = []
             for cfg in CONFIGS if m <= 64 else CONFIGS_M:
@@ -87,11 +87,11 @@ def main() -> None:
                 err = ((f(*ws_fp8[0]).float() - ref).norm() / ref.norm()).item()
                 if err > 1e-2:
                     raise SystemExit(f"few-row kernel {name} M={m} {cfg}: rel err {err}")
-                timed.append((chain_us(lambda i: f(*ws_fp8[i]), copies), cfg))
+                timed.append((chain_us(f, ws_fp8), cfg))
             t, cfg = min(timed)
             row["small_m_us"], row["small_m_cfg"] = t, str(cfg)
-            row["small_m_default_us"] = chain_us(
-                lambda i: fp8_gemm_rowwise_small_m(xq, xs, *ws_fp8[i], None, torch.bfloat16), copies)
+            row["small_m_default_us"] = chain_us(partial(fp8_gemm_rowwise_small_m, xq, xs, out_dtype=torch.bfloat16),
+                                                 ws_fp8)
             best_cfg.setdefault(name, []).append((m, cfg, t))
             wbytes = n * k
             row["bf16_GBps"] = 2 * wbytes / (row["bf16_us"] * 1e3)
@@ -103,8 +103,8 @@ def main() -> None:
     quant = []
     for m in (1, 16, 256, 2048):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-        quant.append({"M": m, "torch_us": chain_us(lambda i: quantize(x), 16),
-                      "triton_us": chain_us(lambda i: quantize_triton(x), 16)})
+        quant.append({"M": m, "torch_us": chain_us(quantize, [(x,)] * 16),
+                      "triton_us": chain_us(quantize_triton, [(x,)] * 16)})
         print(quant[-1], flush=True)
     data = {**header(), "bench": "fp8_decode_gemms", "rows": rows_out, "quantize": quant, "best_small_m": best_cfg}
     md = md_table(rows_out, ["proj", "M", "bf16_us", "scaled_mm_us", "small_m_us", "small_m_default_us", "small_m_cfg",

@@ -16,10 +16,10 @@ POISON = frozenset(filter(None, os.environ.get("FIRSTTOKEN_TEST_POISON_IDS", "")
 _execute = ModelRunner.execute
 
 
-def _poisoned_execute(self, out, prev=None):  # type: ignore[no-untyped-def]
+def _poisoned_execute(self, out, prev=None, guide=None):  # type: ignore[no-untyped-def]
     if any(e.request.request_id in POISON for e in out.scheduled):
         raise ValueError("Overflow when unpacking long long")  # what a top_k of 1e30 once raised
-    return _execute(self, out, prev)
+    return _execute(self, out, prev, guide)
 
 
 ModelRunner.execute = _poisoned_execute  # type: ignore[method-assign]

@@ -39,7 +39,6 @@ from workers.engine.step_inputs import (
     pending_inputs,
 )
 
-
 # the engine's guided-decoding masks of a step: sampling requests -> (rows, bitmasks) on the device
 GuideMasks = Callable[[list[Request]], "tuple[torch.Tensor, torch.Tensor] | None"]
 log = logging.getLogger(__name__)

@@ -545,8 +545,8 @@ def test_cuda_step_device_seconds_under_async_scheduling():
     launched = []
     execute = eng.runner.execute
 
-    def spy(out, prev=None):
-        launched.append(execute(out, prev))
+    def spy(out, prev=None, guide=None):
+        launched.append(execute(out, prev, guide))
         return launched[-1]
 
     eng.runner.execute = spy

@@ -65,8 +65,8 @@ def test_step_device_time_is_none_on_a_cpu(llama_dir):
     launched = []
     execute = eng.runner.execute
 
-    def spy(out, prev=None):
-        launched.append(execute(out, prev))
+    def spy(out, prev=None, guide=None):
+        launched.append(execute(out, prev, guide))
         return launched[-1]
 
     eng.runner.execute = spy
