@@ -76,3 +76,25 @@ def test_every_output_is_in_its_language():
             bad[rid] = (str(f.finish_reason), f.text[:60])
     assert not bad, sorted(bad)
     assert sum(f.finish_reason is FinishReason.STOP for f in done.values()) >= len(done) - 2 * len(unbounded)
+
+
+def test_a_grammar_that_stops_short_fails_its_request_alone():
+    """A regex whose lexer grows past llguidance's limits a few tokens in: its request fails with
+    the grammar engine's reason (not a 'stop' with its text cut short), and a request beside it
+    in the same steps ends as it would alone."""
+    eng = LLMEngine("smollm2-135m", EngineConfig(device="cpu"))
+    ids = eng.tokenizer.encode("Write some words:")
+    eng.add_request("bad", prompt_token_ids=ids, sampling=SamplingParams(
+        max_tokens=40, temperature=0.0, guided={"kind": "regex", "regex": "(([a-z]{1,50}){1,50}){1,50}"}))
+    eng.add_request("ok", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=8, temperature=0.0))
+    done = {}
+    while eng.has_unfinished():
+        for f in eng.step().finished:
+            done[f.request_id] = f
+    assert done["bad"].finish_reason is FinishReason.ERROR
+    assert done["bad"].error.startswith("guided decoding failed:") and "[a-z]" not in done["bad"].error
+    alone = LLMEngine("smollm2-135m", EngineConfig(device="cpu"))
+    alone.add_request("ok", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=8, temperature=0.0))
+    while alone.has_unfinished():
+        for f in alone.step().finished:
+            assert f.output_token_ids == done["ok"].output_token_ids and f.finish_reason is FinishReason.LENGTH
