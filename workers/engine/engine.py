@@ -345,7 +345,7 @@ class LLMEngine:
             try:  # the model's end ids (GrammarCompiler leaves out those its tokenizer cannot name)
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                                  sorted(self.eos_token_ids) or None)
-            except Exception as exc:  # noqa: BLE001 (the library's own errors: a tokenizer it cannot read)
+            except Exception as exc:
                 log.warning("guided decoding unavailable: %s: %s", type(exc).__name__, str(exc)[:200])
                 self._grammars = f"guided decoding is not available for this model's tokenizer ({type(exc).__name__})"
                 raise InvalidRequestError(ErrorCode.INVALID_GRAMMAR, self._grammars) from None
