@@ -37,8 +37,8 @@ from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
-# guided rows of a CUDA step from which their masks are filled in llguidance's thread pool (the host
-# is idle then: the device runs the forward); fewer, and on a CPU device, in the engine's thread
+# guided rows of a step from which their masks are filled in llguidance's thread pool; fewer, in the
+# engine's thread (a pool's hand-off costs more than a few masks)
 PARALLEL_MASKS = 8
 
 STATS_WINDOW_S = 10.0
@@ -378,9 +378,9 @@ class LLMEngine:
                 buf[j].fill_(-1)  # stopped by the step read back just now: its token here is dropped
             else:
                 live.append((req.guide, j))
-        if dev.type == "cuda" and len(live) >= PARALLEL_MASKS:
+        if len(live) >= PARALLEL_MASKS:
             self._grammars.fill_bitmasks(live, buf)  # in llguidance's threads
-        else:  # in this thread: on a CPU device the pool's threads would take the model's cores
+        else:
             for m, j in live:
                 m.fill_bitmask(buf, j)
         index = torch.tensor(rows, dtype=torch.int64)
