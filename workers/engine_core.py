@@ -391,6 +391,7 @@ def _process_main(conn: Any, model: str, config: EngineConfig, torch_threads: in
 
             torch.set_num_threads(torch_threads)
         engine = LLMEngine(model, config)
+        engine.warm_guided()  # the grammar engine's vocabulary index, off the first guided job's path
         device = str(engine.runner.device)
     except BaseException as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))

@@ -48,6 +48,7 @@ def build_worker(
 
                 torch.set_num_threads(ws.torch_threads)
             core = LLMEngine(ws.model, cfg)
+            core.warm_guided()  # the grammar engine's vocabulary index, off the first guided job's path
     store = ResultStore.from_url(s.database_url, batch_rows=s.store_batch_rows)
     consumer = KafkaQueue(s).consumer(group)
     config = WorkerConfig(

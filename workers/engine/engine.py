@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from array import array
 from collections import deque
@@ -113,6 +114,7 @@ class LLMEngine:
         # guided requests, and two host buffers for their masks (pinned on CUDA: copied while
         # the step before runs, each reused every other step)
         self._grammars: Any = None
+        self._grammars_warming: threading.Thread | None = None
         self._num_guided = 0
         self._mask_bufs: list[torch.Tensor] = []
         self._mask_turn = 0
@@ -333,10 +335,29 @@ class LLMEngine:
         return InFlightStep(sampled, rows, first, t_launch, out.num_batched_tokens, out.num_decodes, shape, prefills)
 
     # ---- guided decoding ---------------------------------------------------------------
+    def warm_guided(self) -> None:
+        """Build the grammar compiler in a background thread now, so the first guided request does
+        not hold up the step loop while llguidance indexes the vocabulary (a worker calls this at
+        start; without it the first guided request builds it)."""
+        if self._grammars is None and self._grammars_warming is None:
+            def build() -> None:
+                try:
+                    self._grammar_compiler()
+                except InvalidRequestError:
+                    pass  # kept as the refusal every guided request gets
+
+            self._grammars_warming = threading.Thread(target=build, name="grammar-warm", daemon=True)
+            self._grammars_warming.start()
+
     def _grammar_compiler(self) -> Any:
         """The engine's grammar compiler, built at the first guided request (llguidance indexes the
-        vocabulary: 0.3-0.6 s for SmolLM2's 49k tokens on the 2-core CPU). A tokenizer it cannot
-        take refuses every guided request with invalid_grammar, the engine running on."""
+        vocabulary: 0.3-0.6 s for SmolLM2's 49k tokens on the 2-core CPU) or by `warm_guided`. A
+        tokenizer it cannot take refuses every guided request with invalid_grammar, the engine
+        running on."""
+        warming = self._grammars_warming
+        if warming is not None and warming is not threading.current_thread():
+            warming.join()
+            self._grammars_warming = None
         if isinstance(self._grammars, str):
             raise InvalidRequestError(ErrorCode.INVALID_GRAMMAR, self._grammars)
         if self._grammars is None:

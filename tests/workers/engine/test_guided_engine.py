@@ -112,3 +112,20 @@ def test_a_refused_spec_fails_its_request_alone(llama_dir):
         outs += eng.step().finished
     assert [o.request_id for o in outs] == ["good"] and len(outs[0].output_token_ids) == 4
     assert eng._num_guided == 0
+
+
+def test_warm_guided_builds_the_compiler_off_the_step_loop(llama_dir):
+    """warm_guided builds the grammar compiler in a thread; the first guided request uses it (one
+    compiler, built once), and its output is what a cold engine gives."""
+    spec = SamplingParams(max_tokens=40, temperature=0.0, guided=GUIDES[1][0])
+    warm = _engine(llama_dir, False)
+    warm.warm_guided()
+    warm.warm_guided()  # a second call starts nothing
+    assert warm._grammars_warming is not None
+    warm._grammars_warming.join(60)
+    built = warm._grammars
+    assert built is not None and not isinstance(built, str)
+    (w,) = run_prompts(warm, [[5, 6, 7]], spec, tag="w")
+    assert warm._grammars is built
+    (c,) = run_prompts(_engine(llama_dir, False), [[5, 6, 7]], spec, tag="c")
+    assert w.output_token_ids == c.output_token_ids and GUIDES[1][1](w.text)
