@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -341,10 +342,8 @@ class LLMEngine:
         start; without it the first guided request builds it)."""
         if self._grammars is None and self._grammars_warming is None:
             def build() -> None:
-                try:
+                with contextlib.suppress(InvalidRequestError):  # kept: the refusal guided requests get
                     self._grammar_compiler()
-                except InvalidRequestError:
-                    pass  # kept as the refusal every guided request gets
 
             self._grammars_warming = threading.Thread(target=build, name="grammar-warm", daemon=True)
             self._grammars_warming.start()
