@@ -430,6 +430,8 @@ class KafkaJobConsumer(JobConsumer):
             "reconnect_backoff_max_ms": RECONNECT_BACKOFF_MAX_MS,
             "metrics_enabled": False,  # see make_producer
         }
+        if s.group_instance_id:  # static membership: a restart under the same id rebalances nothing
+            config["group_instance_id"] = s.group_instance_id
         if not s.consumer_io_thread:
             config["kafka_client"] = polling_thread_client
         config.update(overrides)
