@@ -558,3 +558,42 @@ def test_cuda_step_device_seconds_under_async_scheduling():
     eng.close()
     assert len(secs) >= 24 and all(s is not None and s > 0 for s in secs), secs  # a prefill step, 23 decodes
     assert sum(secs) <= wall, (sum(secs), wall)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_guided_decoding_under_graphs_and_async_scheduling(llama_dir):
+    """Guided rows beside unguided ones on CUDA with decode graphs and async scheduling (each
+    guided mask waits for the step before, read back while this step's forward runs; the masks
+    copied from pinned buffers): every guided output is in its language, the tokens equal
+    synchronous steps', and the unguided rows equal their runs without guided rows beside them."""
+    from tests.workers.engine.test_guided_engine import GUIDES
+
+    prompts = prompt_set(12, seed=9)
+    plain = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+    def go(async_scheduling: bool, with_guided: bool) -> dict:
+        eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="float32", kernel_backend="triton",
+                                                     num_blocks=256, max_model_len=512,
+                                                     async_scheduling=async_scheduling))
+        assert eng.runner.graphs is not None
+        for i, p in enumerate(prompts):
+            if i % 2 == 0:
+                eng.add_request(f"p{i}", prompt_token_ids=p, sampling=plain)
+            elif with_guided:
+                g = GUIDES[i % len(GUIDES)]
+                eng.add_request(f"g{i}", prompt_token_ids=p, sampling=SamplingParams(
+                    max_tokens=60, temperature=1.0, seed=i, guided=g[0]))
+        done = {}
+        while eng.has_unfinished():
+            for f in eng.step().finished:
+                done[f.request_id] = f
+        return done
+
+    asyn, sync, alone = go(True, True), go(False, True), go(True, False)
+    for rid, f in asyn.items():
+        if rid.startswith("g"):
+            ok = GUIDES[int(rid[1:]) % len(GUIDES)][1]
+            assert f.finish_reason == "stop" and ok(f.text), (rid, f.text)
+    assert {k: f.output_token_ids for k, f in asyn.items()} == {k: f.output_token_ids for k, f in sync.items()}
+    assert {k: f.output_token_ids for k, f in asyn.items() if k.startswith("p")} == {
+        k: f.output_token_ids for k, f in alone.items()}
