@@ -247,8 +247,10 @@ def run_engine(spec: str, fields: dict[str, Any], args: argparse.Namespace, sect
     big = max(TTFT_LENGTHS) if "ttft" in sections else 8192
     env = fields.get("_env", {})
     fields = {k: v for k, v in fields.items() if k != "_env"}
-    ecfg = EngineConfig(max_model_len=max(big, 2176) + 256, max_num_batched_tokens=big if "ttft" in sections else 8192,
-                        max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.90, device=args.device, **fields)
+    budget = big if "ttft" in sections else args.max_num_batched_tokens
+    ecfg = EngineConfig(max_model_len=max(big, 2176) + 256, max_num_batched_tokens=budget,
+                        max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
+                        device=args.device, **fields)
     t0 = time.perf_counter()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # read when the layers are built
@@ -314,6 +316,10 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="for engines without +kv8")
     ap.add_argument("--max-num-seqs", type=int, default=512,
                     help="sequences running at once (decode batch); more amortises the GEMMs at the cost of KV room")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="tokens per step without the ttft section (with it: the longest TTFT length)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                    help="share of the device's memory the engine takes (the rest of it: KV blocks)")
     args = ap.parse_args()
     TTFT_LENGTHS[:] = [int(n) for n in args.ttft_lengths.split(",")]
     sections = set(args.sections.split(","))
@@ -411,6 +417,10 @@ def main() -> None:
         tag += f"_kv{args.kv_cache_dtype}"
     if args.max_num_seqs != 512:
         tag += f"_seqs{args.max_num_seqs}"
+    if args.max_num_batched_tokens != 8192 and "ttft" not in sections:
+        tag += f"_bt{args.max_num_batched_tokens}"
+    if args.gpu_memory_utilization != 0.90:
+        tag += f"_mem{args.gpu_memory_utilization:g}"
     write_report("bench_engine_" + "_".join(sorted(sections)) + tag, data, md)
 
 
