@@ -200,11 +200,15 @@ def cmd_submit(args: argparse.Namespace, out: TextIO) -> int:
     from pipeline.store import ResultStore
 
     path = _input_file(args.file)
-    check = None
     if args.model:  # the workers' model: prompts that cannot fit its context fail now
         from workers.engine.prompts import SubmitCheck
 
         check = SubmitCheck.for_model(args.model, args.max_model_len)
+    else:  # no model to check against: a guided-decoding spec the grammar engine refuses still fails now
+        from schemas.grammar import job_grammar_problem
+
+        def check(job):  # type: ignore[no-untyped-def]
+            return job_grammar_problem(job.sampling)
     settings = get_settings()
     store = None if args.no_db else ResultStore.from_url(_db_url(args))
     queue = KafkaQueue(settings)

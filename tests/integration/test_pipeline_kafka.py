@@ -244,3 +244,23 @@ def test_submit_of_an_empty_input_exits_0(kafka_settings, postgres_url, store, t
     assert (summary["lines"], summary["submitted"], summary["invalid"]) == (0, 0, 0)
     b = store.get_batch(batch)
     assert b is not None and b.progress.total == 0 and b.progress.recorded == 0
+
+
+def test_submit_without_a_model_still_refuses_a_grammar_at_once(kafka_settings, postgres_url, store, tmp_path):
+    """`firsttoken submit` with no --model cannot check prompts against a context, but a guided
+    spec the grammar engine refuses (checked with no tokenizer) is that line's invalid_grammar row
+    at once, not a job sent to a worker to fail there; the good line is queued."""
+    s = settings_for(kafka_settings, postgres_url)
+    batch = f"grammar-{tag()}"
+    path = tmp_path / "g.jsonl"
+    path.write_text(json.dumps({"id": "ok", "prompt": "hi", "max_tokens": 2}) + "\n"
+                    + json.dumps({"id": "bad", "prompt": "hi", "max_tokens": 2,
+                                  "sampling": {"guided": {"kind": "regex", "regex": "(a)\\1"}}}) + "\n")
+    r = subprocess.run([sys.executable, "-m", "firsttoken.cli", "submit", str(path), "--batch-id", batch],
+                       env=worker_env(s, "submitter"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["submitted"] == 1 and summary["invalid"] == 1
+    rows = {row.custom_id: row for row in store.iter_batch(batch)}
+    assert rows["bad"].status is JobStatus.FAILED and rows["bad"].error_code == "invalid_grammar", rows["bad"]
+    assert "(a)" not in (rows["bad"].error_message or "")
