@@ -73,7 +73,8 @@ def finished_result(
 
 
 def _text(text: str) -> str:
-    return text.replace("\x00", "\ufffd")  # NUL is valid output but no Postgres text value may hold it
+    # NUL is valid output (a byte-level token 0) but no Postgres text or jsonb value may hold it
+    return text.replace("\x00", "\ufffd")
 
 
 def _logprobs(f: FinishedRequest) -> list[TokenLogprobs] | None:
@@ -89,5 +90,5 @@ def _prompt_logprobs(f: FinishedRequest) -> list[TokenLogprobs | None] | None:
 def _token_logprobs(lp: TokenLogprob, texts: dict[int, str] | None) -> TokenLogprobs:
     """The engine's log-probability of a token as the result's, with the tokens' texts."""
     texts = texts or {}
-    return TokenLogprobs(token=texts.get(lp.token_id, ""), id=lp.token_id, logprob=lp.logprob,
-                         top=[TopLogprob(token=texts.get(t, ""), id=t, logprob=v) for t, v in lp.top])
+    return TokenLogprobs(token=_text(texts.get(lp.token_id, "")), id=lp.token_id, logprob=lp.logprob,
+                         top=[TopLogprob(token=_text(texts.get(t, "")), id=t, logprob=v) for t, v in lp.top])
