@@ -376,16 +376,8 @@ def test_echo_live_streamed_and_in_batch_files(client):
     lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": f"echo {i}", "max_tokens": 3, "temperature": 0, "echo": i % 2 == 0}}
              for i in range(4)]
-    f = client.files.create(file=("echo.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
-                            purpose="batch")
-    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
-    deadline = time.monotonic() + 120
-    while b.status != "completed":
-        assert time.monotonic() < deadline, b
-        time.sleep(0.3)
-        b = client.batches.retrieve(b.id)
-    out = {x["custom_id"]: x["response"]["body"]["choices"][0]["text"]
-           for x in map(json.loads, client.files.content(b.output_file_id).text.splitlines())}
+    out = {k: x["response"]["body"]["choices"][0]["text"]
+           for k, x in _batch_output(client, "/v1/completions", lines).items()}
     for i in range(4):
         assert out[f"e{i}"].startswith(f"echo {i}") == (i % 2 == 0), out
 
