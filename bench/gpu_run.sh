@@ -27,7 +27,7 @@
 #               and in one thread) against unguided, bf16 then FP8 (bench_guided); needs SmolLM2's
 #               tokenizer files in .tok (carry it; see bench_guided.py)                           ~3 min
 #   choices     TTFT of a job with n = 1, 2, 4, 8 choices over one prompt (the siblings share its
-#               blocks), prefix cache on and off (scripts/choices_ttft.py); issue 20: n=4 within 10%  ~2 min
+#               blocks), prefix cache on and off (bench/bench_choices.py); issue 20: n=4 within 10%  ~2 min
 # The SmolLM2 checkpoint does not fit one call: carry .ckpt_a (the GGUF's first 49 MB and the small
 # files) and copy it to /tmp there, then in the next call (the machine still warm) carry .ckpt_b and
 # rebuild: cat the parts in order into one file, bench/restore_smollm2.py --parts FILE (see its doc).
@@ -134,9 +134,9 @@ for stage in "${STAGES[@]}"; do
         --quantization fp8 --kv-cache-dtype fp8 "${GOODPUT_ARGS[@]}" ;;
     choices)
       if [ "${SMOKE:-0}" = 1 ]; then
-        run choices 200 $PY scripts/choices_ttft.py --preset tiny --device cpu --lens 100 --ns 1,4 --reps 2 --out "$OUT"
+        run choices 200 $PY bench/bench_choices.py --preset tiny --device cpu --lens 100 --ns 1,4 --reps 2 --out "$OUT"
       else
-        run choices 280 $PY scripts/choices_ttft.py --preset $PRESET --lens 512,2000 --ns 1,2,4,8 --out "$OUT"
+        run choices 280 $PY bench/bench_choices.py --preset $PRESET --lens 512,2000 --ns 1,2,4,8 --out "$OUT"
       fi ;;
     guided)
       [ "${SMOKE:-0}" = 1 ] && { run guided 200 $PY bench/bench_guided.py --device cpu --preset tiny --tokenizer preset \

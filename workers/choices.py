@@ -97,7 +97,8 @@ class ChoiceGroups:
                     if k:  # a prompt's log-probabilities are its first sequence's (_merge): the others
                         update["prompt_logprobs"] = None  # skip them, and so can take its cached blocks
                     sp = sampling.model_copy(update=update)
-                    self.engine.add_request(request_id, prompt_token_ids=ids, sampling=sp, **kw)
+                    lead = {"follows": f"{job_id}{SEP}{j * samples}"} if k else {}
+                    self.engine.add_request(request_id, prompt_token_ids=ids, sampling=sp, **kw, **lead)
                     group.children.append(request_id)
         except InvalidRequestError as exc:
             for request_id in group.children:

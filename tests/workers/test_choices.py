@@ -1,5 +1,5 @@
-"""Jobs of several choices over one engine (workers.choices): a prompt's sequences share its full
-KV blocks through the prefix cache (only the last partial block is computed again), seeded
+"""Jobs of several choices over one engine (workers.choices): a prompt's sequences are forked from
+its first sequence's prefill (its full blocks shared, its last partial block copied), seeded
 choices differ from each other and repeat, best_of keeps the likeliest, prompt lists answer
 prompt-major, max_tokens 0 with echo scores the prompt alone, and a bad prompt leaves nothing
 behind."""
@@ -7,6 +7,7 @@ behind."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from schemas.job import FinishReason
 from schemas.sampling import SamplingParams
@@ -44,36 +45,87 @@ def _job(engine: LLMEngine, prompts: list[str | list[int]], sp: SamplingParams, 
 
 
 @pytest.mark.parametrize("n_prompt", [67, 65, 64])
-def test_siblings_share_every_full_prompt_block(engine, n_prompt):
-    """n=4 sequences added together: the first computes the prompt, the other three find all of its
-    full blocks in the prefix cache in the same step (admitted right after it) and compute only
-    the last partial block (one token at 65: a decode row over the blocks the first writes in that
-    step; a whole block at 64, as at least one token is computed); their greedy tokens are the lone
-    request's."""
+def test_siblings_are_forked_from_the_first_sequences_prefill(engine, n_prompt):
+    """n=4 sequences added together: the first computes the prompt; in that same step the other
+    three are forked from it (Scheduler.add_follower). They compute no prompt token, take
+    references on its full blocks and get their own copy of its last partial block (nothing to
+    copy at 64, a whole number of blocks), which holds the first's K/V after the step; every
+    choice's first token comes in that one step, and their greedy tokens are the lone request's."""
     bs = engine.config.block_size
     ids = (_ids(engine, PROMPT) * 2)[:n_prompt]
-    full = (n_prompt - 1) // bs * bs
-    assert full >= 3 * bs
+    n_full, partial = divmod(n_prompt, bs)
     engine.add_request("alone", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=8, temperature=0.0))
     single = {f.request_id: f for f in _drain(engine)}["alone"]
     engine.kv.pool.reset_prefix_cache()  # the job below starts from an empty cache
     hits_before = engine.kv.num_hit_tokens
 
-    f = _job(engine, [ids], SamplingParams(max_tokens=8, temperature=0.0, n=4))
-    cached = [c.output.usage.cached_prompt_tokens for c in f.choices]
-    assert cached == [0, full, full, full]
-    assert engine.kv.num_hit_tokens - hits_before == 3 * full
+    groups = ChoiceGroups(engine)
+    groups.add("job", [ids], [None], SamplingParams(max_tokens=8, temperature=0.0, n=4))
+    step = engine.step()
+    assert step.num_batched_tokens == n_prompt  # the prompt once
+    assert len(groups.first_tokens([(e.request_id, e.time) for e in step.first_tokens])) == 1
+    assert len(step.first_tokens) == 4  # every choice's first token in the prefill's step
+    seqs = [engine.requests[f"job\x1f{k}"] for k in range(4)]
+    lead = seqs[0]
+    for s in seqs[1:]:
+        assert s.block_ids[:n_full] == lead.block_ids[:n_full]
+        assert len(s.block_ids) == n_full + (partial > 0)
+    for b in lead.block_ids[:n_full]:
+        assert engine.kv.pool.blocks[b].ref_cnt == 4
+    if partial:
+        own = [s.block_ids[n_full] for s in seqs]
+        assert len(set(own)) == 4
+        for k_cache, v_cache in engine.runner.kv_caches:
+            for cache in (k_cache, v_cache):
+                want = cache[own[0], :partial]
+                assert want.abs().sum() > 0
+                for b in own[1:]:
+                    assert torch.equal(cache[b, :partial], want)
+
+    done = {f.request_id: f for f in groups.finished(step.finished)}
+    done.update((f.request_id, f) for f in _run(engine, groups).values())
+    f = done["job"]
+    assert [c.output.usage.cached_prompt_tokens for c in f.choices] == [0, n_prompt, n_prompt, n_prompt]
+    assert engine.kv.num_hit_tokens - hits_before == 3 * n_prompt
     assert [c.index for c in f.choices] == [0, 1, 2, 3]
     assert all(c.output.output_token_ids == single.output_token_ids for c in f.choices)
     # the job's usage: the prompt once, the first sequence's hits, every sequence's output
     assert f.usage.prompt_tokens == n_prompt and f.usage.cached_prompt_tokens == 0
     assert f.usage.completion_tokens == sum(c.output.usage.completion_tokens for c in f.choices)
-    # the siblings' prefill share: each computed n_prompt - full tokens, the first all of them
-    # (one step computed all four: the same time per token)
+    # the prefill share is the first sequence's alone: the others computed nothing
     shares = [c.output.timings.prefill_compute_s for c in f.choices]
-    assert shares[0] > 0
-    assert shares[1:] == pytest.approx([shares[0] * (n_prompt - full) / n_prompt] * 3)
+    assert shares[0] > 0 and shares[1:] == [0.0, 0.0, 0.0]
     assert f.timings.prefill_compute_s == pytest.approx(sum(shares))
+    assert engine.kv.pool.num_used == 0  # every reference given back
+
+
+def test_followers_that_find_no_room_wait_and_hit_the_prefix_cache(engine):
+    """With one sequence slot left beside the first, the other siblings wait as requests do and
+    find its blocks in the prefix cache; a job whose first sequence is aborted before its prefill
+    leaves its followers to run on their own."""
+    small = LLMEngine("tiny", EngineConfig(device="cpu", max_model_len=256, max_num_seqs=2))
+    try:
+        ids = _ids(small, PROMPT)
+        groups = ChoiceGroups(small)
+        groups.add("job", [ids], [None], SamplingParams(max_tokens=4, temperature=0.0, n=3))
+        f = _run(small, groups)["job"]
+        n = len(ids)
+        full = (n - 1) // small.config.block_size * small.config.block_size
+        assert [c.output.usage.cached_prompt_tokens for c in f.choices] == [0, n, full]
+        assert len({tuple(c.output.output_token_ids) for c in f.choices}) == 1
+    finally:
+        small.close()
+    ids = _ids(engine, PROMPT)
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+    engine.add_request("lead", prompt_token_ids=ids, sampling=sp)
+    engine.add_request("f1", prompt_token_ids=ids, sampling=sp, follows="lead")
+    engine.add_request("f2", prompt_token_ids=ids[:-1], sampling=sp, follows="lead")  # another prompt: alone
+    assert engine.requests["f1"].follows == "lead" and engine.requests["f2"].follows is None
+    assert engine.abort("lead")
+    done = {f.request_id: f for f in _drain(engine)}
+    assert set(done) >= {"f1", "f2"} and done["f1"].finish_reason == FinishReason.LENGTH
+    assert done["f1"].usage.cached_prompt_tokens == 0  # its leader never ran: it computed the prompt itself
+    assert engine.kv.pool.num_used == 0
 
 
 def _drain(engine: LLMEngine) -> list[FinishedRequest]:
@@ -159,17 +211,16 @@ def test_aborting_a_job_ends_all_its_sequences(engine):
 
 def test_prompt_logprobs_come_from_the_first_sequence_and_the_others_share_its_blocks(engine):
     """echo with logprobs and n=3: the prompt's log-probabilities are computed once (its first
-    sequence needs every prompt position computed), the other two take its full blocks from the
-    prefix cache, and every choice reports the same prompt log-probabilities, those of the lone
-    request, with their tokens' texts."""
-    bs = engine.config.block_size
+    sequence needs every prompt position computed), the other two are forked from its prefill
+    (they compute none of the prompt), and every choice reports the same prompt
+    log-probabilities, those of the lone request, with their tokens' texts."""
     ids = _ids(engine, PROMPT)
-    full = (len(ids) - 1) // bs * bs
     engine.add_request("alone", prompt_token_ids=ids, sampling=SamplingParams(
         max_tokens=3, temperature=0.0, echo=True, logprobs=2))
     alone = {f.request_id: f for f in _drain(engine)}["alone"]
     f = _job(engine, [ids], SamplingParams(max_tokens=3, temperature=0.0, echo=True, logprobs=2, n=3))
-    assert [c.output.usage.cached_prompt_tokens for c in f.choices] == [0, full, full]
+    assert [c.output.usage.cached_prompt_tokens for c in f.choices] == [0, len(ids), len(ids)]
+    assert all(c.output.output_token_ids == alone.output_token_ids for c in f.choices)
     want = [None if lp is None else (lp.token_id, round(lp.logprob, 4), tuple(t for t, _ in lp.top))
             for lp in alone.prompt_logprobs]
     for c in f.choices:

@@ -131,12 +131,16 @@ class LLMEngine:
         arrival_time: float | None = None,
         stream: bool = False,
         fair_rank: int = 0,
+        follows: str | None = None,
     ) -> None:
         """Queue a request. Raises InvalidRequestError (with a code) for this request only.
 
         `stream`: report its text as it grows (StepOutput.deltas). `fair_rank`: among requests of
         equal priority, lower ranks are admitted first (the worker's round-robin over its queue
-        partitions), then first come first served."""
+        partitions), then first come first served. `follows`: the id of a request with the same
+        prompt that has not sampled yet (another choice of one job): this one is forked from its
+        prefill (Scheduler.add_follower) rather than computing the prompt again; ignored when
+        that request is gone, has sampled, or holds other tokens."""
         if request_id in self.requests:
             raise InvalidRequestError(ErrorCode.DUPLICATE_ID, f"request {request_id!r} is already in the engine")
         sp = self._validate_sampling(sampling)
@@ -182,7 +186,13 @@ class LLMEngine:
         self.requests[request_id] = req
         if sp.stop or stream:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids)
-        self.scheduler.add(req)
+        leader = self.requests.get(follows) if follows is not None else None
+        if (leader is not None and leader is not req and not leader.is_finished and leader.follows is None
+                and sp.prompt_logprobs is None and leader.num_tokens == leader.num_prompt_tokens == n
+                and leader.token_ids == ids):
+            self.scheduler.add_follower(req, leader)
+        else:
+            self.scheduler.add(req)
 
     @staticmethod
     def _validate_sampling(sampling: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
@@ -260,7 +270,8 @@ class LLMEngine:
         except Exception as exc:
             if _is_fatal(exc):
                 raise
-            suspects = [e.request for e in out.scheduled] if out is not None else list(self.scheduler.running)
+            suspects = ([e.request for e in out.scheduled] + [f for f, _ in out.forks] if out is not None
+                        else list(self.scheduler.running))
             for step in (prev, launched):
                 if step is not None:
                     suspects.extend(req for req, _ in step.rows)
@@ -328,6 +339,12 @@ class LLMEngine:
             rows.append((req, len(req.token_ids)))
             req.token_ids.append(PENDING_TOKEN)
             first = first or req.times.first_token is None
+        for req, _ in out.forks:  # sampled after the entries' rows (ModelRunner._run_step)
+            req.pending_row = len(rows)
+            req.num_pending += 1
+            rows.append((req, len(req.token_ids)))
+            req.token_ids.append(PENDING_TOKEN)
+            first = True
         now = time.monotonic()
         self._history.append((now, prompt_tokens, len(rows)))
         while self._history and now - self._history[0][0] > STATS_WINDOW_S:

@@ -296,6 +296,13 @@ class ModelRunner:
                 return SampledTokens(None, prompt=prompt) if prompt else SampledTokens.empty()
             rows = torch.from_numpy(logit_rows).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows], residual[rows])
+        if out.block_copies:
+            self.copy_blocks(out.block_copies)
+        if out.forks:  # each forked follower samples from its leader's logits row (after the entries' rows)
+            at = {id(r): i for i, r in enumerate(sampling_reqs)}
+            idx = torch.tensor([at[id(lead)] for _, lead in out.forks], dtype=torch.int64)
+            logits = torch.cat([logits, logits.index_select(0, idx.to(self.device, non_blocking=True))])
+            sampling_reqs = sampling_reqs + [f for f, _ in out.forks]
         if not sampling_reqs:
             return SampledTokens(None, prompt=prompt) if prompt else SampledTokens.empty()
         batch = self.sampling_batch(sampling_reqs)
@@ -313,6 +320,14 @@ class ModelRunner:
         else:
             lps = token_logprobs(logits, tokens, k)
         return SampledTokens(tokens, lps, asked, prompt)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source, destination) in every layer, in stream order."""
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
 
     @staticmethod
     def _prompt_logprob_plan(out: SchedulerOutput) -> list[tuple[Request, int, int, int]]:

@@ -35,6 +35,12 @@ class SchedulerOutput:
     num_decodes: int = 0  # the first num_decodes entries of `scheduled` have one new token
     num_batched_tokens: int = 0  # total new tokens this step
     preempted: list[Request] = field(default_factory=list)  # taken off the running list this step
+    # followers forked this step (Scheduler.add_follower): (follower, its leader), each sampling its
+    # first token from the leader's logits row; they compute no token of their own
+    forks: list[tuple[Request, Request]] = field(default_factory=list)
+    # (source, destination) block ids to copy after the step's forward: a forked follower's own
+    # copy of its leader's last, partial prompt block (copy on write, before either writes to it)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -137,10 +143,68 @@ class Scheduler:
         # while a failed step's requests are retried apart (LLMEngine.step), only this group's
         # requests are scheduled; the others keep their state and wait
         self.isolated: frozenset[str] | None = None
+        # leader request id -> the requests waiting to be forked from its prefill (add_follower)
+        self.followers: dict[str, list[Request]] = {}
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
         self.waiting.push(req)
+
+    def add_follower(self, req: Request, leader: Request) -> None:
+        """Queue `req`, whose prompt is `leader`'s (a sibling choice of one job, n > 1), to be forked
+        from the leader's prefill instead of computing it: in the step that computes the leader's
+        last prompt token, the follower takes references on the leader's full prompt blocks, gets
+        its own copy of the last partial one (copied on the device after that step's forward) and
+        samples its first token from the leader's logits row. The prompt is computed once, and
+        every choice's first token comes in the leader's step. A follower that finds no sequence
+        slot or free block then waits as any request does (and finds the blocks in the prefix
+        cache); so does one whose leader ends first."""
+        req.status = RequestStatus.WAITING
+        req.follows = leader.request_id
+        self.followers.setdefault(leader.request_id, []).append(req)
+
+    def _release_followers(self, leader_id: str) -> None:
+        for f in self.followers.pop(leader_id, ()):
+            f.follows = None
+            self.waiting.push(f)
+
+    def _fork(self, entries: list[ScheduledRequest], now: float) -> tuple[list, list]:
+        """Fork the followers of each entry that samples its leader's first token (add_follower)."""
+        forks: list[tuple[Request, Request]] = []
+        copies: list[tuple[int, int]] = []
+        bs = self.kv.block_size
+        pool = self.kv.pool
+        for e in entries:
+            leader = e.request
+            if not e.samples or leader.num_output_tokens or leader.request_id not in self.followers:
+                continue
+            n = leader.num_prompt_tokens
+            n_full, partial = divmod(n, bs)
+            for f in self.followers.pop(leader.request_id):
+                f.follows = None
+                if (len(self.running) >= self.max_num_seqs or (partial and pool.num_free < 1)
+                        or (self.isolated is not None and f.request_id not in self.isolated)):
+                    self.waiting.push(f)
+                    continue
+                shared = [pool.blocks[b] for b in leader.block_ids[:n_full]]
+                pool.touch(shared)
+                f.block_ids = [b.block_id for b in shared]
+                if partial:
+                    (own,) = pool.allocate(1)
+                    f.block_ids.append(own.block_id)
+                    copies.append((leader.block_ids[n_full], own.block_id))
+                f.block_hashes = leader.block_hashes[:n_full]
+                f.num_indexed_blocks = min(leader.num_indexed_blocks, n_full)
+                f.num_computed_tokens = n
+                if f.num_cached_tokens is None:  # the whole prompt, computed by another sequence
+                    f.num_cached_tokens = n
+                    self.kv.record_hit(n, n)
+                if f.times.first_scheduled is None:
+                    f.times.first_scheduled = now
+                f.status = RequestStatus.RUNNING
+                self.running.append(f)
+                forks.append((f, leader))
+        return forks, copies
 
     def has_work(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -264,6 +328,7 @@ class Scheduler:
                 entries.append(ScheduledRequest(req, n, n_cached))
                 budget -= n
 
+        forks, copies = self._fork(entries, time.monotonic()) if self.followers else ([], [])
         decodes = [e for e in entries if e.num_new_tokens == 1]
         prefills = [e for e in entries if e.num_new_tokens > 1]
         return SchedulerOutput(
@@ -271,14 +336,23 @@ class Scheduler:
             num_decodes=len(decodes),
             num_batched_tokens=full - budget,
             preempted=preempted,
+            forks=forks,
+            block_copies=copies,
         )
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Take a request out of the scheduler for good and free its blocks."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.follows is not None:
+            self.followers[req.follows].remove(req)
+            if not self.followers[req.follows]:
+                del self.followers[req.follows]
+            req.follows = None
         else:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        if self.followers:
+            self._release_followers(req.request_id)  # a leader that ends before its prefill samples

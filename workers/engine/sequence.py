@@ -89,6 +89,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
     num_indexed_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_preemptions: int = 0
+    # n > 1: the request whose prompt this one shares and whose prefill it waits on (it is forked
+    # from it when that prefill samples: Scheduler.add_follower); None once forked, or alone
+    follows: str | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None  # why it failed (finish_reason "error")
     fair_rank: int = 0  # among equal priorities, lower first (LLMEngine.add_request's fair_rank)

@@ -1,10 +1,11 @@
 """TTFT of a job with n choices against n=1, on the engine alone (no queue): the job's sequences
-added together (workers.choices), the time from adding them to the job's first token and to every
-choice's first token; and the same with the prefix cache off (every sequence computes the whole
-prompt), which is what n costs without sharing the prompt's blocks.
+added together (workers.choices: the siblings are forked from the first's prefill), the time from
+adding them to the job's first token and to every choice's first token; and the same with the
+prefix cache off. (Forking does not need the prefix cache; for what n costs without any sharing,
+compare n=1 at n times the prompt length.)
 
-    python scripts/choices_ttft.py --preset llama3-8b --lens 512,2000 --ns 1,2,4,8 --out DIR   # on a GPU
-    python scripts/choices_ttft.py --preset tiny --device cpu --lens 100 --ns 1,4 --reps 2     # the plumbing
+    python bench/bench_choices.py --preset llama3-8b --lens 512,2000 --ns 1,2,4,8 --out DIR   # on a GPU
+    python bench/bench_choices.py --preset tiny --device cpu --lens 100 --ns 1,4 --reps 2     # the plumbing
 
 Each prompt is new random token ids (no hit from an earlier one); each shape is run once before it
 is timed (kernel compiles, graph captures). Prints a markdown table; --out also writes JSON there.
@@ -21,8 +22,11 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from schemas.sampling import SamplingParams
 from workers.choices import ChoiceGroups
