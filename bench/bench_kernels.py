@@ -386,18 +386,24 @@ def run_decode(rows: list, sweep: list | None) -> None:
 
 def run_decode_kv_dtype(sweep: list) -> None:
     """Decode attention over a bf16 and an fp8 (e4m3) cache, at the throughput run's steady state
-    (B=64 and 224, context ~1000), across tiles: does half the bytes give half the time?"""
+    (B=64 and 224, context ~1000), across tiles: does half the bytes give half the time? And the
+    fp8 cache at TensorRT-LLM's throughput shape's decode steps (B=640, context ~1500)."""
     scale = D**-0.5
     gen = torch.Generator().manual_seed(1)
-    for b in (64, 224):
-        ctx = torch.randint(800, 1201, (b,), generator=gen).tolist()
+    for b, lo, hi in ((64, 800, 1201), (224, 800, 1201), (640, 1000, 2001)):
+        ctx = torch.randint(lo, hi, (b,), generator=gen).tolist()
         kc, vc, bt = paged_kv(ctx)
         q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
         sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
         ref = decode_attention_triton(q, kc, vc, bt, sl, scale)
         tiles = [(128, 4, 3), (64, 4, 3), (128, 8, 3), (128, 4, 2), (64, 2, 3), (32, 2, 3), (64, 1, 3),
                  (64, 2, 4), (128, 2, 3), (32, 1, 3), (64, 2, 2)]
-        for name, k, v in (("bf16", kc, vc), ("fp8", kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn))):
+        caches = (("bf16", kc, vc), ("fp8", kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)))
+        if b == 640:
+            caches = caches[1:]
+            tiles += [(128, 4, 4), (64, 4, 4), (64, 2, 5), (128, 2, 4), (256, 4, 3), (256, 8, 3), (32, 2, 4)]
+        shape = f"B={b} ctx~{(lo + hi) // 2}"
+        for name, k, v in caches:
             nbytes = sum(ctx) * HK * D * 2 * k.element_size()
             for (bn, w, st), widen, splits in [(t, wd, None) for t in tiles for wd in
                                                (("q", "fp16") if name == "fp8" else ("q",))] + [
@@ -405,7 +411,7 @@ def run_decode_kv_dtype(sweep: list) -> None:
                 f = partial(decode_attention_triton, q, k, v, bt, sl, scale, num_splits=splits, block_n=bn,
                             num_warps=w, num_stages=st, widen=widen)
                 sweep.append(time_variant(f, ref, "GBps", nbytes / 1e6, op=f"decode_{name}_cache",
-                                          shape=f"B={b} ctx~1000",
+                                          shape=shape,
                                           cfg=f"N{bn} w{w} s{st} widen={widen} splits={splits or 'auto'}"))
         del kc, vc
         torch.cuda.empty_cache()
