@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--lens", default="512,2000")
     ap.add_argument("--ns", default="1,2,4,8")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lens = [int(x) for x in args.lens.split(",")]
@@ -88,21 +88,22 @@ def main() -> None:
     for caching in (True, False):
         engine.kv.enable_prefix_caching = engine.kv.pool.enable_caching = caching
         for length in lens:
-            for n in ns:
-                if not caching and n == 1:
-                    continue  # (the same as with it: a new prompt finds nothing)
-                firsts, lasts = [], []
-                for rep in range(args.reps + 1):
+            shapes = [n for n in ns if caching or n != 1]  # (n=1 is the same without it: a new prompt finds nothing)
+            firsts: dict[int, list[float]] = {n: [] for n in shapes}
+            lasts: dict[int, list[float]] = {n: [] for n in shapes}
+            computed: dict[int, int] = {}
+            for rep in range(args.reps + 1):
+                for n in shapes:  # interleaved, so that a drift of the clocks shifts every n alike
                     ids = [rng.randrange(vocab) for _ in range(length)]
                     count += 1
-                    f, last, computed = one_job(engine, groups, f"j{count}", ids, n)
+                    f, last, computed[n] = one_job(engine, groups, f"j{count}", ids, n)
                     if rep:  # the first run of a shape warms it
-                        firsts.append(f)
-                        lasts.append(last)
+                        firsts[n].append(f)
+                        lasts[n].append(last)
+            for n in shapes:
                 row = {"prefix_cache": caching, "prompt_tokens": length, "n": n,
-                       "tokens_computed": computed,
-                       "ttft_ms": statistics.median(firsts), "last_choice_ttft_ms": statistics.median(lasts),
-                       "ttft_ms_runs": firsts}
+                       "tokens_computed": computed[n], "ttft_ms": statistics.median(firsts[n]),
+                       "last_choice_ttft_ms": statistics.median(lasts[n]), "ttft_ms_runs": firsts[n]}
                 rows.append(row)
                 print(f"# {row['prefix_cache']} L={length} n={n}: {row['ttft_ms']:.2f} / {row['last_choice_ttft_ms']:.2f} ms",
                       flush=True)

@@ -384,13 +384,15 @@ def run_decode(rows: list, sweep: list | None) -> None:
         torch.cuda.empty_cache()
 
 
-def run_decode_kv_dtype(sweep: list) -> None:
+def run_decode_kv_dtype(sweep: list, batches: tuple[int, ...] = (64, 224, 640)) -> None:
     """Decode attention over a bf16 and an fp8 (e4m3) cache, at the throughput run's steady state
     (B=64 and 224, context ~1000), across tiles: does half the bytes give half the time? And the
     fp8 cache at TensorRT-LLM's throughput shape's decode steps (B=640, context ~1500)."""
     scale = D**-0.5
     gen = torch.Generator().manual_seed(1)
     for b, lo, hi in ((64, 800, 1201), (224, 800, 1201), (640, 1000, 2001)):
+        if b not in batches:
+            continue
         ctx = torch.randint(lo, hi, (b,), generator=gen).tolist()
         kc, vc, bt = paged_kv(ctx)
         q = torch.randn(b, HQ, D, device=DEV, dtype=DT)
@@ -405,6 +407,12 @@ def run_decode_kv_dtype(sweep: list) -> None:
         shape = f"B={b} ctx~{(lo + hi) // 2}"
         for name, k, v in caches:
             nbytes = sum(ctx) * HK * D * 2 * k.element_size()
+            if name == "fp8":  # the block ids of the next tile loaded an iteration ahead
+                for bn, w, st in ((64, 2, 3), (64, 2, 4), (128, 4, 3), (64, 4, 3), (128, 4, 4), (32, 2, 4)):
+                    f = partial(decode_attention_triton, q, k, v, bt, sl, scale, block_n=bn, num_warps=w,
+                                num_stages=st, widen="fp16", prefetch=True)
+                    sweep.append(time_variant(f, ref, "GBps", nbytes / 1e6, op="decode_fp8_cache", shape=shape,
+                                              cfg=f"N{bn} w{w} s{st} widen=fp16 prefetch"))
             for (bn, w, st), widen, splits in [(t, wd, None) for t in tiles for wd in
                                                (("q", "fp16") if name == "fp8" else ("q",))] + [
                     ((128, 4, 3), "q", 1), ((128, 4, 3), "fp16" if name == "fp8" else "q", 2)]:
@@ -688,6 +696,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="also time tile variants of the attention kernels")
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    ap.add_argument("--kv-batches", default="64,224,640", help="decode_kv_dtype: batch sizes (of 64, 224, 640)")
     ap.add_argument("--focus", action="store_true", help="only the split-KV / launch-overhead set (see above)")
     ap.add_argument("--old", default=None, help="folder holding the previous kernels as package `oldkernels`")
     ap.add_argument("--sections", default=None,
@@ -710,7 +719,8 @@ def main() -> None:
     errors = []
     sections = (("rms", lambda: run_rms(rows)), ("silu", lambda: run_silu(rows)), ("rope", lambda: run_rope(rows)),
                 ("prefill", lambda: run_prefill(rows, sweep)), ("decode", lambda: run_decode(rows, sweep)),
-                ("decode_kv_dtype", lambda: sweep is not None and run_decode_kv_dtype(sweep)),
+                ("decode_kv_dtype", lambda: sweep is not None and run_decode_kv_dtype(
+                    sweep, tuple(int(x) for x in args.kv_batches.split(",")))),
                 ("prefill_graph_shape", lambda: sweep is not None and run_prefill_graph_shape(sweep)),
                 ("graph", lambda: result.__setitem__("graph_check", check_decode_graph())),
                 ("fp8", lambda: run_fp8(result.setdefault("fp8", []), sweep)))

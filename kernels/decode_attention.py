@@ -68,6 +68,7 @@ def _decode_partial_kernel(
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs and the interpreter, None (default) for 16 bit
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
     WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
+    PREFETCH: tl.constexpr,  # load the next key tile's block-table entries one iteration ahead
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -102,10 +103,18 @@ def _decode_partial_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + b * stride_bt
     kv_head_off = kvh.to(tl.int64) * stride_ch
+    if PREFETCH:  # the K/V addresses of a tile then hang on no load of their own iteration
+        kpos0 = k_start + tl.arange(0, BLOCK_N)
+        blk_next = tl.load(bt_row + kpos0 // BLOCK_SIZE, mask=kpos0 < k_stop, other=0)
     for start in range(k_start, k_stop, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < k_stop
-        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        if PREFETCH:
+            blk = blk_next.to(tl.int64)
+            kpos_n = kpos + BLOCK_N
+            blk_next = tl.load(bt_row + kpos_n // BLOCK_SIZE, mask=kpos_n < k_stop, other=0)
+        else:
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -182,7 +191,7 @@ def _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window) ->
 def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits) of the partial launch."""
     hq, hk, d, bs, on_gpu, fp32, has_window, fp8_cache = static
-    num_splits, block_n, num_warps, num_stages, widen = over
+    num_splits, block_n, num_warps, num_stages, widen, prefetch = over
     check(widen in (None, "q", "fp16"), "decode_attention: widen must be 'q' or 'fp16', not {!r}", widen)
     group = hq // hk
     g_pack = min(group, 64)
@@ -204,7 +213,7 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
         "GROUP": group, "G_PACK": g_pack, "HEAD_CHUNKS": head_chunks, "BLOCK_H": max(16, next_pow2(g_pack)),
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
-        "WIDEN_F16": fp8_cache and widen == "fp16",
+        "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": bool(prefetch),
     }
     return (b, hk * head_chunks, num_splits), consts, num_warps, num_stages or 3, num_splits
 
@@ -223,6 +232,7 @@ def decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     widen: str | None = None,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Triton `decode_attention_ref` (flash-decoding): q [B, Hq, D] -> [B, Hq, D].
 
@@ -233,7 +243,8 @@ def decode_attention_triton(
     `default_num_splits` (B, heads, SM count); block_n / num_warps / num_stages override tiles.
     widen: what an fp8 cache's tiles are widened to before the dots: "q" (q's dtype) or "fp16"
     (q, pre-scaled, and the probabilities cast to fp16 too); None: "fp16" for an fp8 cache on
-    the GPU with a 16-bit q, else "q".
+    the GPU with a 16-bit q, else "q". prefetch: load each key tile's block-table entries in the
+    iteration before (None: off).
     """
     # q: [B, Hq, D]; partials: [B * Hq, S] and [B * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride()[1:], q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -251,7 +262,7 @@ def decode_attention_triton(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    over = (num_splits, block_n, num_warps, num_stages, widen)
+    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch)
     tkey = (skey, b, block_tables.shape[1], over)
     plan = _TILES.get(tkey)
     if plan is None:

@@ -259,6 +259,24 @@ def test_decode_fp8_cache(dtype, widen, ctx, hq, hk, d, window, splits, block_n)
     torch.testing.assert_close(out, decode_attention_ref(q, kc8, vc8, bt, sl, d**-0.5, window), **TOL[dtype])
 
 
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits", "block_n"), DECODE_CASES)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_prefetching_the_block_table(fp8, ctx, hq, hk, d, window, splits, block_n) -> None:
+    """The next tile's block ids loaded an iteration ahead: the same answer on every awkward case
+    (a context of one key, windows, splits with an empty part, 16-key tiles over 16-slot blocks),
+    with blocks scattered in the pool so that a stale or shifted id reads another block."""
+    kc, vc, bt = make_paged_kv(ctx, hk, d, 16, BF16)
+    if fp8:
+        kc, vc = kc.to(FP8), vc.to(FP8)
+    q = torch.randn(len(ctx), hq + 2 * hk, d).to(BF16)[:, :hq]
+    sl = torch.tensor(ctx, dtype=torch.int32)
+    out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n,
+                                  prefetch=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, window), **TOL[BF16])
+
+
 def test_fp8_cache_rules() -> None:
     q, kc, vc, bt, qsl, sl = make_prefill([0], [5], 4, 1, 64, 16, F32)
     with pytest.raises(ValueError, match="float8_e4m3fn"):

@@ -300,8 +300,8 @@ class ModelRunner:
             self.copy_blocks(out.block_copies)
         if out.forks:  # each forked follower samples from its leader's logits row (after the entries' rows)
             at = {id(r): i for i, r in enumerate(sampling_reqs)}
-            idx = torch.tensor([at[id(lead)] for _, lead in out.forks], dtype=torch.int64)
-            logits = torch.cat([logits, logits.index_select(0, idx.to(self.device, non_blocking=True))])
+            idx = self._index([at[id(lead)] for _, lead in out.forks])
+            logits = torch.cat([logits, logits.index_select(0, idx)])
             sampling_reqs = sampling_reqs + [f for f, _ in out.forks]
         if not sampling_reqs:
             return SampledTokens(None, prompt=prompt) if prompt else SampledTokens.empty()
@@ -321,10 +321,15 @@ class ModelRunner:
             lps = token_logprobs(logits, tokens, k)
         return SampledTokens(tokens, lps, asked, prompt)
 
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """An int64 index on the device, copied from pinned memory (never waits for the stream)."""
+        return torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda").to(
+            self.device, non_blocking=True)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (source, destination) in every layer, in stream order."""
-        src = torch.tensor([a for a, _ in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
-        dst = torch.tensor([b for _, b in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
+        src = self._index([a for a, _ in pairs])
+        dst = self._index([b for _, b in pairs])
         for k, v in self.kv_caches:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
