@@ -4,11 +4,13 @@ an engine request of its own, and the job's one FinishedRequest is made when the
     job "j" with prompts [p0, p1], n=2  ->  requests j\\x1f0, j\\x1f1 (over p0), j\\x1f2, j\\x1f3 (over p1)
                                         ->  one FinishedRequest "j" with choices 0..3 (prompt-major)
 
-The KV cache is shared without a mechanism of its own: a prompt's sequences are added to the
-engine together, and the engine indexes every full prompt block in its prefix cache when it
-allocates it, so the siblings admitted after the first (in the same step, or later) find all of
-the prompt's full blocks and compute only its last partial block
-(tests/workers/test_choices.py counts the hits).
+A prompt is computed once: its sequences after the first are added as its followers
+(`LLMEngine.add_request(follows=...)`), forked from the first's prefill in the step that samples
+its first token. They share its full blocks by reference, get a device copy of its last partial
+block and sample their first tokens from its logits row, so every choice's first token comes in
+that one step (tests/workers/test_choices.py checks the blocks and the copy). A follower that
+finds no sequence slot or block then waits as any request does and takes the blocks from the
+prefix cache.
 
 A job that asks for prompt log-probabilities (echo with logprobs) computes them in each prompt's
 first sequence only, so the others still take its cached blocks; every choice reports them.
