@@ -13,7 +13,7 @@ finds no sequence slot or block then waits as any request does and takes the blo
 prefix cache.
 
 A job that asks for prompt log-probabilities (echo with logprobs) computes them in each prompt's
-first sequence only, so the others still take its cached blocks; every choice reports them.
+first sequence only (the others are forked from it all the same); every choice reports them.
 
 Seeds: a seeded job's k-th sequence of each prompt samples with `choice_seed(seed, k)` (the
 seed itself for the first), so the choices differ from each other and repeat run to run.
