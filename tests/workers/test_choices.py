@@ -121,6 +121,9 @@ def test_followers_that_find_no_room_wait_and_hit_the_prefix_cache(engine):
     engine.add_request("f1", prompt_token_ids=ids, sampling=sp, follows="lead")
     engine.add_request("f2", prompt_token_ids=ids[:-1], sampling=sp, follows="lead")  # another prompt: alone
     assert engine.requests["f1"].follows == "lead" and engine.requests["f2"].follows is None
+    engine.add_request("f3", prompt_token_ids=ids, sampling=sp, follows="lead")
+    assert engine.abort("f3")  # a follower aborted before its fork leaves nothing behind
+    assert [r.request_id for r in engine.scheduler.followers["lead"]] == ["f1"]
     assert engine.abort("lead")
     done = {f.request_id: f for f in _drain(engine)}
     assert set(done) >= {"f1", "f2"} and done["f1"].finish_reason == FinishReason.LENGTH
