@@ -213,7 +213,7 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
         "GROUP": group, "G_PACK": g_pack, "HEAD_CHUNKS": head_chunks, "BLOCK_H": max(16, next_pow2(g_pack)),
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
-        "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": bool(prefetch),
+        "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch,
     }
     return (b, hk * head_chunks, num_splits), consts, num_warps, num_stages or 3, num_splits
 
@@ -232,7 +232,7 @@ def decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     widen: str | None = None,
-    prefetch: bool | None = None,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """Triton `decode_attention_ref` (flash-decoding): q [B, Hq, D] -> [B, Hq, D].
 
@@ -244,7 +244,7 @@ def decode_attention_triton(
     widen: what an fp8 cache's tiles are widened to before the dots: "q" (q's dtype) or "fp16"
     (q, pre-scaled, and the probabilities cast to fp16 too); None: "fp16" for an fp8 cache on
     the GPU with a 16-bit q, else "q". prefetch: load each key tile's block-table entries in the
-    iteration before (None: off).
+    iteration before (off by default: 2% at B=640 on the H200, noise-level).
     """
     # q: [B, Hq, D]; partials: [B * Hq, S] and [B * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride()[1:], q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,

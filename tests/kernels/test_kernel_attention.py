@@ -160,11 +160,15 @@ DECODE_CASES = [
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits", "block_n"), DECODE_CASES)
-def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n) -> None:
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n, prefetch) -> None:
+    """prefetch: the next key tile's block ids loaded an iteration ahead; the block tables are a
+    random permutation of the pool, so a stale or shifted id reads another sequence's block."""
     kc, vc, bt = make_paged_kv(ctx, hk, d, 16, dtype)
     q = torch.randn(len(ctx), hq + 2 * hk, d).to(dtype)[:, :hq]  # strided view of a fused qkv
     sl = torch.tensor(ctx, dtype=torch.int32)
-    out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n)
+    out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n,
+                                  prefetch=prefetch)
     assert not out.isnan().any(), "unwritten (or NaN-polluted) output rows"
     torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, window), **TOL[dtype])
 
@@ -257,24 +261,6 @@ def test_decode_fp8_cache(dtype, widen, ctx, hq, hk, d, window, splits, block_n)
                                   widen=widen)
     assert not out.isnan().any()
     torch.testing.assert_close(out, decode_attention_ref(q, kc8, vc8, bt, sl, d**-0.5, window), **TOL[dtype])
-
-
-@pytest.mark.usefixtures("poison_empty")
-@pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits", "block_n"), DECODE_CASES)
-@pytest.mark.parametrize("fp8", [False, True])
-def test_decode_prefetching_the_block_table(fp8, ctx, hq, hk, d, window, splits, block_n) -> None:
-    """The next tile's block ids loaded an iteration ahead: the same answer on every awkward case
-    (a context of one key, windows, splits with an empty part, 16-key tiles over 16-slot blocks),
-    with blocks scattered in the pool so that a stale or shifted id reads another block."""
-    kc, vc, bt = make_paged_kv(ctx, hk, d, 16, BF16)
-    if fp8:
-        kc, vc = kc.to(FP8), vc.to(FP8)
-    q = torch.randn(len(ctx), hq + 2 * hk, d).to(BF16)[:, :hq]
-    sl = torch.tensor(ctx, dtype=torch.int32)
-    out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n,
-                                  prefetch=True)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, window), **TOL[BF16])
 
 
 def test_fp8_cache_rules() -> None:
