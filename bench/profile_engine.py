@@ -93,7 +93,9 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=["fp8"])
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--cases", default="ttft 512,ttft 2048c+128,ttft 2048,ttft 8192,ttft 32768",
-                    help="comma-separated TTFT cases to profile (decode b1 always follows)")
+                    help="comma-separated TTFT cases to profile (the decode batches follow)")
+    ap.add_argument("--decode-batches", default="1", help="comma-separated decode batch sizes to profile")
+    ap.add_argument("--rows", type=int, default=12, help="kernels listed per case")
     args = ap.parse_args()
     eng = LLMEngine("llama3-8b", EngineConfig(max_model_len=33024, max_num_batched_tokens=32768,
                                                gpu_memory_utilization=0.9, quantization=args.quantization,
@@ -122,10 +124,10 @@ def main() -> None:
                 first_token(eng, name, prompt)
                 torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3
-        show(prof, f"{name}: wall {wall:.1f} ms (profiled), unprofiled {[round(w, 2) for w in walls]} ms")
+        show(prof, f"{name}: wall {wall:.1f} ms (profiled), unprofiled {[round(w, 2) for w in walls]} ms", args.rows)
         print(timeline(prof, "case"), flush=True)
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    for b in (1,):
+    for b in (int(x) for x in args.decode_batches.split(",")):
         for i in range(b):
             eng.add_request(f"d{b}-{i}", prompt_token_ids=ids(512), sampling=sp)
         for _ in range(30):
@@ -135,7 +137,7 @@ def main() -> None:
             for _ in range(5):
                 eng.step()
             torch.cuda.synchronize()
-        show(prof, f"decode b{b}, 5 steps, graphs on")
+        show(prof, f"decode b{b}, 5 steps, graphs on", args.rows)
         print(timeline(prof, "case"), flush=True)
         while eng.has_unfinished():
             eng.step()
