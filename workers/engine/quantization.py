@@ -8,24 +8,50 @@ The activations of qkv and gate_up come from an RMSNorm, and down_proj's from Si
 ops then write e4m3 and its scales directly (the KernelOps `rms_norm_quant`, `silu_and_mul_quant`:
 fused Triton kernels on CUDA, the references' composition elsewhere), and the projection takes the
 pair as it is. o_proj quantizes the attention output itself.
+
+At a decode step of a few rows (up to `Fp8Linear.gemv_rows`) nothing is quantized: the norms and
+the activation hand their input on unapplied (`GemvInput`) and each projection runs
+kernels/fp8_gemv.py's W8A16 GEMV with that op fused before it, four launches a layer fewer.
 """
 
 from __future__ import annotations
 
 import os
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from kernels.fp8_gemm import fp8_gemm_grouped_triton, fp8_gemm_rowwise_small_m, small_m_rows
+from kernels.fp8_gemv import (
+    GEMV_ROWS,
+    PROLOGUE_NONE,
+    PROLOGUE_RMS,
+    PROLOGUE_SILU,
+    fp8_gemv_ref,
+    fp8_gemv_triton,
+)
 from kernels.fp8_linear import Gemm, fp8_gemm_ref, fp8_gemm_scaled_mm, quantize, scaled_mm_supported
 from kernels.fp8_quant import quantize_triton
 
 QUANTIZATIONS = ("fp8",)
 
-# a tensor, or (e4m3 [T, K], scale [T, 1] or [T, K / act_group])
-Activation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+class GemvInput(NamedTuple):
+    """A projection's input left in the model's dtype with the op that would have produced it,
+    for the W8A16 GEMV to apply (kernels/fp8_gemv.py): RMSNorm(x + residual) or silu(gate) * up."""
+
+    x: torch.Tensor  # [T, K], or [T, 2K] gate | up for PROLOGUE_SILU
+    prologue: int
+    residual: torch.Tensor | None = None
+    norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    res_out: torch.Tensor | None = None  # filled with x + residual by the GEMV (when residual is given)
+
+
+# a tensor, (e4m3 [T, K], scale [T, 1] or [T, K / act_group]), or an unapplied op for the GEMV
+Activation = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | GemvInput
 
 
 class Fp8Linear(nn.Module):
@@ -71,6 +97,13 @@ class Fp8Linear(nn.Module):
         env = os.environ.get("FIRSTTOKEN_FP8_SMALL_M")
         small = int(env) if env is not None else small_m_rows(self.out_features)
         self.small_m = small if gemm is fp8_gemm_scaled_mm else 0
+        # rows up to which a step takes the W8A16 GEMV (per-channel scales only; 0 on the CPU,
+        # where FIRSTTOKEN_FP8_GEMV_ROWS turns its reference on for a test)
+        env = os.environ.get("FIRSTTOKEN_FP8_GEMV_ROWS")
+        cuda = w.device.type == "cuda"
+        gemv = int(env) if env is not None else GEMV_ROWS if cuda else 0
+        self.gemv_rows = gemv if self.group is None else 0
+        self._gemv_fn = fp8_gemv_triton if cuda else fp8_gemv_ref
         # activations that come unquantized (o_proj's): one Triton launch on CUDA, not torch's ~8
         self._quantize = quantize_triton if w.device.type == "cuda" else quantize
 
@@ -79,9 +112,21 @@ class Fp8Linear(nn.Module):
             return fp8_gemm_rowwise_small_m(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
         return self._gemm(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
 
+    def _gemv(self, g: GemvInput) -> torch.Tensor:
+        out, new_res = self._gemv_fn(g.x, self.weight_fp8, self.weight_scale, self.bias, g.prologue, g.residual,
+                                     g.norm_weight, g.eps, **({"res_out": g.res_out} if self._gemv_fn is
+                                                               fp8_gemv_triton else {}))
+        if g.res_out is not None and new_res is not g.res_out:  # the reference returns its own
+            g.res_out.copy_(new_res)
+        return out
+
     def forward(self, x: Activation) -> torch.Tensor:
-        # x: [..., K], or (e4m3 [T, K], scale [T, 1] or [T, K / act_group]) -> [..., N]
+        # x: [..., K], (e4m3 [T, K], scale [T, 1] or [T, K / act_group]) or a GemvInput -> [..., N]
+        if isinstance(x, GemvInput):
+            return self._gemv(x)
         if isinstance(x, torch.Tensor):
+            if x.dim() == 2 and x.shape[0] <= self.gemv_rows:
+                return self._gemv(GemvInput(x, PROLOGUE_NONE))
             x_q, x_s = self._quantize(x.reshape(-1, self.in_features), self.act_group)
             return self._run(x_q, x_s, x.dtype).reshape(*x.shape[:-1], self.out_features)
         return self._run(x[0], x[1], self.out_dtype)
@@ -107,10 +152,37 @@ def quantize_fp8(model: nn.Module, group: int | None = None, *, act_group: int |
                 n += 1
         if fuse:
             ops = model.ops  # type: ignore[attr-defined]
-            layer.input_layernorm.norm_fn = _grouped(ops.rms_norm_quant, layer.self_attn.qkv_proj.act_group)
-            layer.post_attention_layernorm.norm_fn = _grouped(ops.rms_norm_quant, layer.mlp.gate_up_proj.act_group)
-            layer.mlp.act_fn = _grouped(ops.silu_and_mul_quant, layer.mlp.down_proj.act_group)
+            qkv, gate_up, down = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+            layer.input_layernorm.norm_fn = _norm_for(qkv, _grouped(ops.rms_norm_quant, qkv.act_group))
+            layer.post_attention_layernorm.norm_fn = _norm_for(gate_up, _grouped(ops.rms_norm_quant, gate_up.act_group))
+            layer.mlp.act_fn = _act_for(down, _grouped(ops.silu_and_mul_quant, down.act_group))
     return n
+
+
+def _norm_for(linear: Fp8Linear, quant_op):
+    """The RMSNorm before `linear`: quant_op's (e4m3, scale), or at up to linear.gemv_rows rows the
+    norm left to the GEMV (GemvInput) and the new residual it will write."""
+    if not linear.gemv_rows:
+        return quant_op
+
+    def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+        if x.shape[0] > linear.gemv_rows:
+            return quant_op(x, weight, eps, residual)
+        res_out = None if residual is None else torch.empty_like(x)
+        return GemvInput(x, PROLOGUE_RMS, residual, weight, eps, res_out), (x if residual is None else res_out)
+
+    return norm
+
+
+def _act_for(linear: Fp8Linear, quant_op):
+    """SiLU-and-mul before `linear`: quant_op's (e4m3, scale), or at few rows left to the GEMV."""
+    if not linear.gemv_rows:
+        return quant_op
+
+    def act(x: torch.Tensor):
+        return GemvInput(x, PROLOGUE_SILU) if x.shape[0] <= linear.gemv_rows else quant_op(x)
+
+    return act
 
 
 def _grouped(op, group: int | None):
