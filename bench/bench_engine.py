@@ -150,21 +150,30 @@ def ours_ttft(engine: LLMEngine, vocab: int) -> dict[str, float]:
     return res
 
 
-def ours_decode(engine: LLMEngine, vocab: int, batches: list[int], steps: int = 32) -> dict[str, float]:
+def ours_decode(engine: LLMEngine, vocab: int, batches: list[int], steps: int = 32, reps: int = 5) -> dict[str, float]:
+    """ms per decode step at each batch size: the median of `reps` windows of `steps` steps (one
+    window alone moved by 10% from run to run at batch 1, the first measured: clocks and caches
+    settling), after a warm-up window at the first batch size."""
     res = {}
-    for b in batches:
-        sp = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
+    for n, b in enumerate(batches):
+        windows = reps + (n == 0)
+        sp = SamplingParams(max_tokens=steps * windows + 16, temperature=0.0, ignore_eos=True)
         for i in range(b):
             engine.add_request(f"d{b}-{i}-{time.monotonic_ns()}", prompt_token_ids=rand_ids(512, vocab), sampling=sp)
         started = 0
         while started < b:
             started += len(engine.step().first_tokens)
         engine.step()  # one more so every request is in pure decode
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        res[f"tpot_b{b}"] = (time.perf_counter() - t0) * 1e3 / steps
+        times = []
+        for _ in range(windows):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            times.append((time.perf_counter() - t0) * 1e3 / steps)
+        times = times[(n == 0):]
+        res[f"tpot_b{b}"] = statistics.median(times)
+        res[f"tpot_b{b}_windows"] = [round(t, 4) for t in times]
         while engine.has_unfinished():
             engine.step()
     return res
@@ -226,6 +235,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8": {"quantization": "fp8"},  # per-channel weight scales: torch._scaled_mm, the small-M kernel in decode
     # the same with torch._scaled_mm at every batch size (the layout before the small-M kernel)
     "fp8-cublas": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_SMALL_M": "0"}},
+    # decode at one row through the W8A8 path (the fused norm quantizing, the few-row GEMM), not the W8A16 GEMV
+    "fp8-w8a8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_GEMV_ROWS": "0"}},
     # an experiment: the weight-streaming kernel up to 256 rows of every projection
     "fp8-rows256": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_SMALL_M": "256"}},
     "fp8-g128": {"quantization": "fp8", "fp8_weight_group": 128},  # weight scales per 128 columns: Triton
@@ -275,7 +286,7 @@ def run_engine(spec: str, fields: dict[str, Any], args: argparse.Namespace, sect
         ours["decode_graphs"] = ours_decode(engine, vocab, batches)
         graphs = engine.runner.graphs, engine.runner.prefill_graphs
         engine.runner.graphs = engine.runner.prefill_graphs = None
-        ours["decode_eager"] = ours_decode(engine, vocab, batches)
+        ours["decode_eager"] = ours_decode(engine, vocab, batches, reps=1)
         engine.runner.graphs, engine.runner.prefill_graphs = graphs
         del graphs
         print(f"# {spec} decode done", flush=True)

@@ -7,7 +7,7 @@ configuration is checked against the reference and for run-to-run equality (the 
 adds its parts in a fixed order). The fastest configuration per shape goes to $OUT/gemv_best.json,
 which FIRSTTOKEN_FP8_GEMV_CONFIG hands to an engine run in the same session.
 
-    python3 bench/bench_fp8_gemv.py [--rows 1,2,4,8]
+    python3 bench/bench_fp8_gemv.py [--rows 1,2]
 """
 
 from __future__ import annotations
@@ -26,24 +26,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_fp8_decode import SHAPES, chain_us
 from bench.common import header, md_table, write_report
 
-# (block_n, block_k, split, num_warps, num_stages)
-SWEEP = [(bn, bk, sp, 4, 3) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128),
-                                            (64, 256), (128, 64)) for sp in (1, 2, 4)]
-SWEEP += [(64, 256, 1, 8, 3), (128, 128, 1, 8, 3), (32, 256, 1, 4, 4), (16, 512, 2, 4, 4), (32, 512, 2, 8, 3),
-          (16, 1024, 4, 4, 2), (8, 512, 1, 4, 3), (8, 1024, 2, 4, 3)]
+# (block_n, block_k, split, num_warps, num_stages, acc_2d): the first sweep's best five per shape
+# (bench/results/2026-12-02-fp8-gemv-h200.md) and their neighbours, each with both reductions
+_TILES = [(8, 512, 1, 4, 3), (8, 1024, 2, 4, 3), (16, 256, 4, 4, 3), (16, 512, 2, 4, 3), (16, 512, 4, 4, 3),
+          (16, 1024, 4, 4, 2), (32, 256, 1, 4, 3), (32, 256, 2, 4, 3), (32, 256, 4, 4, 3), (32, 512, 2, 8, 3),
+          (64, 256, 1, 8, 3), (64, 128, 2, 4, 3), (32, 128, 1, 4, 4), (16, 256, 2, 4, 4)]
+SWEEP = [(*t, acc) for t in _TILES for acc in (0, 1)]
 PROLOGUES = {"qkv": "rms", "o": "none", "gate_up": "rms", "down": "silu"}
 
 
 def main() -> None:
     from kernels.fp8_gemm import fp8_gemm_rowwise_small_m
-    from kernels.fp8_gemv import PROLOGUE_NONE, PROLOGUE_RMS, PROLOGUE_SILU, fp8_gemv_ref, fp8_gemv_triton, gemv_config
+    from kernels.fp8_gemv import (
+        PROLOGUE_NONE,
+        PROLOGUE_RMS,
+        PROLOGUE_SILU,
+        fp8_gemv_ref,
+        fp8_gemv_triton,
+        gemv_config,
+    )
     from kernels.fp8_linear import quantize
     from kernels.fp8_quant import quantize_triton, rms_norm_quant_triton, silu_and_mul_quant_triton
     from kernels.rmsnorm import rms_norm_triton
     from kernels.silu_mul import silu_and_mul_triton
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--rows", default="1,2")
     ap.add_argument("--weights-mib", type=int, default=384, help="FP8 weight copies per shape, MiB in all")
     ap.add_argument("--top", type=int, default=4, help="configurations of the 1-row sweep timed at more rows")
     args = ap.parse_args()
@@ -65,7 +73,7 @@ def main() -> None:
             kw = {"prologue": prologue, "residual": res if kind == "rms" else None,
                   "norm_weight": nw if kind == "rms" else None, "eps": 1e-5}
 
-            def w8a8(wq, wsc, x=x, res=res):
+            def w8a8(wq, wsc, x=x, res=res, kind=kind, nw=nw):
                 if kind == "rms":
                     (xq, xs), _ = rms_norm_quant_triton(x, nw, 1e-5, res)
                 elif kind == "silu":
@@ -74,7 +82,7 @@ def main() -> None:
                     xq, xs = quantize_triton(x)
                 return fp8_gemm_rowwise_small_m(xq, xs, wq, wsc, None, dt)
 
-            def bf16(w, x=x, res=res):
+            def bf16(w, x=x, res=res, kind=kind, nw=nw):
                 if kind == "rms":
                     h, _ = rms_norm_triton(x, nw, 1e-5, res)
                 elif kind == "silu":
@@ -90,11 +98,11 @@ def main() -> None:
             timed = []
             for cfg in cands:
                 f = partial(fp8_gemv_triton, x, **kw, block_n=cfg[0], block_k=cfg[1], split=cfg[2],
-                            num_warps=cfg[3], num_stages=cfg[4])
+                            num_warps=cfg[3], num_stages=cfg[4], acc_2d=bool(cfg[5]))
                 try:
                     a, ra = f(*ws[0])
                     b, _ = f(*ws[0])
-                except Exception as e:  # noqa: BLE001 - a tile Triton cannot build (shared memory) is skipped
+                except Exception as e:
                     print(f"# {name} M={m} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
                 err = ((a.float() - want.float()).norm() / want.float().norm()).item()

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import cdiv, check, lazy_jit
+from kernels._triton import cdiv, check, lazy_jit, next_pow2
 from kernels.fp8_linear import FP8, dequantize
 
 PROLOGUE_NONE, PROLOGUE_RMS, PROLOGUE_SILU = 0, 1, 2
@@ -92,6 +92,8 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,  # K step
     SPLIT: tl.constexpr,  # K parts (programs per output tile)
     K_SPLIT: tl.constexpr,  # columns of K per part: a multiple of BLOCK_K, SPLIT * K_SPLIT >= K
+    ROW: tl.constexpr,  # PROLOGUE 1: a power of two >= K to load the row at once, or 0 (a loop)
+    ACC_2D: tl.constexpr,  # accumulate [BLOCK_N, BLOCK_K] products, reduce over K once at the end
 ):
     # axis 0 over rows, so the programs of one weight tile start together and read it from DRAM once
     m = tl.program_id(0).to(tl.int64)
@@ -103,21 +105,36 @@ def _fp8_gemv_kernel(
     x_row = x_ptr + m * stride_x
     inv = 1.0
     if PROLOGUE == 1:
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
         first = (pid_n == 0) & (part == 0)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            mk = k < K
-            xv = tl.load(x_row + k, mask=mk, other=0.0)
+        if ROW > 0:  # the whole row in one load (K <= ROW): no loop of dependent steps before the weight
+            kr = tl.arange(0, ROW)
+            mr = kr < K
+            xv = tl.load(x_row + kr, mask=mr, other=0.0)
             if HAS_RESIDUAL:
-                rv = tl.load(res_ptr + m * stride_r + k, mask=mk, other=0.0)
+                rv = tl.load(res_ptr + m * stride_r + kr, mask=mr, other=0.0)
                 xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(xv.dtype)  # rounded as the reference
                 if first:
-                    tl.store(res_out_ptr + m * K + k, xv, mask=mk)
+                    tl.store(res_out_ptr + m * K + kr, xv, mask=mr)
             xf = xv.to(tl.float32)
-            ss += xf * xf
-        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+        else:
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + rk
+                mk = k < K
+                xv = tl.load(x_row + k, mask=mk, other=0.0)
+                if HAS_RESIDUAL:
+                    rv = tl.load(res_ptr + m * stride_r + k, mask=mk, other=0.0)
+                    xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(xv.dtype)
+                    if first:
+                        tl.store(res_out_ptr + m * K + k, xv, mask=mk)
+                xf = xv.to(tl.float32)
+                ss += xf * xf
+            inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    if ACC_2D:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_rows = b_ptr + rn.to(tl.int64)[:, None] * stride_bn
     k_lo = part * K_SPLIT
     for k0 in range(0, K_SPLIT, BLOCK_K):
@@ -141,7 +158,12 @@ def _fp8_gemv_kernel(
         else:
             a = tl.load(x_row + k, mask=mk, other=0.0).to(tl.float32)
         wt = tl.load(b_rows + k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
+        if ACC_2D:  # products summed per lane, across lanes once after the loop
+            acc2 += wt.to(tl.float32) * a[None, :]
+        else:
+            acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
+    if ACC_2D:
+        acc = tl.sum(acc2, axis=1)
     acc = acc * tl.load(b_scale_ptr + rn, mask=mask_n, other=0.0)
     if SPLIT == 1:
         if HAS_BIAS:
@@ -163,7 +185,9 @@ def _fp8_gemv_kernel(
 
 
 # rows up to which an FP8 engine's projections take this GEMV (workers/engine/quantization.py)
-GEMV_ROWS = 4
+GEMV_ROWS = 1
+
+ROW_MAX = 8192  # the RMSNorm prologue loads rows up to this long at once
 
 _COUNTERS: dict = {}  # device -> zeroed int32 arrival counters
 _MAX_TILES = 1 << 16
@@ -178,8 +202,8 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(block_n, block_k, split, num_warps, num_stages) for an [N, K] weight; see GEMV_CONFIGS.
+def gemv_config(n: int, k: int) -> tuple[int, ...]:
+    """(block_n, block_k, split, num_warps, num_stages, acc_2d) for an [N, K] weight; see GEMV_CONFIGS.
     FIRSTTOKEN_FP8_GEMV_CONFIG names a JSON file of {"K,N": [block_n, ...]} that comes first (a sweep's
     picks, for an engine run in the same session: bench/bench_fp8_gemv.py writes one)."""
     global _OVERRIDE
@@ -195,16 +219,16 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int]:
     for (kmin, nmin), cfg in GEMV_CONFIGS:
         if k >= kmin and n >= nmin:
             return cfg
-    return 32, 256, 1, 4, 3
+    return 32, 256, 1, 4, 3, 0
 
 
 _OVERRIDE: dict | None = None
 
 # per weight shape (first match of K >= kmin and N >= nmin): the defaults before an H200 sweep
-GEMV_CONFIGS: list[tuple[tuple[int, int], tuple[int, int, int, int, int]]] = [
-    ((8192, 0), (32, 512, 2, 4, 3)),  # down_proj (K = 14336)
-    ((0, 16384), (64, 256, 1, 4, 3)),  # gate_up_proj
-    ((0, 0), (32, 256, 1, 4, 3)),
+GEMV_CONFIGS: list[tuple[tuple[int, int], tuple[int, ...]]] = [
+    ((8192, 0), (16, 512, 4, 4, 3, 0)),  # down_proj (K = 14336)
+    ((0, 16384), (32, 256, 1, 4, 3, 0)),  # gate_up_proj
+    ((0, 0), (16, 512, 2, 4, 3, 0)),
 ]
 
 
@@ -213,7 +237,7 @@ def fp8_gemv_triton(
     prologue: int = PROLOGUE_NONE, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6, res_out: torch.Tensor | None = None,
     block_n: int | None = None, block_k: int | None = None, split: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, acc_2d: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton `fp8_gemv_ref`: (out [M, N], x + residual written into res_out (allocated when None),
     or None without a residual). Tiles default to `gemv_config`."""
@@ -242,6 +266,8 @@ def fp8_gemv_triton(
     bn, bk = block_n or cfg[0], block_k or cfg[1]
     sp = split if split is not None else cfg[2]
     warps, stages = num_warps or cfg[3], num_stages or cfg[4]
+    acc2d = bool(cfg[5] if len(cfg) > 5 else 0) if acc_2d is None else acc_2d
+    row = next_pow2(k) if prologue == PROLOGUE_RMS and k <= ROW_MAX else 0
     k_split = cdiv(cdiv(k, sp), bk) * bk
     sp = cdiv(k, k_split)  # no empty part
     tiles_n = cdiv(n, bn)
@@ -256,6 +282,6 @@ def fp8_gemv_triton(
             res_out if has_res else x, w_q, w_s, bias if has_bias else w_s, c, part, count,
             m, n, k, x.stride(0), residual.stride(0) if has_res else 0, w_q.stride(0), c.stride(0), float(eps))
     consts = {"PROLOGUE": prologue, "HAS_RESIDUAL": has_res, "HAS_BIAS": has_bias, "BLOCK_N": bn, "BLOCK_K": bk,
-              "SPLIT": sp, "K_SPLIT": k_split}
+              "SPLIT": sp, "K_SPLIT": k_split, "ROW": row, "ACC_2D": acc2d}
     _fp8_gemv_kernel.launch((m, tiles_n, sp), args, consts, warps, stages, x.device.type == "cuda")
     return c, res_out if has_res else None

@@ -37,23 +37,29 @@ def _case(m, n, k, dtype, prologue, seed):
     return x, w_q, w_s, res, nw
 
 
-@pytest.mark.parametrize(("m", "n", "k", "dtype", "prologue", "residual", "bias", "split"), [
-    (1, 32, 16, torch.float32, PROLOGUE_NONE, False, False, 1),
-    (3, 96, 272, torch.float32, PROLOGUE_NONE, False, True, 3),
-    (1, 33, 431, torch.bfloat16, PROLOGUE_RMS, True, False, 1),
-    (2, 70, 100, torch.float32, PROLOGUE_RMS, True, True, 2),
-    (1, 48, 128, torch.bfloat16, PROLOGUE_RMS, False, False, 4),
-    (4, 40, 96, torch.bfloat16, PROLOGUE_SILU, False, False, 1),
-    (1, 17, 200, torch.float32, PROLOGUE_SILU, False, True, 3),
+@pytest.mark.parametrize(("m", "n", "k", "dtype", "prologue", "residual", "bias", "split", "acc_2d", "row_max"), [
+    (1, 32, 16, torch.float32, PROLOGUE_NONE, False, False, 1, False, 8192),
+    (3, 96, 272, torch.float32, PROLOGUE_NONE, False, True, 3, True, 8192),
+    (1, 33, 431, torch.bfloat16, PROLOGUE_RMS, True, False, 1, False, 8192),
+    (1, 33, 431, torch.bfloat16, PROLOGUE_RMS, True, True, 2, True, 0),  # the row in a loop
+    (2, 70, 100, torch.float32, PROLOGUE_RMS, True, True, 2, False, 0),
+    (2, 70, 100, torch.float32, PROLOGUE_RMS, True, False, 1, True, 8192),
+    (1, 48, 128, torch.bfloat16, PROLOGUE_RMS, False, False, 4, False, 8192),
+    (4, 40, 96, torch.bfloat16, PROLOGUE_SILU, False, False, 1, True, 8192),
+    (1, 17, 200, torch.float32, PROLOGUE_SILU, False, True, 3, False, 8192),
 ])
-def test_fp8_gemv_triton_against_reference(poison_empty, m, n, k, dtype, prologue, residual, bias, split):
+def test_fp8_gemv_triton_against_reference(poison_empty, monkeypatch, m, n, k, dtype, prologue, residual, bias,
+                                           split, acc_2d, row_max):
+    import kernels.fp8_gemv
+
+    monkeypatch.setattr(kernels.fp8_gemv, "ROW_MAX", row_max)
     x, w_q, w_s, res, nw = _case(m, n, k, dtype, prologue, m * n + k)
     b = torch.randn(n).to(dtype) if bias else None
     kw = {"prologue": prologue, "residual": res if residual else None,
           "norm_weight": nw if prologue == PROLOGUE_RMS else None, "eps": 1e-5}
     want, want_res = fp8_gemv_ref(x, w_q, w_s, b, **kw)
     for _ in range(2):  # the split counters are left at zero for the next launch
-        got, got_res = fp8_gemv_triton(x, w_q, w_s, b, **kw, block_n=16, block_k=32, split=split)
+        got, got_res = fp8_gemv_triton(x, w_q, w_s, b, **kw, block_n=16, block_k=32, split=split, acc_2d=acc_2d)
         assert got.dtype == dtype and got.shape == (m, n) and not got.isnan().any()
         assert _row_err(got, want) < ROW_TOL[dtype]
     if residual:
@@ -62,7 +68,7 @@ def test_fp8_gemv_triton_against_reference(poison_empty, m, n, k, dtype, prologu
         assert got_res is None
     from kernels.fp8_gemv import _COUNTERS
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
-    swapped, _ = fp8_gemv_triton(x, w_q, w_s.flip(0), b, **kw, block_n=16, block_k=32, split=split)
+    swapped, _ = fp8_gemv_triton(x, w_q, w_s.flip(0), b, **kw, block_n=16, block_k=32, split=split, acc_2d=acc_2d)
     assert _row_err(swapped, want) > 10 * ROW_TOL[dtype]  # the scales are per channel
     if prologue != PROLOGUE_NONE:  # the prologue is applied: the raw input times the weight is far off
         raw = x[:, :k].float() @ (w_q.float() * w_s).t()
