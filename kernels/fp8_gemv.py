@@ -109,14 +109,14 @@ def _fp8_gemv_kernel(
         if ROW > 0:  # the whole row in one load (K <= ROW): no loop of dependent steps before the weight
             kr = tl.arange(0, ROW)
             mr = kr < K
-            xv = tl.load(x_row + kr, mask=mr, other=0.0)
+            xr = tl.load(x_row + kr, mask=mr, other=0.0)
             if HAS_RESIDUAL:
-                rv = tl.load(res_ptr + m * stride_r + kr, mask=mr, other=0.0)
-                xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(xv.dtype)  # rounded as the reference
+                rr = tl.load(res_ptr + m * stride_r + kr, mask=mr, other=0.0)
+                xr = (xr.to(tl.float32) + rr.to(tl.float32)).to(xr.dtype)  # rounded as the reference
                 if first:
-                    tl.store(res_out_ptr + m * K + kr, xv, mask=mr)
-            xf = xv.to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+                    tl.store(res_out_ptr + m * K + kr, xr, mask=mr)
+            xrf = xr.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(xrf * xrf, axis=0) / K + eps)
         else:
             ss = tl.zeros([BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
