@@ -81,6 +81,7 @@ def _fp8_gemv_kernel(
     bias_ptr,  # [N] (HAS_BIAS), else a dummy
     c_ptr,  # out [M, N], row-major
     part_ptr,  # [SPLIT, M, N] fp32 partials (SPLIT > 1), else a dummy
+    ss_ptr,  # [SPLIT, M, tiles of N] fp32 partial sums of squares (SPLIT > 1 and RMS_DEFER), else a dummy
     count_ptr,  # [M * tiles of N] int32 arrival counters, zero between launches (SPLIT > 1)
     M, N, K,  # sizes
     stride_x, stride_r, stride_bn, stride_c,  # row strides (elements)
@@ -94,6 +95,7 @@ def _fp8_gemv_kernel(
     K_SPLIT: tl.constexpr,  # columns of K per part: a multiple of BLOCK_K, SPLIT * K_SPLIT >= K
     ROW: tl.constexpr,  # PROLOGUE 1: a power of two >= K to load the row at once, or 0 (a loop)
     ACC_2D: tl.constexpr,  # accumulate [BLOCK_N, BLOCK_K] products, reduce over K once at the end
+    RMS_DEFER: tl.constexpr,  # PROLOGUE 1: no first pass; 1 / rms multiplies the fp32 sums at the end
 ):
     # axis 0 over rows, so the programs of one weight tile start together and read it from DRAM once
     m = tl.program_id(0).to(tl.int64)
@@ -104,7 +106,7 @@ def _fp8_gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     x_row = x_ptr + m * stride_x
     inv = 1.0
-    if PROLOGUE == 1:
+    if PROLOGUE == 1 and not RMS_DEFER:
         first = (pid_n == 0) & (part == 0)
         if ROW > 0:  # the whole row in one load (K <= ROW): no loop of dependent steps before the weight
             kr = tl.arange(0, ROW)
@@ -131,6 +133,7 @@ def _fp8_gemv_kernel(
                 xf = xv.to(tl.float32)
                 ss += xf * xf
             inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    ssd = tl.zeros([BLOCK_K], dtype=tl.float32)  # RMS_DEFER: this part's sum of squares
     if ACC_2D:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
@@ -147,6 +150,16 @@ def _fp8_gemv_kernel(
             # silu in fp32 rounded to x.dtype, times up rounded again: torch's two 16-bit ops
             silu = (gf / (1.0 + tl.exp(-gf))).to(up.dtype).to(tl.float32)
             a = (silu * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+        elif PROLOGUE == 1 and RMS_DEFER:
+            xd = tl.load(x_row + k, mask=mk, other=0.0)
+            if HAS_RESIDUAL:
+                rd = tl.load(res_ptr + m * stride_r + k, mask=mk, other=0.0)
+                xd = (xd.to(tl.float32) + rd.to(tl.float32)).to(xd.dtype)  # rounded as the reference
+                if pid_n == 0:  # the first column tile's parts write the new residual, each its columns
+                    tl.store(res_out_ptr + m * K + k, xd, mask=mk)
+            xdf = xd.to(tl.float32)
+            ssd += xdf * xdf
+            a = tl.load(nw_ptr + k, mask=mk, other=0.0).to(tl.float32) * xdf  # normalised after the loop
         elif PROLOGUE == 1:
             xv = tl.load(x_row + k, mask=mk, other=0.0)
             if HAS_RESIDUAL:
@@ -166,11 +179,15 @@ def _fp8_gemv_kernel(
         acc = tl.sum(acc2, axis=1)
     acc = acc * tl.load(b_scale_ptr + rn, mask=mask_n, other=0.0)
     if SPLIT == 1:
+        if PROLOGUE == 1 and RMS_DEFER:
+            acc = acc / tl.sqrt(tl.sum(ssd, axis=0) / K + eps)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
         tl.store(c_ptr + m * stride_c + rn, acc.to(c_ptr.dtype.element_ty), mask=mask_n)
     else:
         tl.store(part_ptr + (part * M + m) * N + rn, acc, mask=mask_n)
+        if PROLOGUE == 1 and RMS_DEFER:
+            tl.store(ss_ptr + (part * M + m) * tl.num_programs(1) + pid_n, tl.sum(ssd, axis=0))
         tl.debug_barrier()  # every thread's partial stored before the ticket releases them
         counter = count_ptr + m * tl.num_programs(1) + pid_n
         ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -178,6 +195,11 @@ def _fp8_gemv_kernel(
             tot = tl.zeros([BLOCK_N], dtype=tl.float32)
             for s in range(SPLIT):  # in part order: the same sum whichever part arrives last
                 tot += tl.load(part_ptr + (s * M + m) * N + rn, mask=mask_n, other=0.0, cache_modifier=".cg")
+            if PROLOGUE == 1 and RMS_DEFER:
+                sst = 0.0
+                for s in range(SPLIT):
+                    sst += tl.load(ss_ptr + (s * M + m) * tl.num_programs(1) + pid_n, cache_modifier=".cg")
+                tot = tot / tl.sqrt(sst / K + eps)
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
             tl.store(c_ptr + m * stride_c + rn, tot.to(c_ptr.dtype.element_ty), mask=mask_n)
@@ -188,6 +210,7 @@ def _fp8_gemv_kernel(
 GEMV_ROWS = 1
 
 ROW_MAX = 8192  # the RMSNorm prologue loads rows up to this long at once
+RMS_DEFER = False  # the RMSNorm prologue's default: a first pass over the row (else 1 / rms at the end)
 
 _COUNTERS: dict = {}  # device -> zeroed int32 arrival counters
 _MAX_TILES = 1 << 16
@@ -203,7 +226,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def gemv_config(n: int, k: int) -> tuple[int, ...]:
-    """(block_n, block_k, split, num_warps, num_stages, acc_2d) for an [N, K] weight; see GEMV_CONFIGS.
+    """(block_n, block_k, split, num_warps, num_stages, acc_2d[, rms_defer]) for an [N, K] weight; see GEMV_CONFIGS.
     FIRSTTOKEN_FP8_GEMV_CONFIG names a JSON file of {"K,N": [block_n, ...]} that comes first (a sweep's
     picks, for an engine run in the same session: bench/bench_fp8_gemv.py writes one)."""
     global _OVERRIDE
@@ -224,11 +247,14 @@ def gemv_config(n: int, k: int) -> tuple[int, ...]:
 
 _OVERRIDE: dict | None = None
 
-# per weight shape (first match of K >= kmin and N >= nmin): the defaults before an H200 sweep
+# per weight shape (first match of K >= kmin and N >= nmin): the fastest on the H200 at one row for the
+# Llama-3.1-8B projections with their ops, in replayed graphs (bench/bench_fp8_gemv.py at 985d209,
+# bench/results/2026-12-02-fp8-gemv-h200.md)
 GEMV_CONFIGS: list[tuple[tuple[int, int], tuple[int, ...]]] = [
-    ((8192, 0), (16, 512, 4, 4, 3, 0)),  # down_proj (K = 14336)
-    ((0, 16384), (32, 256, 1, 4, 3, 0)),  # gate_up_proj
-    ((0, 0), (16, 512, 2, 4, 3, 0)),
+    ((8192, 0), (32, 256, 4, 4, 3, 1)),  # down_proj (K = 14336): 22.7 us
+    ((0, 16384), (32, 256, 1, 4, 3, 0)),  # gate_up_proj: 34.7
+    ((0, 4097), (8, 512, 1, 4, 3, 1)),  # qkv_proj (N = 6144): 11.3
+    ((0, 0), (16, 256, 4, 4, 3, 1)),  # o_proj: 8.43
 ]
 
 
@@ -238,6 +264,7 @@ def fp8_gemv_triton(
     eps: float = 1e-6, res_out: torch.Tensor | None = None,
     block_n: int | None = None, block_k: int | None = None, split: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, acc_2d: bool | None = None,
+    rms_defer: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton `fp8_gemv_ref`: (out [M, N], x + residual written into res_out (allocated when None),
     or None without a residual). Tiles default to `gemv_config`."""
@@ -267,6 +294,7 @@ def fp8_gemv_triton(
     sp = split if split is not None else cfg[2]
     warps, stages = num_warps or cfg[3], num_stages or cfg[4]
     acc2d = bool(cfg[5] if len(cfg) > 5 else 0) if acc_2d is None else acc_2d
+    defer = bool(cfg[6] if len(cfg) > 6 else RMS_DEFER) if rms_defer is None else rms_defer
     row = next_pow2(k) if prologue == PROLOGUE_RMS and k <= ROW_MAX else 0
     k_split = cdiv(cdiv(k, sp), bk) * bk
     sp = cdiv(k, k_split)  # no empty part
@@ -275,13 +303,14 @@ def fp8_gemv_triton(
     if sp > 1:
         part = torch.empty((sp, m, n), dtype=torch.float32, device=x.device)
         count = _counters(x.device, m * tiles_n)
+        ss = torch.empty((sp, m, tiles_n), dtype=torch.float32, device=x.device) if defer else w_s
     else:
-        part = count = w_s
+        part = count = ss = w_s
     has_bias = bias is not None
     args = (x, residual if has_res else x, norm_weight if norm_weight is not None else x,
-            res_out if has_res else x, w_q, w_s, bias if has_bias else w_s, c, part, count,
+            res_out if has_res else x, w_q, w_s, bias if has_bias else w_s, c, part, ss, count,
             m, n, k, x.stride(0), residual.stride(0) if has_res else 0, w_q.stride(0), c.stride(0), float(eps))
     consts = {"PROLOGUE": prologue, "HAS_RESIDUAL": has_res, "HAS_BIAS": has_bias, "BLOCK_N": bn, "BLOCK_K": bk,
-              "SPLIT": sp, "K_SPLIT": k_split, "ROW": row, "ACC_2D": acc2d}
+              "SPLIT": sp, "K_SPLIT": k_split, "ROW": row, "ACC_2D": acc2d, "RMS_DEFER": defer}
     _fp8_gemv_kernel.launch((m, tiles_n, sp), args, consts, warps, stages, x.device.type == "cuda")
     return c, res_out if has_res else None

@@ -45,6 +45,9 @@ def _case(m, n, k, dtype, prologue, seed):
     (2, 70, 100, torch.float32, PROLOGUE_RMS, True, True, 2, False, 0),
     (2, 70, 100, torch.float32, PROLOGUE_RMS, True, False, 1, True, 8192),
     (1, 48, 128, torch.bfloat16, PROLOGUE_RMS, False, False, 4, False, 8192),
+    (1, 33, 431, torch.bfloat16, PROLOGUE_RMS, True, False, 1, True, -1),  # -1: 1 / rms deferred to the end
+    (2, 70, 100, torch.float32, PROLOGUE_RMS, True, True, 3, False, -1),
+    (1, 48, 128, torch.bfloat16, PROLOGUE_RMS, False, False, 4, True, -1),
     (4, 40, 96, torch.bfloat16, PROLOGUE_SILU, False, False, 1, True, 8192),
     (1, 17, 200, torch.float32, PROLOGUE_SILU, False, True, 3, False, 8192),
 ])
@@ -52,7 +55,8 @@ def test_fp8_gemv_triton_against_reference(poison_empty, monkeypatch, m, n, k, d
                                            split, acc_2d, row_max):
     import kernels.fp8_gemv
 
-    monkeypatch.setattr(kernels.fp8_gemv, "ROW_MAX", row_max)
+    monkeypatch.setattr(kernels.fp8_gemv, "ROW_MAX", max(row_max, 0))
+    monkeypatch.setattr(kernels.fp8_gemv, "RMS_DEFER", row_max < 0)
     x, w_q, w_s, res, nw = _case(m, n, k, dtype, prologue, m * n + k)
     b = torch.randn(n).to(dtype) if bias else None
     kw = {"prologue": prologue, "residual": res if residual else None,
