@@ -96,6 +96,8 @@ def _fp8_gemv_kernel(
     ROW: tl.constexpr,  # PROLOGUE 1: a power of two >= K to load the row at once, or 0 (a loop)
     ACC_2D: tl.constexpr,  # accumulate [BLOCK_N, BLOCK_K] products, reduce over K once at the end
     RMS_DEFER: tl.constexpr,  # PROLOGUE 1: no first pass; 1 / rms multiplies the fp32 sums at the end
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch: the first weight tile is read
+    # before waiting for the kernel ahead (weights are no kernel's output), the rest after
 ):
     # axis 0 over rows, so the programs of one weight tile start together and read it from DRAM once
     m = tl.program_id(0).to(tl.int64)
@@ -105,6 +107,12 @@ def _fp8_gemv_kernel(
     mask_n = rn < N
     rk = tl.arange(0, BLOCK_K)
     x_row = x_ptr + m * stride_x
+    b_rows = b_ptr + rn.to(tl.int64)[:, None] * stride_bn
+    k_lo = part * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    if PDL:
+        wt_next = tl.load(b_rows + (k_lo + rk)[None, :], mask=mask_n[:, None] & (k_lo + rk < k_hi)[None, :], other=0.0)
+        tl.extra.cuda.gdc_wait()
     inv = 1.0
     if PROLOGUE == 1 and not RMS_DEFER:
         first = (pid_n == 0) & (part == 0)
@@ -138,11 +146,15 @@ def _fp8_gemv_kernel(
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_rows = b_ptr + rn.to(tl.int64)[:, None] * stride_bn
-    k_lo = part * K_SPLIT
     for k0 in range(0, K_SPLIT, BLOCK_K):
         k = k_lo + k0 + rk
         mk = k < K
+        if PDL:  # the tile read one iteration ahead
+            wt = wt_next
+            kn = k + BLOCK_K
+            wt_next = tl.load(b_rows + kn[None, :], mask=mask_n[:, None] & (kn < k_hi)[None, :], other=0.0)
+        else:
+            wt = tl.load(b_rows + k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         if PROLOGUE == 2:
             gate = tl.load(x_row + k, mask=mk, other=0.0)
             up = tl.load(x_row + K + k, mask=mk, other=0.0)
@@ -170,11 +182,12 @@ def _fp8_gemv_kernel(
             a = (w.to(tl.float32) * normed.to(tl.float32)).to(xv.dtype).to(tl.float32)
         else:
             a = tl.load(x_row + k, mask=mk, other=0.0).to(tl.float32)
-        wt = tl.load(b_rows + k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         if ACC_2D:  # products summed per lane, across lanes once after the loop
             acc2 += wt.to(tl.float32) * a[None, :]
         else:
             acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch: only the epilogue is left
     if ACC_2D:
         acc = tl.sum(acc2, axis=1)
     acc = acc * tl.load(b_scale_ptr + rn, mask=mask_n, other=0.0)
@@ -210,6 +223,7 @@ def _fp8_gemv_kernel(
 GEMV_ROWS = 1
 
 ROW_MAX = 8192  # the RMSNorm prologue loads rows up to this long at once
+PDL = False  # programmatic dependent launches on sm90 (the default before a measurement)
 RMS_DEFER = False  # the RMSNorm prologue's default: a first pass over the row (else 1 / rms at the end)
 
 _COUNTERS: dict = {}  # device -> zeroed int32 arrival counters
@@ -226,7 +240,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def gemv_config(n: int, k: int) -> tuple[int, ...]:
-    """(block_n, block_k, split, num_warps, num_stages, acc_2d[, rms_defer]) for an [N, K] weight; see GEMV_CONFIGS.
+    """(block_n, block_k, split, num_warps, num_stages, acc_2d[, rms_defer[, pdl]]) for an [N, K] weight; see GEMV_CONFIGS.
     FIRSTTOKEN_FP8_GEMV_CONFIG names a JSON file of {"K,N": [block_n, ...]} that comes first (a sweep's
     picks, for an engine run in the same session: bench/bench_fp8_gemv.py writes one)."""
     global _OVERRIDE
@@ -264,7 +278,7 @@ def fp8_gemv_triton(
     eps: float = 1e-6, res_out: torch.Tensor | None = None,
     block_n: int | None = None, block_k: int | None = None, split: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, acc_2d: bool | None = None,
-    rms_defer: bool | None = None,
+    rms_defer: bool | None = None, pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton `fp8_gemv_ref`: (out [M, N], x + residual written into res_out (allocated when None),
     or None without a residual). Tiles default to `gemv_config`."""
@@ -295,6 +309,12 @@ def fp8_gemv_triton(
     warps, stages = num_warps or cfg[3], num_stages or cfg[4]
     acc2d = bool(cfg[5] if len(cfg) > 5 else 0) if acc_2d is None else acc_2d
     defer = bool(cfg[6] if len(cfg) > 6 else RMS_DEFER) if rms_defer is None else rms_defer
+    cuda = x.device.type == "cuda"
+    if pdl is None:
+        pdl = bool(cfg[7]) if len(cfg) > 7 else PDL
+    pdl = cuda and pdl and torch.cuda.get_device_capability(x.device)[0] >= 9
+    if pdl:
+        import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda: the kernel's gdc calls)
     row = next_pow2(k) if prologue == PROLOGUE_RMS and k <= ROW_MAX else 0
     k_split = cdiv(cdiv(k, sp), bk) * bk
     sp = cdiv(k, k_split)  # no empty part
@@ -311,6 +331,6 @@ def fp8_gemv_triton(
             res_out if has_res else x, w_q, w_s, bias if has_bias else w_s, c, part, ss, count,
             m, n, k, x.stride(0), residual.stride(0) if has_res else 0, w_q.stride(0), c.stride(0), float(eps))
     consts = {"PROLOGUE": prologue, "HAS_RESIDUAL": has_res, "HAS_BIAS": has_bias, "BLOCK_N": bn, "BLOCK_K": bk,
-              "SPLIT": sp, "K_SPLIT": k_split, "ROW": row, "ACC_2D": acc2d, "RMS_DEFER": defer}
-    _fp8_gemv_kernel.launch((m, tiles_n, sp), args, consts, warps, stages, x.device.type == "cuda")
+              "SPLIT": sp, "K_SPLIT": k_split, "ROW": row, "ACC_2D": acc2d, "RMS_DEFER": defer, "PDL": pdl}
+    _fp8_gemv_kernel.launch((m, tiles_n, sp), args, consts, warps, stages, cuda, launch_pdl=pdl)
     return c, res_out if has_res else None
