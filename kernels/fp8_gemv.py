@@ -262,13 +262,13 @@ def gemv_config(n: int, k: int) -> tuple[int, ...]:
 _OVERRIDE: dict | None = None
 
 # per weight shape (first match of K >= kmin and N >= nmin): the fastest on the H200 at one row for the
-# Llama-3.1-8B projections with their ops, in replayed graphs (bench/bench_fp8_gemv.py at 985d209,
+# Llama-3.1-8B projections with their ops, in replayed graphs (bench/bench_fp8_gemv.py at 948e7b6,
 # bench/results/2026-12-02-fp8-gemv-h200.md)
 GEMV_CONFIGS: list[tuple[tuple[int, int], tuple[int, ...]]] = [
-    ((8192, 0), (32, 256, 4, 4, 3, 1)),  # down_proj (K = 14336): 22.7 us
-    ((0, 16384), (32, 256, 1, 4, 3, 0)),  # gate_up_proj: 34.7
-    ((0, 4097), (8, 512, 1, 4, 3, 1)),  # qkv_proj (N = 6144): 11.3
-    ((0, 0), (16, 256, 4, 4, 3, 1)),  # o_proj: 8.43
+    ((8192, 0), (16, 256, 4, 4, 3, 1, 0)),  # down_proj (K = 14336): 22.6 us
+    ((0, 16384), (32, 256, 1, 4, 3, 0, 0)),  # gate_up_proj: 34.4
+    ((0, 4097), (16, 512, 2, 4, 3, 0, 1)),  # qkv_proj (N = 6144): 10.8, 1 / rms deferred
+    ((0, 0), (8, 1024, 2, 4, 3, 0, 0)),  # o_proj: 8.31
 ]
 
 
