@@ -191,6 +191,26 @@ def num_sms(device: Any) -> int:
     return n
 
 
+ARRIVAL_COUNTERS: dict = {}  # device -> zeroed int32 counters
+_MIN_COUNTERS = 1 << 16
+
+
+def arrival_counters(device: Any, n: int) -> Any:
+    """At least n zeroed int32 counters on `device` for kernels whose programs take a ticket
+    (`tl.atomic_add`) and whose last arrival finishes the work and sets its counter back to zero:
+    one buffer per device, shared by every such kernel, since launches on one stream run one after
+    the other (two streams running them at once would need their own). Made before any graph
+    capture, at the eager warm-up launch (a capture cannot allocate a zeroed buffer for later)."""
+    import torch
+
+    buf = ARRIVAL_COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        check(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
+              "arrival counters must exist before a graph capture (launch the kernel once eagerly)")
+        buf = ARRIVAL_COUNTERS[device] = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
+    return buf
+
+
 def check(cond: bool, msg: str, *fmt: Any) -> None:
     """Raise ValueError(msg.format(*fmt)) unless cond; the message is formatted only on failure."""
     if not cond:

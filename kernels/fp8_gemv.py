@@ -20,8 +20,7 @@ scale applied once.
 The K loop can run in SPLIT parts (more programs than output tiles, for weights with few output
 columns): each part stores an fp32 partial, takes a ticket from a per-tile counter, and the last to
 arrive adds the partials in part order (deterministic) and writes the output, then zeroes its
-counter for the next launch. The counters are one zeroed buffer per device: launches on one stream
-(a decode step, its graph) never overlap; two streams running split GEMVs at once would.
+counter for the next launch (`kernels._triton.arrival_counters`).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import cdiv, check, lazy_jit, next_pow2
+from kernels._triton import arrival_counters, cdiv, check, lazy_jit, next_pow2
 from kernels.fp8_linear import FP8, dequantize
 
 PROLOGUE_NONE, PROLOGUE_RMS, PROLOGUE_SILU = 0, 1, 2
@@ -226,19 +225,6 @@ ROW_MAX = 8192  # the RMSNorm prologue loads rows up to this long at once
 PDL = False  # programmatic dependent launches on sm90 (the default before a measurement)
 RMS_DEFER = False  # the RMSNorm prologue's default: a first pass over the row (else 1 / rms at the end)
 
-_COUNTERS: dict = {}  # device -> zeroed int32 arrival counters
-_MAX_TILES = 1 << 16
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        check(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
-              "fp8_gemv: the split counters must exist before a graph capture (run the GEMV once eagerly)")
-        buf = _COUNTERS[device] = torch.zeros(max(n, _MAX_TILES), dtype=torch.int32, device=device)
-    return buf
-
-
 def gemv_config(n: int, k: int) -> tuple[int, ...]:
     """(block_n, block_k, split, num_warps, num_stages, acc_2d[, rms_defer[, pdl]]) for an [N, K] weight; see GEMV_CONFIGS.
     FIRSTTOKEN_FP8_GEMV_CONFIG names a JSON file of {"K,N": [block_n, ...]} that comes first (a sweep's
@@ -322,7 +308,7 @@ def fp8_gemv_triton(
     w_s = w_scale.reshape(n).float().contiguous()
     if sp > 1:
         part = torch.empty((sp, m, n), dtype=torch.float32, device=x.device)
-        count = _counters(x.device, m * tiles_n)
+        count = arrival_counters(x.device, m * tiles_n)
         ss = torch.empty((sp, m, tiles_n), dtype=torch.float32, device=x.device) if defer else w_s
     else:
         part = count = ss = w_s

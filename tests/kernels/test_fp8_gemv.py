@@ -70,8 +70,8 @@ def test_fp8_gemv_triton_against_reference(poison_empty, monkeypatch, m, n, k, d
         assert torch.equal(got_res, want_res)  # x + residual, rounded as the reference rounds it
     else:
         assert got_res is None
-    from kernels.fp8_gemv import _COUNTERS
-    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+    from kernels._triton import ARRIVAL_COUNTERS
+    assert all(int(c.abs().sum()) == 0 for c in ARRIVAL_COUNTERS.values())
     swapped, _ = fp8_gemv_triton(x, w_q, w_s.flip(0), b, **kw, block_n=16, block_k=32, split=split, acc_2d=acc_2d)
     assert _row_err(swapped, want) > 10 * ROW_TOL[dtype]  # the scales are per channel
     if prologue != PROLOGUE_NONE:  # the prologue is applied: the raw input times the weight is far off

@@ -1,4 +1,4 @@
-"""The GEMV's variants compile for sm90 (Hopper) on this GPU-less machine: Triton's front end,
+"""The GEMV's variants (and the row argmax) compile for sm90 (Hopper) on this GPU-less machine: Triton's front end,
 its sm90 passes and ptxas run without a device and catch what the interpreter lets through (a
 loop-carried value changing shape cost a device run once); the programmatic dependent launch
 reaches the PTX. In a subprocess: this folder's tests run Triton in interpreter mode."""
@@ -38,6 +38,14 @@ for prologue, residual, split, acc_2d, row, defer, pdl in json.loads(sys.argv[1]
     ptx = c.asm["ptx"]
     out.append({"cubin": len(c.asm["cubin"]), "wait": "griddepcontrol.wait" in ptx,
                 "launch": "griddepcontrol.launch_dependents" in ptx, "atom": "atom." in ptx})
+from kernels import argmax
+aj = argmax._argmax_kernel.jitted()
+consts = {"CHUNK": 4096, "PARTS": 32, "BLOCK_P": 32}
+sig = {"x_ptr": "*fp32", "part_v_ptr": "*fp32", "part_i_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*i64",
+       "V": "i32", "stride_x": "i32"} | dict.fromkeys(consts, "constexpr")
+c = triton.compile(triton.compiler.ASTSource(fn=aj, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, "num_stages": 3})
+out.append({"cubin": len(c.asm["cubin"]), "atom": "atom." in c.asm["ptx"]})
 print(json.dumps(out))
 '''
 
@@ -53,7 +61,8 @@ def test_fp8_gemv_compiles_for_sm90():
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert len(got) == len(CASES)
+    assert len(got) == len(CASES) + 1
+    assert got[-1]["cubin"] > 0 and got[-1]["atom"]  # kernels/argmax.py's kernel, its ticket
     for case, g in zip(CASES, got):
         split, pdl = case[2], case[6]
         assert g["cubin"] > 0, case
