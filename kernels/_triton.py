@@ -106,19 +106,16 @@ class LazyKernel:
     def __getitem__(self, grid: Any) -> Any:
         return self.jitted()[grid]
 
-    def launch(self, grid: tuple, args: tuple, consts: dict, num_warps: int, num_stages: int, fast: bool,
-               launch_pdl: bool = False) -> None:
+    def launch(self, grid: tuple, args: tuple, consts: dict, num_warps: int, num_stages: int, fast: bool) -> None:
         """`self[grid](*args, **consts, num_warps=..., num_stages=...)`, the runtime args first.
 
         fast (the caller's choice: on a CUDA device, not under the interpreter): after the first
         launch of a specialisation, launch the compiled kernel directly, skipping Triton's per-call
         binding (the compiled kernel takes every argument in signature order, constexprs included).
         consts must be in the kernel's signature order, after the runtime args.
-        launch_pdl (sm90): a programmatic dependent launch: the kernel may start while the one ahead of
-        it on the stream drains, so it must `gdc_wait` before it reads that kernel's output or writes.
         """
         global FAST_LAUNCH
-        opts = {"num_warps": num_warps, "num_stages": num_stages, **({"launch_pdl": True} if launch_pdl else {})}
+        opts = {"num_warps": num_warps, "num_stages": num_stages}
         if not (fast and FAST_LAUNCH):
             self.jitted()[grid](*args, **consts, **opts)
             return
@@ -126,7 +123,7 @@ class LazyKernel:
             spec = tuple(f(a) for f, a in zip(self._spec_fns, args))
         else:
             spec = tuple(map(_spec, args))
-        key = (spec, *consts.values(), num_warps, num_stages, launch_pdl, args[0].device.index)
+        key = (spec, *consts.values(), num_warps, num_stages, args[0].device.index)
         hit = self._compiled.get(key)
         if hit is not None:
             try:

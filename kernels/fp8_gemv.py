@@ -7,8 +7,8 @@ read sets its time. Here the activation stays in the model's dtype, each e4m3 we
 fp32 in registers, and the op that would have produced the activation runs inside the GEMV:
 
 - `PROLOGUE_NONE`: x as it is (o_proj's attention output);
-- `PROLOGUE_RMS`: RMSNorm(x + residual) (qkv and gate_up), each program reading its row once for
-  the sum of squares; the programs of the first column tile write x + residual, the residual
+- `PROLOGUE_RMS`: RMSNorm(x + residual) (qkv and gate_up), each program reading its row at once
+  for the sum of squares; the programs of the first column tile write x + residual, the residual
   stream's next value;
 - `PROLOGUE_SILU`: silu(gate) * up of a [M, 2K] input (down_proj).
 
@@ -21,6 +21,16 @@ The K loop can run in SPLIT parts (more programs than output tiles, for weights 
 columns): each part stores an fp32 partial, takes a ticket from a per-tile counter, and the last to
 arrive adds the partials in part order (deterministic) and writes the output, then zeroes its
 counter for the next launch (`kernels._triton.arrival_counters`).
+
+On the H200, one row, the Llama-3.1-8B projections each with its op, in replayed graphs (bench/
+bench_fp8_gemv.py, bench/results/2026-12-02-fp8-gemv-h200.md): 70.7 us a layer against 86.6 for the
+W8A8 path (the quantizing op, then the few-row GEMM), 131 for bf16; engine decode at batch 1 2.77 ms
+against 3.30. From two rows it loses (each row re-reads the weight: 110.7 against 86.1 us a layer),
+hence GEMV_ROWS = 1. Tried and dropped, slower or within run-to-run noise: programmatic dependent
+launches (the first weight tile read before `gdc_wait`: 3-8 us slower per call, every shape),
+multiplying 1 / rms after the loop instead of a first look at the row (10.8 against 11.3 us on qkv in
+one run, 11.3 against 11.0 in the next), and [BLOCK_N, BLOCK_K] partial products summed once after
+the loop (within noise).
 """
 
 from __future__ import annotations
@@ -80,7 +90,6 @@ def _fp8_gemv_kernel(
     bias_ptr,  # [N] (HAS_BIAS), else a dummy
     c_ptr,  # out [M, N], row-major
     part_ptr,  # [SPLIT, M, N] fp32 partials (SPLIT > 1), else a dummy
-    ss_ptr,  # [SPLIT, M, tiles of N] fp32 partial sums of squares (SPLIT > 1 and RMS_DEFER), else a dummy
     count_ptr,  # [M * tiles of N] int32 arrival counters, zero between launches (SPLIT > 1)
     M, N, K,  # sizes
     stride_x, stride_r, stride_bn, stride_c,  # row strides (elements)
@@ -93,10 +102,6 @@ def _fp8_gemv_kernel(
     SPLIT: tl.constexpr,  # K parts (programs per output tile)
     K_SPLIT: tl.constexpr,  # columns of K per part: a multiple of BLOCK_K, SPLIT * K_SPLIT >= K
     ROW: tl.constexpr,  # PROLOGUE 1: a power of two >= K to load the row at once, or 0 (a loop)
-    ACC_2D: tl.constexpr,  # accumulate [BLOCK_N, BLOCK_K] products, reduce over K once at the end
-    RMS_DEFER: tl.constexpr,  # PROLOGUE 1: no first pass; 1 / rms multiplies the fp32 sums at the end
-    PDL: tl.constexpr,  # launched as a programmatic dependent launch: the first weight tile is read
-    # before waiting for the kernel ahead (weights are no kernel's output), the rest after
 ):
     # axis 0 over rows, so the programs of one weight tile start together and read it from DRAM once
     m = tl.program_id(0).to(tl.int64)
@@ -106,14 +111,8 @@ def _fp8_gemv_kernel(
     mask_n = rn < N
     rk = tl.arange(0, BLOCK_K)
     x_row = x_ptr + m * stride_x
-    b_rows = b_ptr + rn.to(tl.int64)[:, None] * stride_bn
-    k_lo = part * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    if PDL:
-        wt_next = tl.load(b_rows + (k_lo + rk)[None, :], mask=mask_n[:, None] & (k_lo + rk < k_hi)[None, :], other=0.0)
-        tl.extra.cuda.gdc_wait()
     inv = 1.0
-    if PROLOGUE == 1 and not RMS_DEFER:
+    if PROLOGUE == 1:
         first = (pid_n == 0) & (part == 0)
         if ROW > 0:  # the whole row in one load (K <= ROW): no loop of dependent steps before the weight
             kr = tl.arange(0, ROW)
@@ -140,20 +139,12 @@ def _fp8_gemv_kernel(
                 xf = xv.to(tl.float32)
                 ss += xf * xf
             inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-    ssd = tl.zeros([BLOCK_K], dtype=tl.float32)  # RMS_DEFER: this part's sum of squares
-    if ACC_2D:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_rows = b_ptr + rn.to(tl.int64)[:, None] * stride_bn
+    k_lo = part * K_SPLIT
     for k0 in range(0, K_SPLIT, BLOCK_K):
         k = k_lo + k0 + rk
         mk = k < K
-        if PDL:  # the tile read one iteration ahead
-            wt = wt_next
-            kn = k + BLOCK_K
-            wt_next = tl.load(b_rows + kn[None, :], mask=mask_n[:, None] & (kn < k_hi)[None, :], other=0.0)
-        else:
-            wt = tl.load(b_rows + k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         if PROLOGUE == 2:
             gate = tl.load(x_row + k, mask=mk, other=0.0)
             up = tl.load(x_row + K + k, mask=mk, other=0.0)
@@ -161,16 +152,6 @@ def _fp8_gemv_kernel(
             # silu in fp32 rounded to x.dtype, times up rounded again: torch's two 16-bit ops
             silu = (gf / (1.0 + tl.exp(-gf))).to(up.dtype).to(tl.float32)
             a = (silu * up.to(tl.float32)).to(up.dtype).to(tl.float32)
-        elif PROLOGUE == 1 and RMS_DEFER:
-            xd = tl.load(x_row + k, mask=mk, other=0.0)
-            if HAS_RESIDUAL:
-                rd = tl.load(res_ptr + m * stride_r + k, mask=mk, other=0.0)
-                xd = (xd.to(tl.float32) + rd.to(tl.float32)).to(xd.dtype)  # rounded as the reference
-                if pid_n == 0:  # the first column tile's parts write the new residual, each its columns
-                    tl.store(res_out_ptr + m * K + k, xd, mask=mk)
-            xdf = xd.to(tl.float32)
-            ssd += xdf * xdf
-            a = tl.load(nw_ptr + k, mask=mk, other=0.0).to(tl.float32) * xdf  # normalised after the loop
         elif PROLOGUE == 1:
             xv = tl.load(x_row + k, mask=mk, other=0.0)
             if HAS_RESIDUAL:
@@ -181,25 +162,15 @@ def _fp8_gemv_kernel(
             a = (w.to(tl.float32) * normed.to(tl.float32)).to(xv.dtype).to(tl.float32)
         else:
             a = tl.load(x_row + k, mask=mk, other=0.0).to(tl.float32)
-        if ACC_2D:  # products summed per lane, across lanes once after the loop
-            acc2 += wt.to(tl.float32) * a[None, :]
-        else:
-            acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch: only the epilogue is left
-    if ACC_2D:
-        acc = tl.sum(acc2, axis=1)
+        wt = tl.load(b_rows + k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
     acc = acc * tl.load(b_scale_ptr + rn, mask=mask_n, other=0.0)
     if SPLIT == 1:
-        if PROLOGUE == 1 and RMS_DEFER:
-            acc = acc / tl.sqrt(tl.sum(ssd, axis=0) / K + eps)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
         tl.store(c_ptr + m * stride_c + rn, acc.to(c_ptr.dtype.element_ty), mask=mask_n)
     else:
         tl.store(part_ptr + (part * M + m) * N + rn, acc, mask=mask_n)
-        if PROLOGUE == 1 and RMS_DEFER:
-            tl.store(ss_ptr + (part * M + m) * tl.num_programs(1) + pid_n, tl.sum(ssd, axis=0))
         tl.debug_barrier()  # every thread's partial stored before the ticket releases them
         counter = count_ptr + m * tl.num_programs(1) + pid_n
         ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -207,11 +178,6 @@ def _fp8_gemv_kernel(
             tot = tl.zeros([BLOCK_N], dtype=tl.float32)
             for s in range(SPLIT):  # in part order: the same sum whichever part arrives last
                 tot += tl.load(part_ptr + (s * M + m) * N + rn, mask=mask_n, other=0.0, cache_modifier=".cg")
-            if PROLOGUE == 1 and RMS_DEFER:
-                sst = 0.0
-                for s in range(SPLIT):
-                    sst += tl.load(ss_ptr + (s * M + m) * tl.num_programs(1) + pid_n, cache_modifier=".cg")
-                tot = tot / tl.sqrt(sst / K + eps)
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
             tl.store(c_ptr + m * stride_c + rn, tot.to(c_ptr.dtype.element_ty), mask=mask_n)
@@ -222,11 +188,10 @@ def _fp8_gemv_kernel(
 GEMV_ROWS = 1
 
 ROW_MAX = 8192  # the RMSNorm prologue loads rows up to this long at once
-PDL = False  # programmatic dependent launches on sm90 (the default before a measurement)
-RMS_DEFER = False  # the RMSNorm prologue's default: a first pass over the row (else 1 / rms at the end)
+
 
 def gemv_config(n: int, k: int) -> tuple[int, ...]:
-    """(block_n, block_k, split, num_warps, num_stages, acc_2d[, rms_defer[, pdl]]) for an [N, K] weight; see GEMV_CONFIGS.
+    """(block_n, block_k, split, num_warps, num_stages) for an [N, K] weight; see GEMV_CONFIGS.
     FIRSTTOKEN_FP8_GEMV_CONFIG names a JSON file of {"K,N": [block_n, ...]} that comes first (a sweep's
     picks, for an engine run in the same session: bench/bench_fp8_gemv.py writes one)."""
     global _OVERRIDE
@@ -242,19 +207,19 @@ def gemv_config(n: int, k: int) -> tuple[int, ...]:
     for (kmin, nmin), cfg in GEMV_CONFIGS:
         if k >= kmin and n >= nmin:
             return cfg
-    return 32, 256, 1, 4, 3, 0
+    return 32, 256, 1, 4, 3
 
 
 _OVERRIDE: dict | None = None
 
 # per weight shape (first match of K >= kmin and N >= nmin): the fastest on the H200 at one row for the
-# Llama-3.1-8B projections with their ops, in replayed graphs (bench/bench_fp8_gemv.py at 948e7b6,
-# bench/results/2026-12-02-fp8-gemv-h200.md)
+# Llama-3.1-8B projections with their ops, in replayed graphs (bench/bench_fp8_gemv.py at 6802f18,
+# bench/results/2026-12-02-fp8-gemv-h200.md); the engine's 2.77 ms decode at batch 1 ran these
 GEMV_CONFIGS: list[tuple[tuple[int, int], tuple[int, ...]]] = [
-    ((8192, 0), (16, 256, 4, 4, 3, 1, 0)),  # down_proj (K = 14336): 22.6 us
-    ((0, 16384), (32, 256, 1, 4, 3, 0, 0)),  # gate_up_proj: 34.4
-    ((0, 4097), (16, 512, 2, 4, 3, 0, 1)),  # qkv_proj (N = 6144): 10.8, 1 / rms deferred
-    ((0, 0), (8, 1024, 2, 4, 3, 0, 0)),  # o_proj: 8.31
+    ((8192, 0), (16, 512, 4, 4, 3)),  # down_proj (K = 14336): 19.2 us
+    ((0, 16384), (32, 256, 1, 4, 3)),  # gate_up_proj: 32.7
+    ((0, 4097), (32, 512, 2, 8, 3)),  # qkv_proj (N = 6144): 11.0
+    ((0, 0), (16, 512, 4, 4, 3)),  # o_proj: 7.76
 ]
 
 
@@ -263,8 +228,7 @@ def fp8_gemv_triton(
     prologue: int = PROLOGUE_NONE, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6, res_out: torch.Tensor | None = None,
     block_n: int | None = None, block_k: int | None = None, split: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, acc_2d: bool | None = None,
-    rms_defer: bool | None = None, pdl: bool | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton `fp8_gemv_ref`: (out [M, N], x + residual written into res_out (allocated when None),
     or None without a residual). Tiles default to `gemv_config`."""
@@ -293,14 +257,6 @@ def fp8_gemv_triton(
     bn, bk = block_n or cfg[0], block_k or cfg[1]
     sp = split if split is not None else cfg[2]
     warps, stages = num_warps or cfg[3], num_stages or cfg[4]
-    acc2d = bool(cfg[5] if len(cfg) > 5 else 0) if acc_2d is None else acc_2d
-    defer = bool(cfg[6] if len(cfg) > 6 else RMS_DEFER) if rms_defer is None else rms_defer
-    cuda = x.device.type == "cuda"
-    if pdl is None:
-        pdl = bool(cfg[7]) if len(cfg) > 7 else PDL
-    pdl = cuda and pdl and torch.cuda.get_device_capability(x.device)[0] >= 9
-    if pdl:
-        import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda: the kernel's gdc calls)
     row = next_pow2(k) if prologue == PROLOGUE_RMS and k <= ROW_MAX else 0
     k_split = cdiv(cdiv(k, sp), bk) * bk
     sp = cdiv(k, k_split)  # no empty part
@@ -309,14 +265,13 @@ def fp8_gemv_triton(
     if sp > 1:
         part = torch.empty((sp, m, n), dtype=torch.float32, device=x.device)
         count = arrival_counters(x.device, m * tiles_n)
-        ss = torch.empty((sp, m, tiles_n), dtype=torch.float32, device=x.device) if defer else w_s
     else:
-        part = count = ss = w_s
+        part = count = w_s
     has_bias = bias is not None
     args = (x, residual if has_res else x, norm_weight if norm_weight is not None else x,
-            res_out if has_res else x, w_q, w_s, bias if has_bias else w_s, c, part, ss, count,
+            res_out if has_res else x, w_q, w_s, bias if has_bias else w_s, c, part, count,
             m, n, k, x.stride(0), residual.stride(0) if has_res else 0, w_q.stride(0), c.stride(0), float(eps))
     consts = {"PROLOGUE": prologue, "HAS_RESIDUAL": has_res, "HAS_BIAS": has_bias, "BLOCK_N": bn, "BLOCK_K": bk,
-              "SPLIT": sp, "K_SPLIT": k_split, "ROW": row, "ACC_2D": acc2d, "RMS_DEFER": defer, "PDL": pdl}
-    _fp8_gemv_kernel.launch((m, tiles_n, sp), args, consts, warps, stages, cuda, launch_pdl=pdl)
+              "SPLIT": sp, "K_SPLIT": k_split, "ROW": row}
+    _fp8_gemv_kernel.launch((m, tiles_n, sp), args, consts, warps, stages, x.device.type == "cuda")
     return c, res_out if has_res else None

@@ -60,15 +60,6 @@ def sampling_batch(reqs: list[Request], device: torch.device, vocab_size: int,
     )
 
 
-def _argmax_for(device: torch.device):
-    """The row argmax for `device`: kernels/argmax.py's on CUDA, torch's elsewhere."""
-    if torch.device(device).type != "cuda":
-        return lambda x: x.argmax(dim=-1)
-    from kernels.argmax import argmax_rows_triton
-
-    return argmax_rows_triton
-
-
 class Sampler:
     """Picks one token per row of logits (after the rows' logits processing, when they ask)."""
 
@@ -76,8 +67,6 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.processor = processor
-        # on CUDA the row argmax in one launch (kernels/argmax.py: torch's took 27 us a step on an H200)
-        self._argmax = _argmax_for(device)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # logits: [N, V] fp32 -> token ids [N] int64 (on the device). `logits` itself is left as it
@@ -97,16 +86,16 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
-            return self._argmax(logits)
+            return logits.argmax(dim=-1)
         assert batch.temperature is not None and batch.greedy_mask is not None
-        greedy = self._argmax(logits)
+        greedy = logits.argmax(dim=-1)
         x = logits / batch.temperature[:, None]
         if batch.top_k is not None or batch.top_p is not None:
             x = _top_k_top_p(x, batch.top_k, batch.top_p)
         probs = torch.softmax(x, dim=-1)
         noise = self._exponential(probs, batch.generators)
         # argmax(p / E) with E ~ Exp(1) draws from p without a host sync (the Gumbel-max trick's twin)
-        sampled = self._argmax(probs / noise)
+        sampled = (probs / noise).argmax(dim=-1)
         return torch.where(batch.greedy_mask, greedy, sampled)
 
     def _exponential(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

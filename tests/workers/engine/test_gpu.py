@@ -432,10 +432,9 @@ def test_cuda_fp8_as_served_errs_as_fp8_does(llama_dir, teacher_forced, variant)
 
 
 def test_cuda_fp8_gemv_matches_its_reference():
-    """The W8A16 GEMV on the GPU (each prologue, split K, programmatic dependent launches on and
-    off) against its reference: the new residual bit for bit (the GPU's cast rounds as torch
-    does), the output within 16-bit rounding, the same bits on every launch (the split parts are
-    added in a fixed order) and with PDL as without."""
+    """The W8A16 GEMV on the GPU (each prologue, split K and not) against its reference: the new
+    residual bit for bit (the GPU's cast rounds as torch does), the output within its bf16
+    rounding, the same bits on every launch (the split parts are added in a fixed order)."""
     from kernels.fp8_gemv import PROLOGUE_NONE, PROLOGUE_RMS, PROLOGUE_SILU, fp8_gemv_ref, fp8_gemv_triton
     from kernels.fp8_linear import quantize
 
@@ -449,24 +448,22 @@ def test_cuda_fp8_gemv_matches_its_reference():
               "norm_weight": nw if prologue == PROLOGUE_RMS else None, "eps": 1e-5}
         want, want_res = fp8_gemv_ref(x, wq, ws, None, **kw)
         for split in (1, 4):
-            for defer in (False, True):
-                runs = [fp8_gemv_triton(x, wq, ws, None, **kw, split=split, rms_defer=defer, pdl=pdl)
-                        for pdl in (False, True) for _ in range(8)]
-                out = runs[0][0]
-                err = ((out.float() - want.float()).norm() / want.float().norm()).item()
-                # the output's bf16 rounding (2^-9 relative) and, deferring 1 / rms, the two roundings
-                # of the activation the reference makes and the kernel skips: a few 1e-3 in all
-                assert err < 1e-2, (prologue, split, defer, err)
-                assert all(torch.equal(o, out) for o, _ in runs), (prologue, split, defer)
-                if prologue == PROLOGUE_RMS:
-                    assert all(torch.equal(r, want_res) for _, r in runs)
+            runs = [fp8_gemv_triton(x, wq, ws, None, **kw, split=split) for _ in range(16)]
+            out = runs[0][0]
+            err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+            assert err < 5e-3, (prologue, split, err)  # the output's bf16 rounding: 2^-9 relative
+            assert all(torch.equal(o, out) for o, _ in runs), (prologue, split)
+            if prologue == PROLOGUE_RMS:
+                assert all(torch.equal(r, want_res) for _, r in runs)
 
 
 def test_cuda_fp8_decode_at_one_row_is_w8a16(llama_dir):
     """One-token prompts run alone: every step has one row, so every FP8 projection runs the
     W8A16 GEMV (prefill and graph-replayed decode alike). With fp32 elsewhere its log-probabilities
     are those of the model with dequantized e4m3 weights (the W8A16 emulation), well inside the
-    distance to the W8A8 emulation, whose quantized activations the GEMV does not compute."""
+    distance to the W8A8 emulation, whose quantized activations the GEMV does not compute (H200,
+    6802f18: mean |d logprob| below 5e-5 against the W8A16 emulation, 0.138 against the W8A8 one:
+    with fp32 elsewhere both sides compute the same products, up to the order of fp32 sums)."""
     prompts = [[p[0]] for p in prompt_set(4, seed=3)]
     eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="float32", kernel_backend="triton",
                                                  num_blocks=256, max_model_len=512, quantization="fp8"))
@@ -485,8 +482,8 @@ def test_cuda_fp8_decode_at_one_row_is_w8a16(llama_dir):
     w8a8 = score_error(rows(hf_log_softmax(llama_dir, seqs, fp8={})), lps)
     measured("fp8_one_row_w8a16", {"vs_w8a16_emulation": w8a16, "vs_w8a8_emulation": w8a8, "last_path": path})
     assert path == "decode_graph"
-    assert w8a16["mean_dlp_top"] < EMULATION_BOUND, (w8a16, w8a8)
-    assert w8a16["mean_dlp_top"] < 0.5 * w8a8["mean_dlp_top"], (w8a16, w8a8)
+    assert w8a16["mean_dlp_top"] < 1e-3, (w8a16, w8a8)  # 5e-5 measured; the W8A8 path would give ~0.14
+    assert w8a16["mean_dlp_top"] < 0.1 * w8a8["mean_dlp_top"], (w8a16, w8a8)
 
 
 def _as_logprob(row):
