@@ -227,7 +227,8 @@ class SloBudget:
         allowance = self.tpot_target_s + self.credit_s
 
         def fits(path: str) -> int:
-            rest = allowance - m.predict(0, num_decodes, decode_context=decode_context, path=path)
+            # an early, underdetermined fit can predict a step below zero: never room from that
+            rest = allowance - max(0.0, m.predict(0, num_decodes, decode_context=decode_context, path=path))
             return int(rest / per_token)
 
         share = fits("eager")

@@ -143,17 +143,20 @@ def test_a_target_changes_the_chunks_not_the_tokens(llama_dir):
     orig = slo.scheduler.schedule
 
     def spy():
+        seen = slo.slo.model.observed  # type: ignore[union-attr]
         out = orig()
-        batched.append((out.num_decodes, out.num_batched_tokens))
+        batched.append((out.num_decodes, out.num_batched_tokens, seen))
         return out
 
     slo.scheduler.schedule = spy  # type: ignore[method-assign]
     got = [f.output_token_ids for f in run_prompts(slo, prompts, sp)]
     assert got == want
     assert slo.slo.model.observed > 5  # type: ignore[union-attr]
-    # a target far below any step's cost: while decodes ran, steps took the decodes plus 8 prefill tokens
-    assert any(d > 0 for d, _ in batched)
-    assert all(n <= d + 8 for d, n in batched if d > 0)
+    # a target far below any step's cost: while decodes ran, steps took the decodes plus 8 prefill
+    # tokens, once the fit had 8 steps (the default warm-up) to stand on; before that its per-token
+    # cost comes from a handful of timed steps, too few to hold a model to under a loaded machine
+    assert any(d > 0 and seen >= 8 for d, _, seen in batched)
+    assert all(n <= d + 8 for d, n, seen in batched if d > 0 and seen >= 8), batched
 
 
 def _fitted(fixed=0.010, per_token=5e-6, per_decode=20e-6) -> StepCostModel:
