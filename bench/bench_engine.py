@@ -2,7 +2,7 @@
 
     python3 bench/bench_engine.py --sections ttft,decode      # TTFT and time per output token
     python3 bench/bench_engine.py --sections throughput        # offline throughput (1000 prompts)
-    python3 bench/bench_engine.py --sections ttft,decode,throughput --engines bf16,fp8+kv8,fp8-block+kv8
+    python3 bench/bench_engine.py --sections ttft,decode,throughput --engines bf16,fp8+kv8,fp8-cublas+kv8
                                                                # FP8 engines beside bf16, each with its floor
 
 Model: the Llama-3.1-8B shape with random bf16 weights (preset `llama3-8b`). Floors use a bf16
@@ -239,8 +239,6 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-w8a8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_GEMV_ROWS": "0"}},
     # an experiment: the weight-streaming kernel up to 256 rows of every projection
     "fp8-rows256": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_SMALL_M": "256"}},
-    "fp8-g128": {"quantization": "fp8", "fp8_weight_group": 128},  # weight scales per 128 columns: Triton
-    "fp8-block": {"quantization": "fp8", "fp8_act_group": 128},  # and activation scales per 128 columns
 }
 
 
@@ -312,7 +310,7 @@ def main() -> None:
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--engines", default="bf16",
                     help=f"comma list run one after the other in this call: {', '.join(ENGINES)}; '+kv8' adds an fp8 "
-                         "KV cache (e.g. bf16,fp8+kv8,fp8-block+kv8)")
+                         "KV cache (e.g. bf16,fp8+kv8,fp8-cublas+kv8)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--input-len", type=int, default=1000,

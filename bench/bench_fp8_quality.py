@@ -5,12 +5,13 @@ bf16 weights and activations (the usual serving precision) as the yardstick.
 
 The quantized model is transformers' Llama with each projection (q, k, v, o, gate, up, down)
 swapped for firsttoken's Fp8Linear: per-output-channel weight scales and per-token activation
-scales (or per group of columns: --group, --act-group), exactly as the engine's fused qkv and gate_up matrices quantize (a fused matrix's rows are
+scales, exactly as the engine's fused qkv and gate_up matrices quantize (a fused matrix's rows are
 the separate ones', and its input the same activations). On CPU the GEMM is the reference
 (dequantize, multiply in fp32); on a GPU (sm89+) it is torch._scaled_mm, so running this script
-on both is the CPU-emulation-vs-real-kernels check.
+on both is the CPU-emulation-vs-real-kernels check. (The group-scaled and block-wise variants
+were removed with those layouts; their numbers stay in bench/results/2026-12-01-fp8-quality-*.)
 
-    python3 bench/bench_fp8_quality.py [--device cpu|cuda] [--positions 400] [--group 64 [--act-group 64]]
+    python3 bench/bench_fp8_quality.py [--device cpu|cuda] [--positions 400]
 """
 
 from __future__ import annotations
@@ -51,15 +52,14 @@ TEXTS = [
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = (), group: int | None = None,
-             act_group: int | None = None) -> int:
+def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = ()) -> int:
     names = tuple(n for n in PROJECTIONS if n not in keep)
     n = 0
     for module in list(model.modules()):
         for name in names:
             child = getattr(module, name, None)
             if isinstance(child, torch.nn.Linear):
-                setattr(module, name, Fp8Linear(child, group, act_group))
+                setattr(module, name, Fp8Linear(child))
                 n += 1
     return n
 
@@ -93,8 +93,6 @@ def compare(ref: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
 ENGINE_VARIANTS = {  # name -> EngineConfig fields (beside device and dtype)
     "bf16": {},
     "fp8": {"quantization": "fp8"},
-    "fp8-g64": {"quantization": "fp8", "fp8_weight_group": 64},
-    "fp8-block64": {"quantization": "fp8", "fp8_act_group": 64},
 }
 
 
@@ -166,9 +164,6 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--positions", type=int, default=400)
     ap.add_argument("--out", default=None, help="write the JSON here too")
-    ap.add_argument("--group", type=int, default=None, help="weight scales per this many input columns")
-    ap.add_argument("--act-group", type=int, default=None,
-                    help="activation scales per token and this many columns (block-wise; sets --group to the same)")
     ap.add_argument("--keep", default="", help="projections left unquantized, e.g. down_proj (an experiment)")
     ap.add_argument("--weight-only", action="store_true",
                     help="quantize the weights only (activations stay as they are): which side the error comes from")
@@ -176,8 +171,6 @@ def main() -> None:
                     help="through firsttoken's engine instead (its kernels, fused quantization, paged attention): "
                          "prompt log-probabilities (top 20) of each FP8 variant against the fp32 engine on the CPU")
     args = ap.parse_args()
-    if args.act_group is not None:
-        args.group = args.group or args.act_group
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = ensure_model("smollm2-135m")
@@ -201,7 +194,7 @@ def main() -> None:
     def quantized(dtype: torch.dtype) -> tuple[torch.nn.Module, int]:
         # loaded in `dtype`, then quantized (as the engine does): a quantized model is never cast
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval()
-        n = swap_fp8(model, keep, args.group, args.act_group)
+        n = swap_fp8(model, keep)
         if args.weight_only:
             for m in model.modules():
                 if isinstance(m, Fp8Linear):
@@ -220,8 +213,6 @@ def main() -> None:
         "fp8_layers": swapped,
         "kept_unquantized": list(keep),
         "weight_only": args.weight_only,
-        "weight_group": args.group,
-        "act_group": args.act_group,
         "fp8_kernel": kernels,
         "reference": "fp32 activations over the checkpoint's weights",
         "bf16_vs_fp32": compare(ref, bf16),

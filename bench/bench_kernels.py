@@ -168,13 +168,12 @@ FP8_SHAPES = (("qkv", HIDDEN, (HQ + 2 * HK) * D), ("o", HQ * D, HIDDEN), ("gate_
               ("down", INTER, HIDDEN))
 
 
-def run_fp8(out: list, sweep: list | None = None) -> None:
-    """Each Llama-3.1-8B projection at several token counts: bf16 matmul, FP8 with per-channel
-    weight scales (torch._scaled_mm), FP8 with weight scales per 128 columns (kernels/fp8_gemm.py),
-    and block-wise FP8 (activation scales per token and 128 columns too, the same kernel); the FP8
-    times include the activation quantization, as a layer runs it unfused."""
-    from kernels.fp8_gemm import fp8_gemm_grouped_triton, fp8_linear_grouped_triton
-    from kernels.fp8_linear import fp8_linear_scaled_mm, quantize_groupwise, quantize_rowwise
+def run_fp8(out: list) -> None:
+    """Each Llama-3.1-8B projection at several token counts: bf16 matmul and FP8 with per-channel
+    weight scales (torch._scaled_mm); the FP8 time includes the activation quantization, as a layer
+    runs it unfused. (The few-row kernel and the GEMV are timed by bench_fp8_decode.py and
+    bench_fp8_gemv.py.)"""
+    from kernels.fp8_linear import fp8_linear_scaled_mm, quantize_rowwise
 
     for t in (1, 64, 1024, 8192):
         for name, k, n in FP8_SHAPES:
@@ -182,34 +181,16 @@ def run_fp8(out: list, sweep: list | None = None) -> None:
             w = torch.randn(n, k, device=DEV, dtype=DT) * 0.02
             ref = (x.float() @ w.float().t())
             wq, ws = quantize_rowwise(w)
-            wg, wgs = quantize_groupwise(w, 128)
             row = {"proj": name, "T": t, "K": k, "N": n}
             row["bf16_ms"] = bench(partial(torch.matmul, x, w.t()))
             row["quant_ms"] = bench(partial(quantize_rowwise, x))
             row["scaled_mm_ms"] = bench(partial(fp8_linear_scaled_mm, x, wq, ws))
-            row["grouped_ms"] = bench(partial(fp8_linear_grouped_triton, x, wg, wgs))
-            xq, xs = quantize_rowwise(x)
-            row["grouped_gemm_only_ms"] = bench(partial(fp8_gemm_grouped_triton, xq, xs, wg, wgs, None, DT))
-            row["blockwise_ms"] = bench(partial(fp8_linear_grouped_triton, x, wg, wgs, None, 128))
-            xbq, xbs = quantize_groupwise(x, 128)
-            row["blockwise_gemm_only_ms"] = bench(partial(fp8_gemm_grouped_triton, xbq, xbs, wg, wgs, None, DT))
             row["scaled_mm_rel_l2"] = err(fp8_linear_scaled_mm(x, wq, ws), ref)["rel_l2"]
-            row["grouped_rel_l2"] = err(fp8_linear_grouped_triton(x, wg, wgs), ref)["rel_l2"]
-            row["blockwise_rel_l2"] = err(fp8_linear_grouped_triton(x, wg, wgs, None, 128), ref)["rel_l2"]
             flop = 2 * t * k * n
-            for key in ("bf16", "scaled_mm", "grouped", "blockwise"):
+            for key in ("bf16", "scaled_mm"):
                 row[f"{key}_TFLOPs"] = flop / row[f"{key}_ms"] / 1e9
             out.append(row)
             print(row, flush=True)
-            if sweep is not None:  # the block-wise GEMM's tiles (the default: M64 N64 w4 s3 g8; g1: no grouping)
-                ref_b = fp8_gemm_grouped_triton(xbq, xbs, wg, wgs, None, DT)
-                for bm, bn, w, st, gm in ((16, 64, 4, 3, 8), (32, 128, 4, 3, 8), (64, 128, 4, 3, 8),
-                                          (64, 128, 8, 4, 8), (128, 128, 8, 3, 8), (128, 64, 4, 4, 8),
-                                          (64, 64, 4, 3, 1)):
-                    f = partial(fp8_gemm_grouped_triton, xbq, xbs, wg, wgs, None, DT, block_m=bm, block_n=bn,
-                                num_warps=w, num_stages=st, group_m=gm)
-                    sweep.append(time_variant(f, ref_b, "TFLOPs", flop / 1e9, op=f"fp8_blockwise_{name}",
-                                              shape=f"T={t}", cfg=f"M{bm} N{bn} w{w} s{st} g{gm}"))
 
 
 # --------------------------------------------------------------------------------------------- attention
@@ -475,14 +456,11 @@ def markdown(result: dict) -> str:
                      f"{f(r.get('triton_graph_ms'))} | {f(r.get('host_us'), 0)} | {f(r.get('eager_ms'))} | {f(r.get('sdpa_ms'))} | {rate} |")
     if result.get("fp8"):
         lines += ["", "## FP8 GEMMs (Llama-3.1-8B projections; FP8 times include quantizing the activations)", "",
-                  "| proj | T | bf16 ms | FP8 per-channel (_scaled_mm) ms | FP8 per-128 (Triton) ms | block-wise 1x128 act "
-                  "(Triton) ms | quantize ms | TFLOP/s bf16 / scaled_mm / grouped / block-wise | rel L2 scaled_mm / grouped / "
-                  "block-wise |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| proj | T | bf16 ms | FP8 per-channel (_scaled_mm) ms | quantize ms | TFLOP/s bf16 / scaled_mm | "
+                  "rel L2 scaled_mm |", "|---|---|---|---|---|---|---|"]
         for r in result["fp8"]:
-            lines.append(f"| {r['proj']} | {r['T']} | {r['bf16_ms']:.4f} | {r['scaled_mm_ms']:.4f} | {r['grouped_ms']:.4f} | "
-                         f"{r['blockwise_ms']:.4f} | {r['quant_ms']:.4f} | {r['bf16_TFLOPs']:.0f} / {r['scaled_mm_TFLOPs']:.0f} / "
-                         f"{r['grouped_TFLOPs']:.0f} / {r['blockwise_TFLOPs']:.0f} | {r['scaled_mm_rel_l2']:.1e} / "
-                         f"{r['grouped_rel_l2']:.1e} / {r['blockwise_rel_l2']:.1e} |")
+            lines.append(f"| {r['proj']} | {r['T']} | {r['bf16_ms']:.4f} | {r['scaled_mm_ms']:.4f} | {r['quant_ms']:.4f} | "
+                         f"{r['bf16_TFLOPs']:.0f} / {r['scaled_mm_TFLOPs']:.0f} | {r['scaled_mm_rel_l2']:.1e} |")
     if result.get("sweep"):
         lines += ["", "## Tile sweep", "", "| op | shape | config | ms | rate | max diff vs default |", "|---|---|---|---|---|---|"]
         for s in result["sweep"]:
@@ -723,7 +701,7 @@ def main() -> None:
                     sweep, tuple(int(x) for x in args.kv_batches.split(",")))),
                 ("prefill_graph_shape", lambda: sweep is not None and run_prefill_graph_shape(sweep)),
                 ("graph", lambda: result.__setitem__("graph_check", check_decode_graph())),
-                ("fp8", lambda: run_fp8(result.setdefault("fp8", []), sweep)))
+                ("fp8", lambda: run_fp8(result.setdefault("fp8", []))))
     only = set(args.sections.split(",")) if args.sections else None
     for name, fn in sections:
         if only is not None and name not in only:

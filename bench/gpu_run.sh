@@ -8,12 +8,12 @@
 #
 # Stages (run each as its own device command; a failure does not stop the next):
 #   tests       GPU tests (tests/workers/engine/test_gpu.py), measurements to measure.jsonl      ~3 min
-#   kernels     FP8 GEMMs: _scaled_mm per channel, Triton groups vs bf16 (bench_kernels --sweep)  ~3 min
+#   kernels     FP8 GEMMs: _scaled_mm per channel vs bf16 (bench_kernels; ~3 min with the group GEMMs, less now)
 #   decode_gemms  a decode step's GEMMs: bf16, _scaled_mm, the small-M kernel's configs (bench_fp8_decode)  ~1 min
 #   engine      TTFT and decode: bf16, FP8 (per channel), FP8 with _scaled_mm only; transformers  ~5 min
-#   layouts     the same for the FP8 layouts with group scales (fp8-g128, fp8-block)     ~5 min
 #   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens (TensorRT-LLM's shape): FP8, bf16  ~6 min
-#   quality     FP8 on SmolLM2 with the real kernels (needs the model: bench/restore_smollm2.py)  ~2.5 min
+#   quality     FP8 on SmolLM2 with the real kernels (needs the model: bench/restore_smollm2.py)  ~2.5 min with
+#               the group runs, less now
 #   load        TTFT under load, bf16: targets none/15/20/30 ms at 8/16/24/32 req/s, 8 s each  ~3 min
 #   goodput     the highest rate within MLPerf's interactive and server limits, bf16      ~3 min
 #   goodput_t25 the interactive search with an engine TPOT target of 25 ms (no server search)  ~1 min
@@ -91,25 +91,19 @@ for stage in "${STAGES[@]}"; do
         $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
     kernels)
       [ "${SMOKE:-0}" = 1 ] && continue
-      run kernels 560 $PY bench/bench_kernels.py --sections fp8 --sweep --out "$OUT" --commit "$FIRSTTOKEN_COMMIT" ;;
+      run kernels 560 $PY bench/bench_kernels.py --sections fp8 --out "$OUT" --commit "$FIRSTTOKEN_COMMIT" ;;
     decode_gemms)
       [ "${SMOKE:-0}" = 1 ] && continue
       run decode_gemms 400 $PY bench/bench_fp8_decode.py ;;
     engine)
       run engine 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines bf16,fp8+kv8,fp8-cublas+kv8 "${ENGINE_ARGS[@]}" ;;
-    layouts)
-      run layouts 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --no-hf \
-        --engines fp8+kv8,fp8-g128+kv8,fp8-block+kv8 "${ENGINE_ARGS[@]}" ;;
     throughput)
       run throughput 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
         --engines fp8+kv8,bf16+kv8 "${TPUT_ARGS[@]}" ;;
     quality)  # FP8 on SmolLM2 with the real kernels: compare with bench/results/*fp8-quality-cpu*
       [ "${SMOKE:-0}" = 1 ] && continue
       run quality 150 $PY bench/bench_fp8_quality.py --device cuda --out "$OUT/fp8_quality_channel.json"
-      run quality_g64 150 $PY bench/bench_fp8_quality.py --device cuda --group 64 --out "$OUT/fp8_quality_g64.json"
-      run quality_block64 150 $PY bench/bench_fp8_quality.py --device cuda --act-group 64 \
-        --out "$OUT/fp8_quality_block64.json"
       run quality_engine 240 $PY bench/bench_fp8_quality.py --engine --device cuda \
         --out "$OUT/fp8_quality_engine.json" ;;
     load)

@@ -1,13 +1,14 @@
-"""FP8 GEMM with per-group scales: C = (A * sa) @ (B * sb)^T, B per (output channel, group of
-GROUP_K input columns), A per token or per (token, group of GROUP_K columns): the fine-grained
-("block-wise") FP8 of DeepSeek-V3 and DeepGEMM, with groups along K on both sides.
+"""FP8 GEMM for few rows (decode and small mixed steps): C = (A * sa) @ (B * sb)^T with one scale
+per row of A (per token) and one per row of B (per output channel), a weight-streaming Triton
+kernel where cuBLASLt's FP8 GEMM (torch._scaled_mm) tiles M to 64 or more and launches too few
+programs to stream the weight at the memory's rate.
 
-One scale per output channel is coarse when a channel's weights span many magnitudes (on
-SmolLM2-135M, whose weights come from a 4-bit file, groups of 64 columns cut the KL of FP8 weights
-against fp32 from 0.018 to 0.010 nats: bench/results/2026-12-01-fp8-quality-cpu.md), and
-torch._scaled_mm takes only row-wise scales. Each program accumulates one group's partial product
-in fp32, scales it by the group's weight scales (and its activation scales, when those are per
-group too), and adds it up; a per-token activation scale multiplies once at the end.
+A group-scaled GEMM (weight scales per group of input columns, and block-wise FP8 with activation
+scales per token and group too) lived here and is gone: on the H200 at 231bf73 the block-wise
+engine ran TTFT 2048 in 92.7 ms against 37.8 per channel and decode batch 1 in 6.33 ms against 5.23,
+slower at every row (bench/results/2026-12-01-engine-h200.md), and it never got this kernel or the
+W8A16 GEMV (kernels/fp8_gemv.py). Its better quality on SmolLM2 (weight-only KL 0.018 -> 0.010
+nats with groups of 64) stays recorded in bench/results/2026-12-01-fp8-quality-cpu.md.
 """
 
 from __future__ import annotations
@@ -17,115 +18,13 @@ from typing import Any
 import torch
 
 from kernels._triton import cdiv, check, lazy_jit
-from kernels.fp8_linear import FP8, fp8_linear
+from kernels.fp8_linear import FP8
 
 # ---------------------------------------------------------------------------------------------
 # Triton
 # ---------------------------------------------------------------------------------------------
 
 tl: Any = None  # triton.language, bound at the first launch by kernels._triton.lazy_jit
-
-
-@lazy_jit
-def _fp8_gemm_grouped_kernel(
-    a_ptr,  # A: [M, K] e4m3, row-major
-    a_scale_ptr,  # [M] fp32: one scale per row of A (per token), or [M, G] when A_GROUPED
-    b_ptr,  # B: [N, K] e4m3, row-major (the weight, one row per output channel)
-    b_scale_ptr,  # [N, G] fp32: one scale per output channel and group of GROUP_K columns
-    bias_ptr,  # [N] or a dummy when HAS_BIAS is false
-    c_ptr,  # C: [M, N], out dtype, row-major
-    M, N, K,  # sizes
-    stride_am, stride_as, stride_bn, stride_bs, stride_cm,  # row strides (elements)
-    HAS_BIAS: tl.constexpr,  # add bias before the store
-    A_GROUPED: tl.constexpr,  # A's scales per (row, group), applied per group inside the loop
-    GROUP_K: tl.constexpr,  # columns per weight scale; also the K step of the loop
-    BLOCK_M: tl.constexpr,  # rows of C per program
-    BLOCK_N: tl.constexpr,  # columns of C per program
-    GROUP_M: tl.constexpr,  # tiles walked GROUP_M rows of tiles at a time (1: row by row)
-):
-    # one program per C tile on a 1-D grid, in groups of GROUP_M tile rows, so the programs
-    # running at once share columns of B (the weight) in L2 instead of each reading its own
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
-    rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = (first_m + (pid % (GROUP_M * tiles_n)) % rows).to(tl.int64)
-    pid_n = ((pid % (GROUP_M * tiles_n)) // rows).to(tl.int64)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, GROUP_K)
-    mask_m = rm < M
-    mask_n = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, tl.cdiv(K, GROUP_K)):
-        k = g * GROUP_K + rk
-        mask_k = k < K
-        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        part = tl.dot(a, tl.trans(b))  # [BLOCK_M, BLOCK_N] fp32: this group's products
-        sb = tl.load(b_scale_ptr + rn * stride_bs + g, mask=mask_n, other=0.0)  # [BLOCK_N]
-        if A_GROUPED:
-            sa_g = tl.load(a_scale_ptr + rm * stride_as + g, mask=mask_m, other=0.0)  # [BLOCK_M]
-            acc += part * sa_g[:, None] * sb[None, :]
-        else:
-            acc += part * sb[None, :]
-    if not A_GROUPED:
-        sa = tl.load(a_scale_ptr + rm, mask=mask_m, other=0.0)  # [BLOCK_M]
-        acc = acc * sa[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
-
-
-def fp8_gemm_grouped_triton(
-    a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
-    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 3, group_m: int = 8,
-) -> torch.Tensor:
-    """Triton `kernels.fp8_linear.fp8_gemm_ref` for group-scaled weights ([N, K / group]) and
-    activations per token ([M, 1]) or per token and the same groups ([M, K / group])."""
-    check(a_q.dtype == FP8 and b_q.dtype == FP8, "fp8_gemm: A and B must be float8_e4m3fn")
-    m, k = a_q.shape
-    n, kb = b_q.shape
-    check(k == kb, "fp8_gemm: A is [M, {}] but B is [N, {}]", k, kb)
-    check(b_scale.shape[0] == n and k % b_scale.shape[1] == 0, "fp8_gemm: b_scale {} does not group K={}",
-          tuple(b_scale.shape), k)
-    group = k // b_scale.shape[1]
-    check(group >= 16 and group & (group - 1) == 0, "fp8_gemm: the group ({}) must be a power of two >= 16", group)
-    check(a_q.stride(1) == 1 and b_q.stride(1) == 1, "fp8_gemm: A's and B's last dims must be contiguous")
-    a_groups = a_scale.shape[1] if a_scale.dim() == 2 else 1
-    check(a_scale.shape[0] == m and a_groups in (1, b_scale.shape[1]),
-          "fp8_gemm: a_scale {} must hold a scale per row of A, or per row and group of {}", tuple(a_scale.shape), group)
-    a_grouped = a_groups > 1
-    check(b_scale.stride(1) == 1, "fp8_gemm: b_scale's last dim must be contiguous")
-    c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
-    if m == 0 or n == 0:
-        return c
-    a_scale = a_scale.float().contiguous() if a_grouped else a_scale.reshape(m).float().contiguous()
-    b_scale = b_scale.float()
-    has_bias = bias is not None
-    args = (a_q, a_scale, b_q, b_scale, bias if has_bias else b_scale, c, m, n, k,
-            a_q.stride(0), a_scale.stride(0) if a_grouped else 1, b_q.stride(0), b_scale.stride(0), c.stride(0))
-    consts = {"HAS_BIAS": has_bias, "A_GROUPED": a_grouped, "GROUP_K": group, "BLOCK_M": block_m,
-              "BLOCK_N": block_n, "GROUP_M": group_m}
-    _fp8_gemm_grouped_kernel.launch((cdiv(m, block_m) * cdiv(n, block_n),), args, consts, num_warps, num_stages,
-                                    a_q.device.type == "cuda")
-    return c
-
-
-def fp8_linear_grouped_triton(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-    act_group: int | None = None,
-) -> torch.Tensor:
-    """`kernels.fp8_linear.fp8_linear` through the Triton group-scaled GEMM."""
-    return fp8_linear(fp8_gemm_grouped_triton, x, w_q, w_scale, bias, act_group)
-
-
-# ---------------------------------------------------------------------------------------------
-# Few rows (decode): per-channel weight scales, per-token activation scales
-# ---------------------------------------------------------------------------------------------
 
 
 @lazy_jit

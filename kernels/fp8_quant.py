@@ -2,10 +2,9 @@
 projection is written once, as e4m3 with its scales, instead of written in bf16, read back, and
 written again as e4m3 by a separate quantization.
 
-Scales are per token ([T, 1]), or per token and group of `group` columns ([T, C / group]: the
-activation side of block-wise FP8, kernels/fp8_gemm.py). The references compose the unfused ops
-(`rms_norm_ref` / `silu_and_mul_ref`, then `quantize`), so a fused kernel must give what the
-unfused path gives: the same rounding to the activation dtype before the scales are taken.
+Scales are per token ([T, 1]). The references compose the unfused ops (`rms_norm_ref` /
+`silu_and_mul_ref`, then `quantize`), so a fused kernel must give what the unfused path gives: the
+same rounding to the activation dtype before the scale is taken.
 """
 
 from __future__ import annotations
@@ -20,31 +19,20 @@ from kernels.fp8_linear import FP8, FP8_MAX, quantize
 from kernels.rmsnorm import rms_norm_ref
 from kernels.silu_mul import silu_and_mul_ref
 
-Quantized = tuple[torch.Tensor, torch.Tensor]  # (q: [T, C] e4m3, scale: [T, 1] or [T, C / group] fp32)
+Quantized = tuple[torch.Tensor, torch.Tensor]  # (q: [T, C] e4m3, scale: [T, 1] fp32)
 
 
 def rms_norm_quant_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-    group: int | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[Quantized, torch.Tensor]:
-    """((q, scale), new_residual): rms_norm_ref's output quantized per token (or token and group)."""
+    """((q, scale), new_residual): rms_norm_ref's output quantized per token."""
     normed, new_res = rms_norm_ref(x, weight, eps, residual)
-    return quantize(normed, group), new_res
+    return quantize(normed), new_res
 
 
-def silu_and_mul_quant_ref(x: torch.Tensor, group: int | None = None) -> Quantized:
-    """(q, scale): silu_and_mul_ref's output quantized per token (or token and group)."""
-    return quantize(silu_and_mul_ref(x), group)
-
-
-def _groups(cols: int, group: int | None, block: int, op: str) -> tuple[int, int]:
-    """(GROUP, number of real groups) for a row of `cols` held in a `block` (power of two): per
-    token, one group of the whole block; else `group` columns, which must divide `cols`."""
-    if group is None:
-        return block, 1
-    check(group >= 16 and group & (group - 1) == 0, "{}: the group ({}) must be a power of two >= 16", op, group)
-    check(cols % group == 0, "{}: {} columns are not a multiple of the group {}", op, cols, group)
-    return group, cols // group
+def silu_and_mul_quant_ref(x: torch.Tensor) -> Quantized:
+    """(q, scale): silu_and_mul_ref's output quantized per token."""
+    return quantize(silu_and_mul_ref(x))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,12 +58,11 @@ def _round_e4m3(q, HW_CAST: tl.constexpr):
 
 
 @lazy_helper
-def _quantize_groups(y, FP8_MAX_: tl.constexpr, HW_CAST: tl.constexpr):
-    """y: [groups, GROUP] fp32 -> (q on the e4m3 grid, fp32; scale [groups]): each group scaled so
-    that its largest magnitude maps to FP8_MAX_."""
-    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12)  # [groups]
-    scale = amax / FP8_MAX_
-    q = tl.minimum(tl.maximum(y / scale[:, None], -FP8_MAX_), FP8_MAX_)
+def _quantize_row(y, FP8_MAX_: tl.constexpr, HW_CAST: tl.constexpr):
+    """y: [BLOCK] fp32, one row (masked columns 0) -> (q on the e4m3 grid, fp32; the row's scale):
+    the row scaled so that its largest magnitude maps to FP8_MAX_."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / FP8_MAX_
+    q = tl.minimum(tl.maximum(y / scale, -FP8_MAX_), FP8_MAX_)
     return _round_e4m3(q, HW_CAST), scale
 
 
@@ -85,23 +72,19 @@ def _rms_norm_quant_kernel(
     res_ptr,  # residual: [T, H] (read only when HAS_RESIDUAL)
     w_ptr,  # weight: [H], contiguous
     q_ptr,  # out: [T, H] e4m3, contiguous
-    scale_ptr,  # out: [T, n_groups] fp32, contiguous: one scale per row and group
+    scale_ptr,  # out: [T] fp32, one scale per row
     new_res_ptr,  # new residual out: [T, H], contiguous (written only when HAS_RESIDUAL)
     stride_x,  # row stride of x (elements)
     stride_res,  # row stride of residual (elements)
     H,  # hidden size
-    n_groups,  # scales per row: 1 (per token) or H / GROUP
     eps,  # variance epsilon
     FP8_MAX_: tl.constexpr,  # 448: e4m3's largest value
     HW_CAST: tl.constexpr,  # the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
     HAS_RESIDUAL: tl.constexpr,  # fuse new_residual = x + residual
-    GROUP: tl.constexpr,  # columns per scale (BLOCK_H for one scale per row)
     BLOCK_H: tl.constexpr,  # power of two >= H: one program handles one whole row
 ):
     row = tl.program_id(0).to(tl.int64)
-    # the row as [groups, GROUP]: one scale per line of it
-    gi = tl.arange(0, BLOCK_H // GROUP)
-    cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    cols = tl.arange(0, BLOCK_H)
     mask = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -109,19 +92,19 @@ def _rms_norm_quant_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(new_res_ptr + row * H + cols, x, mask=mask)
     xf = x.to(tl.float32)
-    var = tl.sum(tl.sum(xf * xf, axis=1), axis=0) / H
+    var = tl.sum(xf * xf, axis=0) / H
     normed = (xf * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     # the unfused path rounds the weighted output to the activation dtype before quantizing it
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
-    q, scale = _quantize_groups(y, FP8_MAX_, HW_CAST)
+    q, scale = _quantize_row(y, FP8_MAX_, HW_CAST)
     tl.store(q_ptr + row * H + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row * n_groups + gi, scale, mask=gi < n_groups)
+    tl.store(scale_ptr + row, scale)
 
 
 def rms_norm_quant_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-    group: int | None = None, hw_cast: bool | None = None,
+    hw_cast: bool | None = None,
 ) -> tuple[Quantized, torch.Tensor]:
     """Triton `rms_norm_quant_ref`: one pass per row; residual add, norm and quantization fused.
     `hw_cast`: round to e4m3 with the GPU's cast (None: on a GPU, not under the interpreter)."""
@@ -135,17 +118,16 @@ def rms_norm_quant_triton(
         check(residual.shape == x.shape and residual.dtype == x.dtype, "rms_norm_quant: residual must match x")
         check(residual.stride(1) == 1 or h == 1, "rms_norm_quant: residual's last dim must be contiguous")
     block_h = next_pow2(h)
-    group_cols, n_groups = _groups(h, group, block_h, "rms_norm_quant")
     q = torch.empty((t, h), dtype=FP8, device=x.device)
-    scale = torch.empty((t, n_groups), dtype=torch.float32, device=x.device)
+    scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
     new_res = torch.empty((t, h), dtype=x.dtype, device=x.device) if residual is not None else x
     if t == 0:
         return (q, scale), new_res
     _rms_norm_quant_kernel.launch((t,), (
         x, residual if residual is not None else x, weight, q, scale, new_res,
-        x.stride(0), residual.stride(0) if residual is not None else 0, h, n_groups, eps,
+        x.stride(0), residual.stride(0) if residual is not None else 0, h, eps,
     ), {"FP8_MAX_": FP8_MAX, "HW_CAST": _hw_cast(x, hw_cast), "HAS_RESIDUAL": residual is not None,
-        "GROUP": group_cols, "BLOCK_H": block_h},
+        "BLOCK_H": block_h},
         min(16, max(1, block_h // 256)), 3, x.device.type == "cuda")
     return (q, scale), new_res
 
@@ -154,18 +136,15 @@ def rms_norm_quant_triton(
 def _silu_and_mul_quant_kernel(
     x_ptr,  # x: [T, 2 * I] (gate | up), last dim contiguous
     q_ptr,  # out: [T, I] e4m3, contiguous
-    scale_ptr,  # out: [T, n_groups] fp32, contiguous
+    scale_ptr,  # out: [T] fp32, one scale per row
     stride_x,  # row stride of x (elements)
     inter,  # I: the intermediate size
-    n_groups,  # scales per row: 1 (per token) or I / GROUP
     FP8_MAX_: tl.constexpr,  # 448
     HW_CAST: tl.constexpr,  # the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
-    GROUP: tl.constexpr,  # columns per scale (BLOCK for one scale per row)
     BLOCK: tl.constexpr,  # power of two >= I: one program handles one whole row
 ):
     row = tl.program_id(0).to(tl.int64)
-    gi = tl.arange(0, BLOCK // GROUP)  # the row as [groups, GROUP]
-    cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    cols = tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
@@ -173,9 +152,9 @@ def _silu_and_mul_quant_kernel(
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     # rounded to the activation dtype, as the unfused silu_and_mul writes it
     y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-    q, scale = _quantize_groups(y, FP8_MAX_, HW_CAST)
+    q, scale = _quantize_row(y, FP8_MAX_, HW_CAST)
     tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row * n_groups + gi, scale, mask=gi < n_groups)
+    tl.store(scale_ptr + row, scale)
 
 
 @lazy_jit
@@ -230,76 +209,68 @@ def _hw_cast(x: torch.Tensor, hw_cast: bool | None) -> bool:
     return x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def silu_and_mul_quant_triton(x: torch.Tensor, group: int | None = None, hw_cast: bool | None = None,
-                              chunk: int | None = None) -> Quantized:
-    """Triton `silu_and_mul_quant_ref`: x [T, 2 * I] -> (q [T, I] e4m3, scale [T, 1] or [T, I / group]).
-    `hw_cast`: as in rms_norm_quant_triton. `chunk`: with one scale per row, the row in chunks of
-    this many columns (two passes); None or 0: the whole row in one program (faster on the H200)."""
+def silu_and_mul_quant_triton(x: torch.Tensor, hw_cast: bool | None = None, chunk: int | None = None) -> Quantized:
+    """Triton `silu_and_mul_quant_ref`: x [T, 2 * I] -> (q [T, I] e4m3, scale [T, 1]). `hw_cast`:
+    as in rms_norm_quant_triton. `chunk`: the row in chunks of this many columns (two passes); None
+    or 0: the whole row in one program (faster on the H200)."""
     check(x.dim() == 2 and x.shape[1] % 2 == 0, "silu_and_mul_quant: x must be [T, 2 * I], got {}", tuple(x.shape))
     check(x.stride(1) == 1, "silu_and_mul_quant: x's last dim must be contiguous")
     t, two_i = x.shape
     inter = two_i // 2
     check(inter <= 65536, "silu_and_mul_quant: I={} > 65536 is not supported (one row per program)", inter)
     block = next_pow2(inter)
-    group_cols, n_groups = _groups(inter, group, block, "silu_and_mul_quant")
     q = torch.empty((t, inter), dtype=FP8, device=x.device)
-    scale = torch.empty((t, n_groups), dtype=torch.float32, device=x.device)
+    scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
     if t == 0 or inter == 0:
         return q, scale
     hw = _hw_cast(x, hw_cast)
     if chunk is None:
         chunk = 0
-    if group is None and chunk:
+    if chunk:
         check(chunk >= 16 and chunk & (chunk - 1) == 0, "silu_and_mul_quant: chunk {} is not a power of two >= 16", chunk)
         _silu_and_mul_quant_chunked_kernel.launch((t,), (x, q, scale, x.stride(0), inter),
                                                   {"FP8_MAX_": FP8_MAX, "HW_CAST": hw, "CHUNK": chunk},
                                                   min(8, max(1, chunk // 256)), 3, x.device.type == "cuda")
         return q, scale
-    _silu_and_mul_quant_kernel.launch((t,), (x, q, scale, x.stride(0), inter, n_groups),
-                                      {"FP8_MAX_": FP8_MAX, "HW_CAST": hw, "GROUP": group_cols, "BLOCK": block},
+    _silu_and_mul_quant_kernel.launch((t,), (x, q, scale, x.stride(0), inter),
+                                      {"FP8_MAX_": FP8_MAX, "HW_CAST": hw, "BLOCK": block},
                                       min(16, max(1, block // 256)), 3, x.device.type == "cuda")
     return q, scale
-
-
 
 
 @lazy_jit
 def _quantize_kernel(
     x_ptr,  # x: [T, C], last dim contiguous
     q_ptr,  # out: [T, C] e4m3, contiguous
-    scale_ptr,  # out: [T, n_groups] fp32, contiguous
+    scale_ptr,  # out: [T] fp32, one scale per row
     stride_x,  # row stride of x (elements)
     C,  # columns
-    n_groups,  # scales per row: 1 (per token) or C / GROUP
     FP8_MAX_: tl.constexpr,  # 448
     HW_CAST: tl.constexpr,  # the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
-    GROUP: tl.constexpr,  # columns per scale (BLOCK for one scale per row)
     BLOCK: tl.constexpr,  # power of two >= C: one program handles one whole row
 ):
     row = tl.program_id(0).to(tl.int64)
-    gi = tl.arange(0, BLOCK // GROUP)  # the row as [groups, GROUP]
-    cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    cols = tl.arange(0, BLOCK)
     mask = cols < C
     y = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    q, scale = _quantize_groups(y, FP8_MAX_, HW_CAST)
+    q, scale = _quantize_row(y, FP8_MAX_, HW_CAST)
     tl.store(q_ptr + row * C + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row * n_groups + gi, scale, mask=gi < n_groups)
+    tl.store(scale_ptr + row, scale)
 
 
-def quantize_triton(x: torch.Tensor, group: int | None = None, hw_cast: bool | None = None) -> Quantized:
-    """Triton `kernels.fp8_linear.quantize`: x [T, C] -> (q [T, C] e4m3, scale [T, 1] or [T, C / group])
-    in one launch (the torch composition is ~8 kernels: o_proj's input took that in every layer)."""
+def quantize_triton(x: torch.Tensor, hw_cast: bool | None = None) -> Quantized:
+    """Triton `kernels.fp8_linear.quantize`: x [T, C] -> (q [T, C] e4m3, scale [T, 1]) in one
+    launch (the torch composition is ~8 kernels: o_proj's input took that in every layer)."""
     check(x.dim() == 2, "quantize: x must be [T, C], got {}", tuple(x.shape))
     check(x.stride(1) == 1 or x.shape[1] == 1, "quantize: x's last dim must be contiguous")
     t, c = x.shape
     check(c <= 65536, "quantize: {} columns > 65536 are not supported (one row per program)", c)
     block = next_pow2(c)
-    group_cols, n_groups = _groups(c, group, block, "quantize")
     q = torch.empty((t, c), dtype=FP8, device=x.device)
-    scale = torch.empty((t, n_groups), dtype=torch.float32, device=x.device)
+    scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
     if t == 0 or c == 0:
         return q, scale
-    _quantize_kernel.launch((t,), (x, q, scale, x.stride(0), c, n_groups),
-                            {"FP8_MAX_": FP8_MAX, "HW_CAST": _hw_cast(x, hw_cast), "GROUP": group_cols, "BLOCK": block},
+    _quantize_kernel.launch((t,), (x, q, scale, x.stride(0), c),
+                            {"FP8_MAX_": FP8_MAX, "HW_CAST": _hw_cast(x, hw_cast), "BLOCK": block},
                             min(16, max(1, block // 256)), 3, x.device.type == "cuda")
     return q, scale

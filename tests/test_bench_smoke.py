@@ -46,15 +46,16 @@ def _run(args: list[str], out: Path, timeout: int = 300) -> None:
 
 def test_bench_engine_runs_engines_side_by_side_on_cpu(tmp_path):
     _run(["bench/bench_engine.py", "--device", "cpu", "--preset", "tiny", "--no-hf",
-          "--sections", "ttft,decode,throughput", "--engines", "bf16,fp8-block+kv8",
+          "--sections", "ttft,decode,throughput", "--engines", "bf16,fp8+kv8",
           "--ttft-lengths", "64,256", "--decode-batches", "1,4", "--num-prompts", "4", "--input-len", "48", "--output-len", "0",
           "--max-num-seqs", "8"], tmp_path)
-    data = json.loads((tmp_path / "bench_engine_decode_throughput_ttft_bf16_fp8-blockkv8_seqs8.json").read_text())
-    md = (tmp_path / "bench_engine_decode_throughput_ttft_bf16_fp8-blockkv8_seqs8.md").read_text()
-    assert data["engines"] == ["bf16", "fp8-block+kv8"]
+    data = json.loads((tmp_path / "bench_engine_decode_throughput_ttft_bf16_fp8kv8_seqs8.json").read_text())
+    md = (tmp_path / "bench_engine_decode_throughput_ttft_bf16_fp8kv8_seqs8.md").read_text()
+    assert data["engines"] == ["bf16", "fp8+kv8"]
     assert data["throughput_shape"] == {"prompts": 4, "input_len": 48, "output_len": "100-1024"}
-    eng = data["ours"]["fp8-block+kv8"]["engine"]
-    assert eng["quantization"] == "fp8" and eng["fp8_act_group"] == 128 and eng["kv_cache_dtype"] == "fp8"
+    eng = data["ours"]["fp8+kv8"]["engine"]
+    assert eng["spec"] == "fp8+kv8" and eng["quantization"] == "fp8" and eng["kv_cache_dtype"] == "fp8"
+    assert "quantization" not in data["ours"]["bf16"]["engine"]  # each engine its own fields
     metrics = [r["metric"] for r in data["rows"]]
     assert metrics[:3] == ["TTFT 64", "TTFT 256", "TTFT 2048 cached + 128"] and "decode b4 per token" in metrics
     for row in data["rows"]:
@@ -62,8 +63,8 @@ def test_bench_engine_runs_engines_side_by_side_on_cpu(tmp_path):
             assert row[s] > 0 and row[f"{s} floor"] > 0 and row[f"{s} x floor"] > 0, row
     # an fp8 KV cache reads half the bytes: its decode floor is lower than bf16's
     b4 = next(r for r in data["rows"] if r["metric"] == "decode b4 per token")
-    assert b4["fp8-block+kv8 floor"] < b4["bf16 floor"]
-    assert "| TTFT 64 |" in md and "fp8-block+kv8 x floor" in md
+    assert b4["fp8+kv8 floor"] < b4["bf16 floor"]
+    assert "| TTFT 64 |" in md and "fp8+kv8 x floor" in md
 
 
 def test_bench_load_runs_a_tpot_target_on_cpu(tmp_path):

@@ -51,14 +51,6 @@ class EngineSettings(BaseSettings):
     quantization: Literal["fp8"] | None = Field(
         default=None, description="fp8: W8A8 e4m3 projections (per-channel weight scales, per-token activations)"
     )
-    fp8_weight_group: int | None = Field(
-        default=None, ge=1, description="with --quantization fp8: a weight scale per this many input columns (e.g. 64)"
-    )
-    fp8_act_group: int | None = Field(
-        default=None, ge=1,
-        description="with --quantization fp8: activation scales per token and this many columns too (block-wise "
-        "FP8, closer to bf16; sets the weight group to the same)",
-    )
     tpot_target_ms: float | None = Field(
         default=None, gt=0,
         description="while requests decode, size each step to keep time per output token under this",

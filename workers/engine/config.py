@@ -208,13 +208,6 @@ class EngineConfig:
     # channel, made at load) and activations quantized per token at run time, in every projection
     # of the decoder layers (workers/engine/quantization.py); greedy tokens may then differ
     quantization: str | None = None
-    # with quantization="fp8": one weight scale per output channel and group of this many input
-    # columns (a power of two >= 16; finer, kernels/fp8_gemm.py) instead of one per channel
-    fp8_weight_group: int | None = None
-    # with quantization="fp8": activation scales per token and group of this many columns too
-    # (block-wise FP8, as DeepSeek-V3 trains and serves it; closer to bf16 than one scale per
-    # token); it sets the weight group to the same size, which must agree if given
-    fp8_act_group: int | None = None
     # a time-per-output-token target (ms): while requests decode, each step computes only the
     # prefill tokens that keep it under this (a cost model fitted to measured steps); None: every
     # step takes max_num_batched_tokens. Lower: smoother decoding, later first tokens under load
@@ -236,17 +229,6 @@ class EngineConfig:
             raise ValueError("kv_cache_dtype must be 'auto' or 'fp8'")
         if self.tpot_target_ms is not None and self.tpot_target_ms <= 0:
             raise ValueError("tpot_target_ms must be positive")
-        if self.fp8_weight_group is not None and (
-            self.fp8_weight_group < 16 or self.fp8_weight_group & (self.fp8_weight_group - 1)
-        ):
-            raise ValueError("fp8_weight_group must be a power of two >= 16")
-        if self.fp8_act_group is not None:
-            if self.fp8_weight_group is None:
-                self.fp8_weight_group = self.fp8_act_group
-            if self.fp8_act_group != self.fp8_weight_group:
-                raise ValueError("fp8_act_group must equal fp8_weight_group (the GEMM's K step serves both)")
-            if self.fp8_act_group < 16 or self.fp8_act_group & (self.fp8_act_group - 1):
-                raise ValueError("fp8_act_group must be a power of two >= 16")
         if self.mixed_graph_max_tokens < 0 or self.mixed_graph_max_prefills < 1:
             raise ValueError("mixed_graph_max_tokens must be >= 0 and mixed_graph_max_prefills >= 1")
         if self.quantization not in (None, "fp8"):

@@ -1,8 +1,9 @@
 """Quantized linear layers: `quantize_fp8(model)` swaps every projection of the decoder layers
-(qkv, o, gate_up, down) for an `Fp8Linear`: e4m3 weights with one scale per output channel (or
-per group of input columns), made once from the loaded weights, and activations quantized per
-token (or per token and the same group of columns: block-wise FP8) at run time. Embeddings,
-norms and the LM head stay in the model's dtype.
+(qkv, o, gate_up, down) for an `Fp8Linear`: e4m3 weights with one scale per output channel, made
+once from the loaded weights, and activations quantized per token at run time. Embeddings, norms
+and the LM head stay in the model's dtype. (Scales per group of input columns, and block-wise FP8
+with activation scales per token and group too, were removed: slower at every row on the H200 and
+without the few-row GEMM and the GEMV; kernels/fp8_gemm.py says by how much.)
 
 The activations of qkv and gate_up come from an RMSNorm, and down_proj's from SiLU-and-mul: those
 ops then write e4m3 and its scales directly (the KernelOps `rms_norm_quant`, `silu_and_mul_quant`:
@@ -17,13 +18,12 @@ kernels/fp8_gemv.py's W8A16 GEMV with that op fused before it, four launches a l
 from __future__ import annotations
 
 import os
-from functools import partial
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import fp8_gemm_grouped_triton, fp8_gemm_rowwise_small_m, small_m_rows
+from kernels.fp8_gemm import fp8_gemm_rowwise_small_m, small_m_rows
 from kernels.fp8_gemv import (
     GEMV_ROWS,
     PROLOGUE_NONE,
@@ -50,7 +50,7 @@ class GemvInput(NamedTuple):
     res_out: torch.Tensor | None = None  # filled with x + residual by the GEMV (when residual is given)
 
 
-# a tensor, (e4m3 [T, K], scale [T, 1] or [T, K / act_group]), or an unapplied op for the GEMV
+# a tensor, (e4m3 [T, K], scale [T, 1]), or an unapplied op for the GEMV
 Activation = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | GemvInput
 
 
@@ -58,35 +58,23 @@ class Fp8Linear(nn.Module):
     """A linear layer with FP8 (e4m3) weights and per-token FP8 activations (W8A8).
 
     It takes activations as a tensor (quantized here) or already quantized ((e4m3, scale), from a
-    fused norm or activation kernel). `group`: one weight scale per output channel and group of
-    `group` input columns (finer; the GEMM is then kernels/fp8_gemm.py's Triton kernel on CUDA)
-    instead of one per output channel (torch._scaled_mm on sm89+). `act_group` (equal to `group`):
-    activation scales per token and group of columns too, applied inside the same GEMM's K loop. A
-    layer whose input size the group does not divide keeps one scale per channel and per token;
-    `act_group` says what its input must come as.
+    fused norm or activation kernel). The weight has one scale per output channel; the GEMM is
+    torch._scaled_mm on sm89+ (kernels/fp8_gemm.py's few-row kernel up to `small_m` rows, the W8A16
+    GEMV up to `gemv_rows`), the fp32 reference elsewhere.
     """
 
-    def __init__(self, linear: nn.Linear, group: int | None = None, act_group: int | None = None) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        if act_group is not None and act_group != group:
-            raise ValueError(f"Fp8Linear: activation groups ({act_group}) must be the weight groups ({group})")
         w = linear.weight.detach()  # [N, K]
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         self.out_dtype = w.dtype  # the model's activations (of an input that comes quantized)
-        self.group = group if group is not None and self.in_features % group == 0 else None
-        self.act_group = act_group if self.group is not None else None
-        q, scale = quantize(w, self.group)  # scale: [N, 1] or [N, K / group]
+        q, scale = quantize(w)  # scale: [N, 1]
         self.register_buffer("weight_fp8", q, persistent=False)  # [N, K] e4m3
         self.register_buffer("weight_scale", scale, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         # the GEMM picked once here, not per call: FP8 tensor cores where they exist, else the reference
         gemm: Gemm
-        if self.group is not None:
-            cuda = w.device.type == "cuda"
-            gemm, self.kernel = (
-                (fp8_gemm_grouped_triton, "triton_grouped") if cuda else (fp8_gemm_ref, "reference_grouped")
-            )
-        elif scaled_mm_supported(w.device, self.in_features, self.out_features):
+        if scaled_mm_supported(w.device, self.in_features, self.out_features):
             gemm, self.kernel = fp8_gemm_scaled_mm, "scaled_mm"
         else:
             gemm, self.kernel = fp8_gemm_ref, "reference"
@@ -97,12 +85,11 @@ class Fp8Linear(nn.Module):
         env = os.environ.get("FIRSTTOKEN_FP8_SMALL_M")
         small = int(env) if env is not None else small_m_rows(self.out_features)
         self.small_m = small if gemm is fp8_gemm_scaled_mm else 0
-        # rows up to which a step takes the W8A16 GEMV (per-channel scales only; 0 on the CPU,
-        # where FIRSTTOKEN_FP8_GEMV_ROWS turns its reference on for a test)
+        # rows up to which a step takes the W8A16 GEMV (0 on the CPU, where FIRSTTOKEN_FP8_GEMV_ROWS
+        # turns its reference on for a test)
         env = os.environ.get("FIRSTTOKEN_FP8_GEMV_ROWS")
         cuda = w.device.type == "cuda"
-        gemv = int(env) if env is not None else GEMV_ROWS if cuda else 0
-        self.gemv_rows = gemv if self.group is None else 0
+        self.gemv_rows = int(env) if env is not None else GEMV_ROWS if cuda else 0
         self._gemv_fn = fp8_gemv_triton if cuda else fp8_gemv_ref
         # activations that come unquantized (o_proj's): one Triton launch on CUDA, not torch's ~8
         self._quantize = quantize_triton if w.device.type == "cuda" else quantize
@@ -121,13 +108,13 @@ class Fp8Linear(nn.Module):
         return out
 
     def forward(self, x: Activation) -> torch.Tensor:
-        # x: [..., K], (e4m3 [T, K], scale [T, 1] or [T, K / act_group]) or a GemvInput -> [..., N]
+        # x: [..., K], (e4m3 [T, K], scale [T, 1]) or a GemvInput -> [..., N]
         if isinstance(x, GemvInput):
             return self._gemv(x)
         if isinstance(x, torch.Tensor):
             if x.dim() == 2 and x.shape[0] <= self.gemv_rows:
                 return self._gemv(GemvInput(x, PROLOGUE_NONE))
-            x_q, x_s = self._quantize(x.reshape(-1, self.in_features), self.act_group)
+            x_q, x_s = self._quantize(x.reshape(-1, self.in_features))
             return self._run(x_q, x_s, x.dtype).reshape(*x.shape[:-1], self.out_features)
         return self._run(x[0], x[1], self.out_dtype)
 
@@ -135,12 +122,10 @@ class Fp8Linear(nn.Module):
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def quantize_fp8(model: nn.Module, group: int | None = None, *, act_group: int | None = None,
-                 fuse: bool = True) -> int:
-    """Replace the decoder layers' projections by Fp8Linear (weight scales per channel, or per
-    `group` input columns; activation scales per token, or per `act_group` columns), in place; with
-    `fuse`, the norms before qkv and gate_up and the activation before down_proj hand them
-    quantized activations, in the groups each projection takes. Returns the layers replaced."""
+def quantize_fp8(model: nn.Module, *, fuse: bool = True) -> int:
+    """Replace the decoder layers' projections by Fp8Linear (weight scales per channel, activation
+    scales per token), in place; with `fuse`, the norms before qkv and gate_up and the activation
+    before down_proj hand them quantized activations. Returns the layers replaced."""
     n = 0
     for layer in model.layers:  # type: ignore[attr-defined]
         for path in _PROJECTIONS:
@@ -148,14 +133,14 @@ def quantize_fp8(model: nn.Module, group: int | None = None, *, act_group: int |
             parent = layer.get_submodule(parent_name)
             linear = getattr(parent, attr)
             if isinstance(linear, nn.Linear):
-                setattr(parent, attr, Fp8Linear(linear, group, act_group))
+                setattr(parent, attr, Fp8Linear(linear))
                 n += 1
         if fuse:
             ops = model.ops  # type: ignore[attr-defined]
             qkv, gate_up, down = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
-            layer.input_layernorm.norm_fn = _norm_for(qkv, _grouped(ops.rms_norm_quant, qkv.act_group))
-            layer.post_attention_layernorm.norm_fn = _norm_for(gate_up, _grouped(ops.rms_norm_quant, gate_up.act_group))
-            layer.mlp.act_fn = _act_for(down, _grouped(ops.silu_and_mul_quant, down.act_group))
+            layer.input_layernorm.norm_fn = _norm_for(qkv, ops.rms_norm_quant)
+            layer.post_attention_layernorm.norm_fn = _norm_for(gate_up, ops.rms_norm_quant)
+            layer.mlp.act_fn = _act_for(down, ops.silu_and_mul_quant)
     return n
 
 
@@ -183,8 +168,3 @@ def _act_for(linear: Fp8Linear, quant_op):
         return GemvInput(x, PROLOGUE_SILU) if x.shape[0] <= linear.gemv_rows else quant_op(x)
 
     return act
-
-
-def _grouped(op, group: int | None):
-    """`op` writing activation scales per `group` columns (the op itself for per-token scales)."""
-    return op if group is None else partial(op, group=group)
