@@ -31,10 +31,25 @@ _MODEL_HELP = (
 )
 
 
+# variables of options that were removed: a deployment still setting one gets an error, not a
+# silently different engine (unknown FIRSTTOKEN_* variables are otherwise ignored)
+REMOVED_VARIABLES = {
+    "FIRSTTOKEN_FP8_WEIGHT_GROUP": "FP8 weight groups were removed (2026-12-02): FP8 is per channel only",
+    "FIRSTTOKEN_FP8_ACT_GROUP": "block-wise FP8 was removed (2026-12-02): FP8 is per channel only",
+}
+
+
 class EngineSettings(BaseSettings):
     """Which model the engine runs, where, and how (see EngineConfig for what each option does)."""
 
     model_config = SettingsConfigDict(env_prefix="FIRSTTOKEN_", extra="ignore", frozen=True)
+
+    def model_post_init(self, context: Any, /) -> None:
+        import os
+
+        for name, why in REMOVED_VARIABLES.items():
+            if os.environ.get(name) is not None:
+                raise ValueError(f"{name} is set, but {why}; unset it")
 
     model: str = model_field(_MODEL_HELP)
     device: str | None = Field(default=None, description="cuda or cpu (default: cuda when available)")

@@ -40,3 +40,13 @@ def test_a_flag_wins_over_the_variable_which_wins_over_the_default(monkeypatch):
 def test_other_commands_do_not_take_the_engine_flags():
     with pytest.raises(SystemExit):
         build_parser("status").parse_args(["status", "b1", "--quantization", "fp8"])
+
+
+def test_a_removed_option_s_variable_is_an_error_not_ignored(monkeypatch):
+    from workers.settings import EngineSettings, WorkerSettings
+
+    EngineSettings()
+    monkeypatch.setenv("FIRSTTOKEN_FP8_ACT_GROUP", "128")
+    for cls in (EngineSettings, WorkerSettings):
+        with pytest.raises(ValueError, match=r"FIRSTTOKEN_FP8_ACT_GROUP.*per channel only"):
+            cls()
