@@ -50,10 +50,11 @@ PROLOGUE_NONE, PROLOGUE_RMS, PROLOGUE_SILU = 0, 1, 2
 def fp8_gemv_ref(
     x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
     prologue: int = PROLOGUE_NONE, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    eps: float = 1e-6, res_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [M, N] in x's dtype, x + residual or None): the prologue's reference op, then its output
-    (upcast) times the dequantized weight in fp32. x: [M, K] ([M, 2K] gate | up for PROLOGUE_SILU)."""
+    (upcast) times the dequantized weight in fp32. x: [M, K] ([M, 2K] gate | up for PROLOGUE_SILU).
+    res_out: where x + residual goes (as the Triton GEMV writes it), else a new tensor."""
     from kernels.rmsnorm import rms_norm_ref
     from kernels.silu_mul import silu_and_mul_ref
 
@@ -61,7 +62,10 @@ def fp8_gemv_ref(
     if prologue == PROLOGUE_RMS:
         assert norm_weight is not None
         a, new_res = rms_norm_ref(x, norm_weight, eps, residual)
-        new_res = new_res if residual is not None else None
+        if residual is None:
+            new_res = None
+        elif res_out is not None:
+            new_res = res_out.copy_(new_res)
     elif prologue == PROLOGUE_SILU:
         a = silu_and_mul_ref(x)
     else:

@@ -127,8 +127,9 @@ class StepCostModel:
         return self._rel_err_sum / self._rel_err_n if self._rel_err_n else None
 
     def predict_shape(self, shape: StepShape) -> float:
-        """Predicted seconds of a step."""
-        return float(self.theta @ shape.features()) / 1e3
+        """Predicted seconds of a step, never below 0 (an early, underdetermined fit can go there,
+        and a budget would read room from it)."""
+        return max(0.0, float(self.theta @ shape.features()) / 1e3)
 
     def predict(self, prefill_tokens: int, decodes: int = 0, **shape: object) -> float:
         """Predicted seconds of a step (StepShape's fields)."""
@@ -227,8 +228,7 @@ class SloBudget:
         allowance = self.tpot_target_s + self.credit_s
 
         def fits(path: str) -> int:
-            # an early, underdetermined fit can predict a step below zero: never room from that
-            rest = allowance - max(0.0, m.predict(0, num_decodes, decode_context=decode_context, path=path))
+            rest = allowance - m.predict(0, num_decodes, decode_context=decode_context, path=path)
             return int(rest / per_token)
 
         share = fits("eager")
