@@ -46,8 +46,8 @@ _HELPERS: dict[str, list[Callable]] = {}  # module -> its lazy_helper functions
 
 
 def lazy_helper(fn: Callable) -> Callable:
-    """A device function the lazy kernels of its module call (or of a module that imports it):
-    `triton.jit` is applied to it (and bound under its name) when the first such kernel is jitted."""
+    """A device function the lazy kernels of its module call: `triton.jit` is applied to it (and
+    bound under its name) when the first kernel of the module is jitted."""
     _HELPERS.setdefault(fn.__module__, []).append(fn)
     return fn
 
@@ -94,10 +94,8 @@ class LazyKernel:
 
             g = self.fn.__globals__
             g["tl"] = tl
-            # the module's helpers, and those it imported from another kernel module
-            for h in (h for hs in _HELPERS.values() for h in hs):
-                if g.get(h.__name__) is h:  # not jitted yet (in this module)
-                    h.__globals__["tl"] = tl
+            for h in _HELPERS.get(self.fn.__module__, ()):
+                if g.get(h.__name__) is h:  # not jitted yet
                     g[h.__name__] = triton.jit(h)
             self._jitted = triton.jit(
                 self.fn, do_not_specialize=list(self.do_not_specialize) or None,
