@@ -61,7 +61,9 @@ def main() -> None:
                          ("legacy chunks 2048", {"hw_cast": False, "chunk": 2048}),
                          ("hw cast chunks 1024", {"hw_cast": True, "chunk": 1024}),
                          ("hw cast chunks 2048", {"hw_cast": True, "chunk": 2048}),
-                         ("hw cast chunks 4096", {"hw_cast": True, "chunk": 4096})):
+                         ("hw cast chunks 4096", {"hw_cast": True, "chunk": 4096}),
+                         *((f"hw cast whole row, {w} warps", {"hw_cast": True, "chunk": 0, "num_warps": w})
+                           for w in (4, 8, 32))):
             q, s = silu_and_mul_quant_triton(x, **kw)
             ms = bench(lambda kw=kw, x=x: silu_and_mul_quant_triton(x, **kw))
             rows.append({"op": "silu_and_mul_quant", "T": t, "variant": name, "us": ms * 1e3,
@@ -72,9 +74,11 @@ def main() -> None:
         w = (torch.rand(h, device=dev, generator=g) + 0.5).bfloat16()
         (qr, sr), _ = rms_norm_quant_ref(xh, w, 1e-5, res)
         nbytes = t * h * (2 + 2 + 2 + 1) + t * 4
-        for name, hw in (("legacy", False), ("hw cast (default)", True)):
-            (q, s), _ = rms_norm_quant_triton(xh, w, 1e-5, res, hw_cast=hw)
-            ms = bench(lambda hw=hw, xh=xh, w=w, res=res: rms_norm_quant_triton(xh, w, 1e-5, res, hw_cast=hw))
+        for name, hw, nw in (("legacy", False, None), ("hw cast (default)", True, None), ("hw cast, 4 warps", True, 4),
+                             ("hw cast, 8 warps", True, 8), ("hw cast, 32 warps", True, 32)):
+            (q, s), _ = rms_norm_quant_triton(xh, w, 1e-5, res, hw_cast=hw, num_warps=nw)
+            ms = bench(lambda hw=hw, nw=nw, xh=xh, w=w, res=res: rms_norm_quant_triton(xh, w, 1e-5, res, hw_cast=hw,
+                                                                                       num_warps=nw))
             rows.append({"op": "rms_norm_quant", "T": t, "variant": name, "us": ms * 1e3,
                          "GB_s": nbytes / ms / 1e6, **agree(q, s, qr, sr)})
         qr, sr = quantize(xh)

@@ -104,10 +104,11 @@ def _rms_norm_quant_kernel(
 
 def rms_norm_quant_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-    hw_cast: bool | None = None,
+    hw_cast: bool | None = None, num_warps: int | None = None,
 ) -> tuple[Quantized, torch.Tensor]:
     """Triton `rms_norm_quant_ref`: one pass per row; residual add, norm and quantization fused.
-    `hw_cast`: round to e4m3 with the GPU's cast (None: on a GPU, not under the interpreter)."""
+    `hw_cast`: round to e4m3 with the GPU's cast (None: on a GPU, not under the interpreter).
+    `num_warps`: per program (None: a warp per 256 columns, at most 16; bench/bench_fp8_quant.py sweeps it)."""
     check(x.dim() == 2, "rms_norm_quant: x must be [T, H], got {}", tuple(x.shape))
     t, h = x.shape
     check(weight.shape == (h,) and weight.is_contiguous(), "rms_norm_quant: weight must be a contiguous [{}]", h)
@@ -128,7 +129,7 @@ def rms_norm_quant_triton(
         x.stride(0), residual.stride(0) if residual is not None else 0, h, eps,
     ), {"FP8_MAX_": FP8_MAX, "HW_CAST": _hw_cast(x, hw_cast), "HAS_RESIDUAL": residual is not None,
         "BLOCK_H": block_h},
-        min(16, max(1, block_h // 256)), 3, x.device.type == "cuda")
+        num_warps or _warps(block_h), 3, x.device.type == "cuda")
     return (q, scale), new_res
 
 
@@ -199,6 +200,11 @@ def _silu_and_mul_quant_chunked_kernel(
     tl.store(scale_ptr + row, scale)
 
 
+def _warps(block: int) -> int:
+    """Warps of a one-row program over `block` columns: one per 256, at most 16."""
+    return min(16, max(1, block // 256))
+
+
 def _hw_cast(x: torch.Tensor, hw_cast: bool | None) -> bool:
     """Round with the GPU's e4m3 cast: asked, or (None) on a GPU and not under the interpreter.
     FIRSTTOKEN_FP8_QUANT_LEGACY=1 keeps the in-kernel rounding everywhere (an A/B switch)."""
@@ -209,10 +215,11 @@ def _hw_cast(x: torch.Tensor, hw_cast: bool | None) -> bool:
     return x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def silu_and_mul_quant_triton(x: torch.Tensor, hw_cast: bool | None = None, chunk: int | None = None) -> Quantized:
-    """Triton `silu_and_mul_quant_ref`: x [T, 2 * I] -> (q [T, I] e4m3, scale [T, 1]). `hw_cast`:
-    as in rms_norm_quant_triton. `chunk`: the row in chunks of this many columns (two passes); None
-    or 0: the whole row in one program (faster on the H200)."""
+def silu_and_mul_quant_triton(x: torch.Tensor, hw_cast: bool | None = None, chunk: int | None = None,
+                              num_warps: int | None = None) -> Quantized:
+    """Triton `silu_and_mul_quant_ref`: x [T, 2 * I] -> (q [T, I] e4m3, scale [T, 1]). `hw_cast`,
+    `num_warps`: as in rms_norm_quant_triton. `chunk`: the row in chunks of this many columns (two
+    passes); None or 0: the whole row in one program (faster on the H200)."""
     check(x.dim() == 2 and x.shape[1] % 2 == 0, "silu_and_mul_quant: x must be [T, 2 * I], got {}", tuple(x.shape))
     check(x.stride(1) == 1, "silu_and_mul_quant: x's last dim must be contiguous")
     t, two_i = x.shape
@@ -234,7 +241,7 @@ def silu_and_mul_quant_triton(x: torch.Tensor, hw_cast: bool | None = None, chun
         return q, scale
     _silu_and_mul_quant_kernel.launch((t,), (x, q, scale, x.stride(0), inter),
                                       {"FP8_MAX_": FP8_MAX, "HW_CAST": hw, "BLOCK": block},
-                                      min(16, max(1, block // 256)), 3, x.device.type == "cuda")
+                                      num_warps or _warps(block), 3, x.device.type == "cuda")
     return q, scale
 
 
@@ -272,5 +279,5 @@ def quantize_triton(x: torch.Tensor, hw_cast: bool | None = None) -> Quantized:
         return q, scale
     _quantize_kernel.launch((t,), (x, q, scale, x.stride(0), c),
                             {"FP8_MAX_": FP8_MAX, "HW_CAST": _hw_cast(x, hw_cast), "BLOCK": block},
-                            min(16, max(1, block // 256)), 3, x.device.type == "cuda")
+                            _warps(block), 3, x.device.type == "cuda")
     return q, scale
