@@ -237,9 +237,6 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-cublas": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_SMALL_M": "0"}},
     # decode at one row through the W8A8 path (the fused norm quantizing, the few-row GEMM), not the W8A16 GEMV
     "fp8-w8a8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_GEMV_ROWS": "0"}},
-    # one uncached prompt of 1025-2048 tokens as an eager step (the default replays its dense prefill graph)
-    "fp8-eager-dense": {"quantization": "fp8", "dense_graph_max_tokens": 0},
-    "bf16-eager-dense": {"dense_graph_max_tokens": 0},
     # an experiment: the weight-streaming kernel up to 256 rows of every projection
     "fp8-rows256": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_SMALL_M": "256"}},
 }

@@ -195,10 +195,6 @@ class EngineConfig:
     mixed_graph_max_prefills: int = 8
     # one uncached prompt of at least this many tokens uses dense causal attention (CUDA); None: never
     dense_prefill_min_tokens: int | None = 1025
-    # such a prompt of at most this many tokens replays a captured graph of the dense prefill (per
-    # bucket of 128 tokens), not an eager step: a 2048-token FP8 prefill launches ~450 kernels, and the
-    # host's launches left the GPU idle between them; 0: eager (models with a sliding window: always)
-    dense_graph_max_tokens: int = 2048
     # overlap the host's work for the next step (schedule, inputs, post-processing) with the
     # device running this one; the next step's decodes read the sampled tokens on the device.
     # None: on for CUDA, off elsewhere (the CPU computes synchronously: nothing to overlap)
@@ -235,7 +231,5 @@ class EngineConfig:
             raise ValueError("tpot_target_ms must be positive")
         if self.mixed_graph_max_tokens < 0 or self.mixed_graph_max_prefills < 1:
             raise ValueError("mixed_graph_max_tokens must be >= 0 and mixed_graph_max_prefills >= 1")
-        if self.dense_graph_max_tokens < 0:
-            raise ValueError("dense_graph_max_tokens must be >= 0")
         if self.quantization not in (None, "fp8"):
             raise ValueError("quantization must be None or 'fp8'")

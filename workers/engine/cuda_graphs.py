@@ -199,17 +199,13 @@ class PrefillGraphs:
     prefill). Padded tokens write to the scratch slot; padded sequences have no tokens.
     """
 
-    def __init__(self, ctx: GraphContext, max_tokens: int, max_seqs: int,
-                 dense_tokens: tuple[int, int] | None = None) -> None:
+    def __init__(self, ctx: GraphContext, max_tokens: int, max_seqs: int) -> None:
         self.ctx = ctx
         lay = ctx.layout
         self.max_seqs = max_seqs
         self.buckets = token_buckets(max_tokens)
-        # dense_tokens (lo, hi): one uncached prompt of lo..hi tokens replays a graph of the dense
-        # prefill (attention over the new tokens alone, kernels' dense_causal_attention), keyed (t, 0)
-        self.dense_buckets = dense_buckets(*dense_tokens) if dense_tokens else []
         dev = lay.device
-        t = max(self.buckets[-1], self.dense_buckets[-1] if self.dense_buckets else 0)
+        t = self.buckets[-1]
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((t,), lay.pad_slot, dtype=torch.int64, device=dev)
@@ -226,10 +222,6 @@ class PrefillGraphs:
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
         return num_tokens <= self.buckets[-1] and num_seqs <= self.max_seqs
 
-    def fits_dense(self, num_tokens: int) -> bool:
-        """A dense prefill of this many tokens (the caller checks it is one) has a graph."""
-        return bool(self.dense_buckets) and num_tokens <= self.dense_buckets[-1]
-
     def close(self) -> None:
         """Free the captured graphs and the static buffers."""
         _close_graphs(self)
@@ -238,7 +230,7 @@ class PrefillGraphs:
         """Prefill key-range splits the kernel picks for bucket t at contexts up to ctx_bound."""
         return self.ctx.prefill_splits(self.max_seqs, t, ctx_bound)
 
-    def _forward(self, t: int, num_splits: int | None, dense: bool = False) -> torch.Tensor:
+    def _forward(self, t: int, num_splits: int | None) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:t],
             num_decodes=0,
@@ -250,7 +242,6 @@ class PrefillGraphs:
             prefill_seq_lens=self.seq_lens,
             prefill_max_query_len=t,
             prefill_num_splits=num_splits,
-            prefill_dense=dense,
         )
         hidden, residual = self.ctx.forward(self.input_ids[:t], self.positions[:t], meta)
         rows = self.logit_rows
@@ -262,49 +253,29 @@ class PrefillGraphs:
         context needs (a long cached prefix), and, where that splits, one that does not (a step
         whose contexts are short: its partials and their combination would be pure overhead)."""
         worst = self.ctx.layout.max_blocks_per_seq * self.ctx.layout.block_size
-        try:
-            for t in reversed(self.dense_buckets):  # the largest graphs first
-                self._one_sequence(t)
-                self._capture((t, 0), pool, stream, lambda t=t: self._forward(t, 1, dense=True))
-        except RuntimeError as e:  # a dense attention library that cannot be captured: those steps stay eager
-            log.warning("dense prefill graphs not captured (%s: %s); dense prefills run eagerly",
-                        type(e).__name__, str(e).splitlines()[0][:200])
-            for t in self.dense_buckets:
-                g = self.graphs.pop((t, 0), None)
-                if g is not None:
-                    g[0].reset()
-            self.dense_buckets = []
         for t in reversed(self.buckets):
-            self._one_sequence(t)
+            # warm-up inputs: one sequence holding every token, written to the scratch block
+            self.query_start_loc.fill_(t)
+            self.query_start_loc[0] = 0
+            self.seq_lens.zero_()
+            self.seq_lens[0] = t
+            self.positions.zero_()
             self.split_of[t] = self._splits(t, worst)
             for splits in sorted({self.split_of[t], 1}, reverse=True):  # the larger partials first
-                self._capture((t, splits), pool, stream, lambda t=t, s=splits: self._forward(t, s))
+                for _ in range(2):
+                    self._forward(t, splits)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    logits = self._forward(t, splits)
+                self.graphs[(t, splits)] = (g, logits)
 
-    def _one_sequence(self, t: int) -> None:
-        """Warm-up inputs: one sequence holding all t tokens, written to the scratch block."""
-        self.query_start_loc.fill_(t)
-        self.query_start_loc[0] = 0
-        self.seq_lens.zero_()
-        self.seq_lens[0] = t
-        self.positions.zero_()
-
-    def _capture(self, key: tuple[int, int], pool: object, stream: torch.cuda.Stream,
-                 forward: Callable[[], torch.Tensor]) -> None:
-        for _ in range(2):  # compile kernels and settle allocations (and cuDNN's plan) before capturing
-            forward()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool, stream=stream):
-            logits = forward()
-        self.graphs[key] = (g, logits)
-
-    def run(self, out: SchedulerOutput, pending: PendingInputs | None = None, dense: bool = False) -> torch.Tensor:
-        """Replay the smallest graph that holds the step (dense: of the dense prefill, for a step
-        that is one: workers.engine.step_inputs.is_dense_prefill); returns logits of the sampling rows."""
+    def run(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> torch.Tensor:
+        """Replay the smallest graph that holds the step; returns logits of the sampling rows."""
         lay = self.ctx.layout
         input_ids, positions, slots, tables, qsl, seq_lens, logit_rows = host_batch(out, lay.block_size)
         n = len(input_ids)
         s = len(seq_lens)
-        t = next(x for x in (self.dense_buckets if dense else self.buckets) if x >= n)
+        t = next(x for x in self.buckets if x >= n)
         self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
         fill_pending(self.input_ids, pending)
         self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
@@ -322,21 +293,13 @@ class PrefillGraphs:
         rows = np.zeros(self.max_seqs, dtype=np.int64)
         rows[: len(logit_rows)] = logit_rows
         self.logit_rows.copy_(torch.from_numpy(rows), non_blocking=True)
-        splits = 0 if dense else self.split_of[t]
+        splits = self.split_of[t]
         if splits > 1 and self._splits(t, int(seq_lens.max())) == 1:
             splits = 1
         self.last_splits = splits
         g, logits = self.graphs[(t, splits)]
         g.replay()
         return logits[: len(logit_rows)]
-
-
-def dense_buckets(lo: int, hi: int) -> list[int]:
-    """Token rows of the dense prefill graphs for prompts of lo..hi tokens: every multiple of 128
-    from the first >= lo, and hi. A padded row costs a row of every GEMM and of the attention; the
-    causal mask keeps it out of the real rows."""
-    out = list(range(-(-lo // 128) * 128, hi, 128))
-    return out + [hi]
 
 
 def mixed_decode_buckets(max_decodes: int) -> list[int]:

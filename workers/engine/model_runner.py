@@ -36,7 +36,6 @@ from workers.engine.step_inputs import (
     device_batch,
     fill_pending,
     host_batch,
-    is_dense_prefill,
     pending_inputs,
 )
 
@@ -107,8 +106,7 @@ class ModelRunner:
             ctx = self.graph_context()
             self.graphs = DecodeGraphs(ctx, max_bs)
             max_t = min(config.prefill_graph_max_tokens, config.max_num_batched_tokens)
-            self.prefill_graphs = PrefillGraphs(ctx, max_t, min(config.prefill_graph_max_seqs, config.max_num_seqs),
-                                                self._dense_graph_tokens())
+            self.prefill_graphs = PrefillGraphs(ctx, max_t, min(config.prefill_graph_max_seqs, config.max_num_seqs))
             mixed_t = min(config.mixed_graph_max_tokens, config.max_num_batched_tokens)
             if mixed_t > 0 and max_bs > 1:
                 self.mixed_graphs = MixedGraphs(ctx, max_bs, mixed_t, min(config.mixed_graph_max_prefills,
@@ -116,15 +114,6 @@ class ModelRunner:
             capture_graphs(*(g for g in (self.graphs, self.prefill_graphs, self.mixed_graphs) if g is not None))
         if self.dense_prefill_min_tokens is not None:
             self._warm_dense_attention()
-
-    def _dense_graph_tokens(self) -> tuple[int, int] | None:
-        """(lo, hi): the prompt lengths whose dense prefill replays a graph, or None (no dense
-        path, a model with a sliding window: its layers take the paged kernel, or none asked)."""
-        lo = self.dense_prefill_min_tokens
-        hi = min(self.config.dense_graph_max_tokens, self.config.max_num_batched_tokens)
-        if lo is None or hi < lo or any(w is not None for w in self.model_config.sliding_windows):
-            return None
-        return lo, hi
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -292,10 +281,6 @@ class ModelRunner:
         elif not plan and self.prefill_graphs is not None and self.prefill_graphs.fits(out.num_batched_tokens, n_seq):
             self.last_path = "prefill_graph"
             logits = self.prefill_graphs.run(out, pending)
-        elif (not plan and self.prefill_graphs is not None and self.prefill_graphs.fits_dense(out.num_batched_tokens)
-              and is_dense_prefill(out, self.dense_prefill_min_tokens)):
-            self.last_path = "prefill_graph"
-            logits = self.prefill_graphs.run(out, pending, dense=True)
         elif not plan and self.mixed_graphs is not None and self.mixed_graphs.fits(out):
             self.last_path = "mixed_graph"
             hidden, residual = self.mixed_graphs.run(out, pending)

@@ -72,13 +72,6 @@ def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
                      seq_lens.astype(np.int32), logit_rows)
 
 
-def is_dense_prefill(out: SchedulerOutput, dense_prefill_min_tokens: int | None) -> bool:
-    """The step is one uncached prompt of at least dense_prefill_min_tokens tokens (None: never):
-    its attention runs dense over the new tokens instead of through the paged cache."""
-    return (dense_prefill_min_tokens is not None and len(out.scheduled) == 1 and out.num_decodes == 0
-            and out.scheduled[0].num_computed_tokens == 0 and out.num_batched_tokens >= dense_prefill_min_tokens)
-
-
 def device_batch(out: SchedulerOutput, batch: HostBatch, device: torch.device,
                  dense_prefill_min_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """The eager step's (input_ids, positions, attention metadata) on the device, copies in flight."""
@@ -101,7 +94,10 @@ def device_batch(out: SchedulerOutput, batch: HostBatch, device: torch.device,
         prefill_query_start_loc=dev(cu[nd:] - cu[nd]) if np_ else None,
         prefill_seq_lens=seq_t[nd:] if np_ else None,
         prefill_max_query_len=int((cu[nd + 1 :] - cu[nd:-1]).max()) if np_ else 0,
-        prefill_dense=is_dense_prefill(out, dense_prefill_min_tokens),
+        prefill_dense=(
+            dense_prefill_min_tokens is not None and n_seq == 1 and nd == 0
+            and out.scheduled[0].num_computed_tokens == 0 and len(ids) >= dense_prefill_min_tokens
+        ),
     )
     return dev(ids), dev(positions), meta
 

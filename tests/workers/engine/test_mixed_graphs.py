@@ -13,7 +13,7 @@ import torch
 
 from schemas.sampling import SamplingParams
 from workers.engine import EngineConfig, LLMEngine
-from workers.engine.cuda_graphs import MixedGraphs, dense_buckets, mixed_decode_buckets, mixed_token_buckets
+from workers.engine.cuda_graphs import MixedGraphs, mixed_decode_buckets, mixed_token_buckets
 
 
 def test_mixed_buckets():
@@ -23,12 +23,6 @@ def test_mixed_buckets():
     assert mixed_token_buckets(1024) == [64, 128, 256, 384, 512, 640, 768, 896, 1024]
     assert mixed_token_buckets(300) == [64, 128, 256, 300]
     assert mixed_token_buckets(48) == [48]
-    # the dense prefill graphs: every 128 tokens from the dense path's shortest prompt, and the top
-    assert dense_buckets(1025, 2048) == [1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048]
-    assert dense_buckets(64, 300) == [128, 256, 300]
-    assert dense_buckets(1024, 1024) == [1024]
-    with pytest.raises(ValueError, match="dense_graph_max_tokens"):
-        EngineConfig(dense_graph_max_tokens=-1)
 
 
 def _decoding_engine(backend: str, n_decodes: int, block_size: int = 4) -> LLMEngine:
