@@ -27,8 +27,12 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "dow
 CONFIGS = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 4), (16, 512, 4, 4), (64, 128, 4, 5),
            (32, 128, 4, 6), (128, 128, 8, 4)]  # (block_n, block_k, warps, stages)
 # above 64 rows: (block_m, block_n, block_k, warps, stages), row tiles of 64 or 128
+# and a sixth, the K parts (split-K; 1 when absent)
 CONFIGS_M = [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 8, 3), (128, 32, 128, 4, 4),
-             (64, 32, 256, 4, 4), (128, 128, 128, 8, 3), (64, 64, 256, 4, 3), (128, 64, 64, 4, 4)]
+             (64, 32, 256, 4, 4), (128, 128, 128, 8, 3), (64, 64, 256, 4, 3), (128, 64, 64, 4, 4),
+             (128, 64, 128, 8, 3, 2), (128, 64, 128, 8, 3, 4), (128, 128, 128, 8, 3, 2), (128, 128, 128, 8, 3, 4),
+             (128, 32, 128, 4, 4, 2), (128, 32, 128, 4, 4, 4), (64, 64, 128, 4, 4, 2), (64, 64, 128, 4, 4, 4),
+             (128, 64, 256, 8, 3, 3)]
 
 
 def chain_us(fn, calls: list[tuple], reps: int = 20) -> float:
@@ -81,9 +85,9 @@ def main() -> None:
             ref = fp8_gemm_ref(xq, xs, *ws_fp8[0], None, torch.float32)
             timed = []
             for cfg in CONFIGS if m <= 64 else CONFIGS_M:
-                bm, (bn, bk, nw, ns) = (None, cfg) if m <= 64 else (cfg[0], cfg[1:])
+                bm, (bn, bk, nw, ns), sp = (None, cfg, 1) if m <= 64 else (cfg[0], cfg[1:5], (*cfg[5:], 1)[0])
                 f = partial(fp8_gemm_rowwise_small_m, xq, xs, out_dtype=torch.bfloat16, block_n=bn, block_k=bk,
-                            num_warps=nw, num_stages=ns, block_m=bm)
+                            num_warps=nw, num_stages=ns, block_m=bm, split=sp)
                 err = ((f(*ws_fp8[0]).float() - ref).norm() / ref.norm()).item()
                 if err > 1e-2:
                     raise SystemExit(f"few-row kernel {name} M={m} {cfg}: rel err {err}")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import cdiv, check, lazy_jit
+from kernels._triton import arrival_counters, cdiv, check, lazy_helper, lazy_jit
 from kernels.fp8_linear import FP8
 
 # ---------------------------------------------------------------------------------------------
@@ -35,12 +35,16 @@ def _fp8_gemm_rowwise_small_m_kernel(
     b_scale_ptr,  # [N] fp32: one scale per output channel
     bias_ptr,  # [N] or a dummy when HAS_BIAS is false
     c_ptr,  # C: [M, N], out dtype, row-major
+    part_ptr,  # [SPLIT, M, N] fp32 partials (SPLIT > 1), else a dummy
+    count_ptr,  # [tiles of M * tiles of N] int32 arrival counters, zero between launches (SPLIT > 1)
     M, N, K,  # sizes
     stride_am, stride_bn, stride_cm,  # row strides (elements)
     HAS_BIAS: tl.constexpr,  # add bias before the store
     BLOCK_M: tl.constexpr,  # rows of A per program (16, 32, 64 or 128)
     BLOCK_N: tl.constexpr,  # columns of C per program
     BLOCK_K: tl.constexpr,  # K step
+    SPLIT: tl.constexpr,  # K parts (programs per output tile, grid axis 2)
+    K_SPLIT: tl.constexpr,  # columns of K per part: a multiple of BLOCK_K, SPLIT * K_SPLIT >= K
 ):
     # one program per (BLOCK_M rows, BLOCK_N output channels): a few-row GEMM is a pass over the
     # weight, so each program streams its BLOCK_N rows of B once. Axis 0 runs over the row tiles,
@@ -53,19 +57,42 @@ def _fp8_gemm_rowwise_small_m_kernel(
     mask_m = rm < M
     mask_n = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
+    k_lo = tl.program_id(2) * K_SPLIT
+    for k0 in range(0, K_SPLIT if SPLIT > 1 else K, BLOCK_K):
+        k = k_lo + k0 + rk
         mask_k = k < K
         a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc += tl.dot(a, tl.trans(b))
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT > 1:  # store this part's sums; the last part to arrive adds them all, in part order
+        tile = rm[:, None] * N + rn[None, :]
+        tl.store(part_ptr + tl.program_id(2).to(tl.int64) * M * N + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the ticket releases them
+        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:  # the others' partials are visible
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sp in range(SPLIT):  # the same sum whichever part arrives last
+                acc += tl.load(part_ptr + sp * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            _small_m_epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, rm, rn, mask_m, mask_n, mask,
+                              stride_cm, HAS_BIAS)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    else:
+        _small_m_epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, rm, rn, mask_m, mask_n, mask, stride_cm,
+                          HAS_BIAS)
+
+
+@lazy_helper
+def _small_m_epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, rm, rn, mask_m, mask_n, mask, stride_cm,
+                      HAS_BIAS: tl.constexpr):
+    """C tile = acc * (row scales x channel scales) (+ bias), stored in C's dtype."""
     sa = tl.load(a_scale_ptr + rm, mask=mask_m, other=0.0)
     sb = tl.load(b_scale_ptr + rn, mask=mask_n, other=0.0)
     acc = acc * sa[:, None] * sb[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 # rows up to which an engine's FP8 projection takes fp8_gemm_rowwise_small_m instead of
@@ -121,12 +148,14 @@ def fp8_gemm_rowwise_small_m(
     a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, block_m: int | None = None,
+    num_stages: int | None = None, block_m: int | None = None, split: int | None = None,
 ) -> torch.Tensor:
     """`kernels.fp8_linear.fp8_gemm_ref` with per-token ([M, 1]) and per-channel ([N, 1]) scales
     for few rows: a weight-streaming kernel for decode and small mixed steps, where cuBLASLt's FP8
     GEMM (torch._scaled_mm) tiles M to 64 or more and launches too few programs to stream the
-    weight at the memory's rate. Tile sizes default to `small_m_config`."""
+    weight at the memory's rate. Tile sizes default to `small_m_config`. `split`: K in this many
+    parts, each a program per output tile, the last to finish adding the parts' fp32 sums in part
+    order (deterministic); for weights of few output tiles at 65-256 rows (default 1)."""
     m, k, n = _rowwise_operands("fp8_gemm_small_m", a_q, a_scale, b_q, b_scale)
     c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
     if m == 0 or n == 0:
@@ -137,8 +166,19 @@ def fp8_gemm_rowwise_small_m(
     a_s = a_scale.reshape(m).float().contiguous()
     b_s = b_scale.reshape(n).float().contiguous()
     has_bias = bias is not None
-    args = (a_q, a_s, b_q, b_s, bias if has_bias else b_s, c, m, n, k, a_q.stride(0), b_q.stride(0), c.stride(0))
-    consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
-    _fp8_gemm_rowwise_small_m_kernel.launch((cdiv(m, block_m), cdiv(n, block_n)), args, consts, num_warps,
-                                            num_stages, a_q.device.type == "cuda")
+    sp = split or (cfg[5] if len(cfg) > 5 else 1)
+    k_split = cdiv(cdiv(k, sp), block_k) * block_k
+    sp = cdiv(k, k_split)  # no empty part
+    tiles = (cdiv(m, block_m), cdiv(n, block_n))
+    if sp > 1:
+        part = torch.empty((sp, m, n), dtype=torch.float32, device=a_q.device)
+        count = arrival_counters(a_q.device, tiles[0] * tiles[1])
+    else:
+        part = count = b_s
+    args = (a_q, a_s, b_q, b_s, bias if has_bias else b_s, c, part, count, m, n, k, a_q.stride(0), b_q.stride(0),
+            c.stride(0))
+    consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": sp,
+              "K_SPLIT": k_split}
+    _fp8_gemm_rowwise_small_m_kernel.launch((*tiles, sp), args, consts, num_warps, num_stages,
+                                            a_q.device.type == "cuda")
     return c

@@ -204,6 +204,38 @@ def test_small_m_gemm_triton_against_reference(poison_empty, m, n, k, bias, out_
         fp8_gemm_rowwise_small_m(a_q, a_s[:-1], w_q, w_s)  # a scale per row of A
 
 
+@pytest.mark.parametrize(("m", "n", "k", "split", "bias"), [
+    (130, 24, 272, 3, True), (70, 40, 431, 2, False), (9, 16, 200, 4, False), (65, 33, 64, 3, True),
+])
+def test_small_m_gemm_split_k_against_reference(poison_empty, m, n, k, split, bias):
+    """K in parts (the last part ragged, or fewer parts than asked when K is short: 64 columns in
+    tiles of 64 make one), the last program to arrive adding the fp32 partials: the reference's
+    result, the same bits twice (the parts are added in part order whichever arrives last), and
+    the counters back at zero for the next launch."""
+    from kernels_testutil_tol import tol
+
+    from kernels._triton import ARRIVAL_COUNTERS
+    from kernels.fp8_gemm import fp8_gemm_rowwise_small_m
+    from kernels.fp8_linear import fp8_gemm_ref
+
+    g = torch.Generator().manual_seed(m + n * k)
+    a_q, a_s = quantize_rowwise(torch.randn(m, k, generator=g))
+    w_q, w_s = quantize_rowwise(torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n).unsqueeze(1))
+    b = torch.randn(n, generator=g) if bias else None
+    kw = {"block_n": 16, "block_k": 64, "block_m": 32, "split": split}
+    got = fp8_gemm_rowwise_small_m(a_q, a_s, w_q, w_s, b, torch.float32, **kw)
+    want = fp8_gemm_ref(a_q, a_s, w_q, w_s, b, torch.float32)
+    torch.testing.assert_close(got, want, **tol(torch.float32))
+    assert torch.equal(fp8_gemm_rowwise_small_m(a_q, a_s, w_q, w_s, b, torch.float32, **kw), got)
+    one = fp8_gemm_rowwise_small_m(a_q, a_s, w_q, w_s, b, torch.float32, **{**kw, "split": 1})
+    torch.testing.assert_close(one, got, **tol(torch.float32))
+    if k > 64:  # the parts' sums really are partial: dropping the last part's sum is far off
+        assert not torch.allclose(got, fp8_gemm_ref(a_q[:, :64].contiguous(), a_s, w_q[:, :64].contiguous(), w_s, b,
+                                                      torch.float32), **tol(torch.float32))
+    counters = ARRIVAL_COUNTERS.get(got.device)
+    assert counters is not None and int(counters.abs().sum()) == 0
+
+
 @pytest.mark.parametrize(("t", "c", "dtype"), [(1, 16, torch.float32), (5, 100, torch.bfloat16), (3, 96, torch.float32),
                                                (9, 4096 // 8, torch.bfloat16)])
 def test_quantize_triton_matches_torch(poison_empty, t, c, dtype):

@@ -55,3 +55,35 @@ def test_fp8_gemv_compiles_for_sm90():
         split = case[2]
         assert g["cubin"] > 0, case
         assert g["atom"] == (split > 1), (case, g)  # the split parts' arrival counter
+
+
+SMALL_M_SCRIPT = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from kernels import fp8_gemm
+jitted = fp8_gemm._fp8_gemm_rowwise_small_m_kernel.jitted()
+SIG = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+       "c_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+out = []
+for split, bias in json.loads(sys.argv[1]):
+    consts = {"HAS_BIAS": bias, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": split, "K_SPLIT": 3584}
+    sig = {n: SIG.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
+    c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+    ptx = c.asm["ptx"]
+    out.append({"cubin": len(c.asm["cubin"]), "atom": "atom." in ptx, "wgmma": "wgmma" in ptx})
+print(json.dumps(out))
+'''
+
+
+def test_small_m_gemm_split_k_compiles_for_sm90():
+    """The few-row FP8 GEMM at 128 rows, whole K and in 4 parts: Hopper's FP8 MMA (wgmma), and the
+    parts' arrival counter only where K is split."""
+    cases = [(1, False), (4, True)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", SMALL_M_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [(g["cubin"] > 0, g["wgmma"], g["atom"]) for g in got] == [(True, True, s > 1) for s, _ in cases]
