@@ -12,6 +12,8 @@ measured the host on small kernels), and the bytes each GEMM must read over that
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 from functools import partial
@@ -111,6 +113,17 @@ def main() -> None:
                       "triton_us": chain_us(quantize_triton, [(x,)] * 16)})
         print(quant[-1], flush=True)
     data = {**header(), "bench": "fp8_decode_gemms", "rows": rows_out, "quantize": quant, "best_small_m": best_cfg}
+    # above 64 rows, per weight: the few-row kernel's best config where it beat _scaled_mm, else null
+    # (kernels.fp8_gemm reads this file from FIRSTTOKEN_FP8_SMALL_M_CONFIG)
+    picks: dict[str, dict] = {}
+    for r in rows_out:
+        if r["M"] in (128, 256):
+            cfg = tuple(json.loads(r["small_m_cfg"].replace("(", "[").replace(")", "]")))
+            cfg = (*cfg, 1) if len(cfg) == 5 else cfg
+            picks.setdefault(f"{r['K']},{r['N']}", {})[str(r["M"])] = (
+                list(cfg) if r["small_m_us"] < r["scaled_mm_us"] else None)
+    if os.environ.get("OUT") and picks:
+        Path(os.environ["OUT"], "small_m_config.json").write_text(json.dumps(picks, indent=1))
     md = md_table(rows_out, ["proj", "M", "bf16_us", "scaled_mm_us", "small_m_us", "small_m_default_us", "small_m_cfg",
                              "bf16_GBps", "fp8_best_GBps"])
     md += "\n\nquantization of a [M, 4096] bf16 input, us\n\n" + md_table(quant, ["M", "torch_us", "triton_us"])

@@ -13,6 +13,9 @@ nats with groups of 64) stays recorded in bench/results/2026-12-01-fp8-quality-c
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,8 +110,30 @@ SMALL_M_WIDE = 128
 SMALL_M_WIDE_N = 4096
 
 
-def small_m_rows(n: int) -> int:
+_OVERRIDE: dict | None = None
+
+
+def _override() -> dict:
+    """FIRSTTOKEN_FP8_SMALL_M_CONFIG: a JSON file of {"K,N": {"128": cfg or null, "256": ...}} (a
+    bench_fp8_decode sweep's picks above 64 rows: cfg is (block_m, block_n, block_k, warps, stages,
+    split), null where torch._scaled_mm won), for an engine run in the same session."""
+    global _OVERRIDE
+    if _OVERRIDE is None:
+        path = os.environ.get("FIRSTTOKEN_FP8_SMALL_M_CONFIG")
+        _OVERRIDE = json.loads(Path(path).read_text()) if path else {}
+    return _OVERRIDE
+
+
+def small_m_rows(n: int, k: int = 0) -> int:
     """Rows up to which the few-row kernel serves an [N, K] weight (see SMALL_M)."""
+    o = _override().get(f"{k},{n}")
+    if o is not None:
+        rows = SMALL_M
+        for bucket in sorted(o, key=int):
+            if o[bucket] is None:
+                break
+            rows = int(bucket)
+        return rows
     return SMALL_M_WIDE if n <= SMALL_M_WIDE_N else SMALL_M
 
 
@@ -125,7 +150,7 @@ def _rowwise_operands(name: str, a_q: torch.Tensor, a_scale: torch.Tensor, b_q: 
     return m, k, n
 
 
-def small_m_config(n: int, k: int, m: int = 1) -> tuple[int, int, int, int, int]:
+def small_m_config(n: int, k: int, m: int = 1) -> tuple[int, ...]:
     """(block_m, block_n, block_k, num_warps, num_stages) for M rows of an [N, K] weight.
 
     The fastest of eight configurations per Llama-3.1-8B projection at 1, 16 and 64 rows (up to 64
@@ -133,7 +158,9 @@ def small_m_config(n: int, k: int, m: int = 1) -> tuple[int, int, int, int, int]
     (bench/results/2026-12-02-fp8-decode-h200.md): at 1 row qkv 10.7 us, o 9.1, gate_up 32.6,
     down 24.6 (23.4 at 16 rows)."""
     if m > 64:
-        return 64, 32, 256, 4, 4
+        o = _override().get(f"{k},{n}", {})
+        picked = o.get("128" if m <= 128 else "256")
+        return tuple(picked) if picked else (64, 32, 256, 4, 4)  # type: ignore[return-value]
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     if k >= 8192:  # down_proj
         return block_m, 32, 512, 4, 3

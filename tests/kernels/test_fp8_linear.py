@@ -254,3 +254,24 @@ def test_quantize_triton_matches_torch(poison_empty, t, c, dtype):
     back = dequantize(q, s)
     rel = (back - x.float()).abs().amax(-1) / x.float().abs().amax(-1)
     assert rel.max() <= 2**-4 + 1e-6
+
+
+def test_small_m_sweep_override(tmp_path, monkeypatch):
+    """A sweep's picks above 64 rows (FIRSTTOKEN_FP8_SMALL_M_CONFIG): the few-row kernel up to the
+    last bucket it won without a gap, its config there; the built-in choice for weights not listed."""
+    from kernels import fp8_gemm
+
+    path = tmp_path / "picks.json"
+    path.write_text('{"14336,4096": {"128": [128, 32, 128, 4, 4, 4], "256": [64, 32, 256, 4, 4, 2]},'
+                    ' "4096,6144": {"128": null, "256": [128, 64, 128, 8, 3, 2]}}')
+    monkeypatch.setenv("FIRSTTOKEN_FP8_SMALL_M_CONFIG", str(path))
+    monkeypatch.setattr(fp8_gemm, "_OVERRIDE", None)
+    assert fp8_gemm.small_m_rows(4096, 14336) == 256
+    assert fp8_gemm.small_m_config(4096, 14336, 100) == (128, 32, 128, 4, 4, 4)
+    assert fp8_gemm.small_m_config(4096, 14336, 256) == (64, 32, 256, 4, 4, 2)
+    assert fp8_gemm.small_m_rows(6144, 4096) == 64  # lost at 128 rows: _scaled_mm from 65 rows on
+    assert fp8_gemm.small_m_rows(4096, 4096) == 128  # not listed: o_proj's built-in 128
+    monkeypatch.setattr(fp8_gemm, "_OVERRIDE", None)
+    monkeypatch.delenv("FIRSTTOKEN_FP8_SMALL_M_CONFIG")
+    assert fp8_gemm.small_m_rows(4096, 14336) == 128
+    monkeypatch.setattr(fp8_gemm, "_OVERRIDE", None)

@@ -83,7 +83,7 @@ class Fp8Linear(nn.Module):
         # _scaled_mm (0: never; see kernels.fp8_gemm.SMALL_M); FIRSTTOKEN_FP8_SMALL_M sets it for
         # an experiment
         env = os.environ.get("FIRSTTOKEN_FP8_SMALL_M")
-        small = int(env) if env is not None else small_m_rows(self.out_features)
+        small = int(env) if env is not None else small_m_rows(self.out_features, self.in_features)
         self.small_m = small if gemm is fp8_gemm_scaled_mm else 0
         # rows up to which a step takes the W8A16 GEMV (0 on the CPU, where FIRSTTOKEN_FP8_GEMV_ROWS
         # turns its reference on for a test)
