@@ -198,9 +198,11 @@ def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: 
     return max(1, min(want, cdiv(max_context, 128), 64))
 
 
-# the last split to finish combines the partials in the partial kernel (no second launch);
-# FIRSTTOKEN_DECODE_COMBINE=launch keeps the separate combine kernel (an A/B switch, read per launch)
-FUSED_COMBINE = True
+# FIRSTTOKEN_DECODE_COMBINE=fused: the last split to finish combines the partials in the partial
+# kernel (no second launch per layer). Off by default until it is timed: on the H200 at 642521d it
+# passed the GPU tests (tokens as transformers', no compile after start) and ran decode b128 / b256
+# in 6.04 / 8.95 ms (8.98 at b256 with the combine kernel, b9352b7); its batch-1 A/B did not run
+FUSED_COMBINE = os.environ.get("FIRSTTOKEN_DECODE_COMBINE") == "fused"
 
 # launch plans: static checks per (shapes but B, strides, dtypes, devices); tiles per (B, table width)
 _STATIC: dict = {}
@@ -295,7 +297,7 @@ def decode_attention_triton(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    fused = FUSED_COMBINE and os.environ.get("FIRSTTOKEN_DECODE_COMBINE") != "launch"
+    fused = FUSED_COMBINE or os.environ.get("FIRSTTOKEN_DECODE_COMBINE") == "fused"
     over = (num_splits, block_n, num_warps, num_stages, widen, prefetch, fused)
     tkey = (skey, b, block_tables.shape[1], over)
     plan = _TILES.get(tkey)
