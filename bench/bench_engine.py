@@ -237,9 +237,6 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-cublas": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_SMALL_M": "0"}},
     # decode at one row through the W8A8 path (the fused norm quantizing, the few-row GEMM), not the W8A16 GEMV
     "fp8-w8a8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_GEMV_ROWS": "0"}},
-    # decode attention's split partials combined by the last split to finish (the default: a second launch)
-    "fp8-combine-fused": {"quantization": "fp8", "_env": {"FIRSTTOKEN_DECODE_COMBINE": "fused"}},
-    "bf16-combine-fused": {"_env": {"FIRSTTOKEN_DECODE_COMBINE": "fused"}},
     # an experiment: the weight-streaming kernel up to 256 rows of every projection
     "fp8-rows256": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_SMALL_M": "256"}},
 }

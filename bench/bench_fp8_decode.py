@@ -73,6 +73,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows_out = []
     best_cfg: dict[str, list] = {}
+    picks: dict[str, dict] = {}  # "K,N" -> {"128": cfg + [split] or None, "256": ...}
     lin = torch.nn.functional.linear
     for name, (k, n) in SHAPES.items():
         copies = max(4, -(-args.weights_mib * 2**20 // (n * k)))
@@ -96,6 +97,9 @@ def main() -> None:
                 timed.append((chain_us(f, ws_fp8), cfg))
             t, cfg = min(timed)
             row["small_m_us"], row["small_m_cfg"] = t, str(cfg)
+            if m in (128, 256):  # above 64 rows: the few-row kernel's pick where it beat _scaled_mm, else null
+                picks.setdefault(f"{k},{n}", {})[str(m)] = [*cfg, *(() if len(cfg) > 5 else (1,))] if (
+                    t < row["scaled_mm_us"]) else None
             row["small_m_default_us"] = chain_us(partial(fp8_gemm_rowwise_small_m, xq, xs, out_dtype=torch.bfloat16),
                                                  ws_fp8)
             best_cfg.setdefault(name, []).append((m, cfg, t))
@@ -113,15 +117,7 @@ def main() -> None:
                       "triton_us": chain_us(quantize_triton, [(x,)] * 16)})
         print(quant[-1], flush=True)
     data = {**header(), "bench": "fp8_decode_gemms", "rows": rows_out, "quantize": quant, "best_small_m": best_cfg}
-    # above 64 rows, per weight: the few-row kernel's best config where it beat _scaled_mm, else null
-    # (kernels.fp8_gemm reads this file from FIRSTTOKEN_FP8_SMALL_M_CONFIG)
-    picks: dict[str, dict] = {}
-    for r in rows_out:
-        if r["M"] in (128, 256):
-            cfg = tuple(json.loads(r["small_m_cfg"].replace("(", "[").replace(")", "]")))
-            cfg = (*cfg, 1) if len(cfg) == 5 else cfg
-            picks.setdefault(f"{r['K']},{r['N']}", {})[str(r["M"])] = (
-                list(cfg) if r["small_m_us"] < r["scaled_mm_us"] else None)
+    # kernels.fp8_gemm reads this file from FIRSTTOKEN_FP8_SMALL_M_CONFIG
     if os.environ.get("OUT") and picks:
         Path(os.environ["OUT"], "small_m_config.json").write_text(json.dumps(picks, indent=1))
     md = md_table(rows_out, ["proj", "M", "bf16_us", "scaled_mm_us", "small_m_us", "small_m_default_us", "small_m_cfg",

@@ -201,7 +201,8 @@ def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: 
 # FIRSTTOKEN_DECODE_COMBINE=fused: the last split to finish combines the partials in the partial
 # kernel (no second launch per layer). Off by default until it is timed: on the H200 at 642521d it
 # passed the GPU tests (tokens as transformers', no compile after start) and ran decode b128 / b256
-# in 6.04 / 8.95 ms (8.98 at b256 with the combine kernel, b9352b7); its batch-1 A/B did not run
+# in 6.04 / 8.95 ms (8.98 at b256 with the combine kernel, b9352b7); its batch-1 A/B did not run.
+# Read at import, not per launch (eager decode calls this once a layer): an A/B is two processes
 FUSED_COMBINE = os.environ.get("FIRSTTOKEN_DECODE_COMBINE") == "fused"
 
 # launch plans: static checks per (shapes but B, strides, dtypes, devices); tiles per (B, table width)
@@ -297,8 +298,7 @@ def decode_attention_triton(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    fused = FUSED_COMBINE or os.environ.get("FIRSTTOKEN_DECODE_COMBINE") == "fused"
-    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch, fused)
+    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch, FUSED_COMBINE)
     tkey = (skey, b, block_tables.shape[1], over)
     plan = _TILES.get(tkey)
     if plan is None:

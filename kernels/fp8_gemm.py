@@ -124,9 +124,9 @@ def _override() -> dict:
     return _OVERRIDE
 
 
-def small_m_rows(n: int, k: int = 0) -> int:
+def small_m_rows(n: int, k: int) -> int:
     """Rows up to which the few-row kernel serves an [N, K] weight (see SMALL_M)."""
-    o = _override().get(f"{k},{n}")
+    o = _override().get(f"{k},{n}") if _override() else None
     if o is not None:
         rows = SMALL_M
         for bucket in sorted(o, key=int):
@@ -151,16 +151,16 @@ def _rowwise_operands(name: str, a_q: torch.Tensor, a_scale: torch.Tensor, b_q: 
 
 
 def small_m_config(n: int, k: int, m: int = 1) -> tuple[int, ...]:
-    """(block_m, block_n, block_k, num_warps, num_stages) for M rows of an [N, K] weight.
+    """(block_m, block_n, block_k, num_warps, num_stages[, split]) for M rows of an [N, K] weight
+    (split, K's parts, only from a sweep's override above 64 rows).
 
     The fastest of eight configurations per Llama-3.1-8B projection at 1, 16 and 64 rows (up to 64
     rows A is one tile of 16, 32 or 64 rows) and at 128 rows, on the H200 in replayed graphs
     (bench/results/2026-12-02-fp8-decode-h200.md): at 1 row qkv 10.7 us, o 9.1, gate_up 32.6,
     down 24.6 (23.4 at 16 rows)."""
     if m > 64:
-        o = _override().get(f"{k},{n}", {})
-        picked = o.get("128" if m <= 128 else "256")
-        return tuple(picked) if picked else (64, 32, 256, 4, 4)  # type: ignore[return-value]
+        picked = _override().get(f"{k},{n}", {}).get("128" if m <= 128 else "256") if _override() else None
+        return tuple(picked) if picked else (64, 32, 256, 4, 4)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     if k >= 8192:  # down_proj
         return block_m, 32, 512, 4, 3
