@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--cases", default="ttft 512,ttft 2048c+128,ttft 2048,ttft 8192,ttft 32768",
                     help="comma-separated TTFT cases to profile (the decode batches follow)")
     ap.add_argument("--decode-batches", default="1", help="comma-separated decode batch sizes to profile")
+    ap.add_argument("--decode-prompt-len", type=int, default=512,
+                    help="prompt tokens of each decode sequence (~1500: the throughput shape's mean context)")
     ap.add_argument("--rows", type=int, default=12, help="kernels listed per case")
     args = ap.parse_args()
     eng = LLMEngine("llama3-8b", EngineConfig(max_model_len=33024, max_num_batched_tokens=32768,
@@ -129,7 +131,7 @@ def main() -> None:
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for b in (int(x) for x in args.decode_batches.split(",")):
         for i in range(b):
-            eng.add_request(f"d{b}-{i}", prompt_token_ids=ids(512), sampling=sp)
+            eng.add_request(f"d{b}-{i}", prompt_token_ids=ids(args.decode_prompt_len), sampling=sp)
         for _ in range(30):
             eng.step()
         with (profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
@@ -137,7 +139,7 @@ def main() -> None:
             for _ in range(5):
                 eng.step()
             torch.cuda.synchronize()
-        show(prof, f"decode b{b}, 5 steps, graphs on", args.rows)
+        show(prof, f"decode b{b} at {args.decode_prompt_len}+30 tokens, 5 steps, graphs on", args.rows)
         print(timeline(prof, "case"), flush=True)
         while eng.has_unfinished():
             eng.step()
