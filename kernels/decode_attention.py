@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from kernels._triton import arrival_counters, bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
+from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
 from kernels.prefill_attention import check_paged_inputs, combine_splits, paged_attention_ref, split_partials
 
 
@@ -45,8 +44,7 @@ def _decode_partial_kernel(
     m_ptr,  # partial row max: [B * Hq, num_splits] fp32 (exp2 domain); unused unless SPLIT
     l_ptr,  # partial row sum: [B * Hq, num_splits] fp32
     acc_ptr,  # partial unnormalised output: [B * Hq, num_splits, D] fp32 (rows with l = 0 unwritten)
-    out_ptr,  # out: [B, Hq, D] contiguous, written directly unless SPLIT (or by the last split: FUSED)
-    count_ptr,  # FUSED: [B * programs of axis 1] int32 arrival counters, zero between launches; else a dummy
+    out_ptr,  # out: [B, Hq, D] contiguous, written directly unless SPLIT
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window W (read only when HAS_WINDOW)
     num_splits,  # context partitions per (sequence, kv head) = grid axis 2
@@ -71,7 +69,6 @@ def _decode_partial_kernel(
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
     WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
     PREFETCH: tl.constexpr,  # load the next key tile's block-table entries one iteration ahead
-    FUSED: tl.constexpr,  # SPLIT: the last split of a (sequence, head chunk) to finish combines the partials
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -156,32 +153,6 @@ def _decode_partial_kernel(
         tl.store(l_ptr + part, l_i, mask=row_ok)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=(row_ok & (l_i > 0.0))[:, None] & dmask[None, :])
-        if FUSED:  # the last split to arrive combines (kernels.prefill_attention's combine, per row tile)
-            tl.debug_barrier()  # every thread's partials stored before the ticket releases them
-            counter = count_ptr + b * tl.num_programs(1) + pid_h
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
-                rows = b * num_q_heads + qh  # [BLOCK_H]
-                m_run = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-                total = tl.zeros([BLOCK_H], dtype=tl.float32)
-                o = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-                for sp in range(num_splits):  # in split order: the same result whichever arrives last
-                    ps = rows * num_splits + sp
-                    m_s = tl.load(m_ptr + ps, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
-                    l_s = tl.load(l_ptr + ps, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    live = row_ok & (l_s > 0.0)
-                    a_s = tl.load(acc_ptr + ps[:, None] * HEAD_DIM + d[None, :], mask=live[:, None] & dmask[None, :],
-                                  other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m_run, m_s)
-                    alpha = tl.math.exp2(m_run - m_new)
-                    w = tl.where(live, tl.math.exp2(m_s - m_new), 0.0)
-                    total = total * alpha + w * l_s
-                    o = o * alpha[:, None] + w[:, None] * a_s
-                    m_run = m_new
-                o = o / tl.where(total > 0.0, total, 1.0)[:, None]
-                tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
-                         mask=row_ok[:, None] & dmask[None, :])
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: int) -> int:
@@ -197,13 +168,6 @@ def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: 
     want = cdiv(8 * sms, progs)
     return max(1, min(want, cdiv(max_context, 128), 64))
 
-
-# FIRSTTOKEN_DECODE_COMBINE=fused: the last split to finish combines the partials in the partial
-# kernel (no second launch per layer). Off by default until it is timed: on the H200 at 642521d it
-# passed the GPU tests (tokens as transformers', no compile after start) and ran decode b128 / b256
-# in 6.04 / 8.95 ms (8.98 at b256 with the combine kernel, b9352b7); its batch-1 A/B did not run.
-# Read at import, not per launch (eager decode calls this once a layer): an A/B is two processes
-FUSED_COMBINE = os.environ.get("FIRSTTOKEN_DECODE_COMBINE") == "fused"
 
 # launch plans: static checks per (shapes but B, strides, dtypes, devices); tiles per (B, table width)
 _STATIC: dict = {}
@@ -227,7 +191,7 @@ def _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window) ->
 def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits) of the partial launch."""
     hq, hk, d, bs, on_gpu, fp32, has_window, fp8_cache = static
-    num_splits, block_n, num_warps, num_stages, widen, prefetch, fused = over
+    num_splits, block_n, num_warps, num_stages, widen, prefetch = over
     check(widen in (None, "q", "fp16"), "decode_attention: widen must be 'q' or 'fp16', not {!r}", widen)
     group = hq // hk
     g_pack = min(group, 64)
@@ -249,7 +213,7 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
         "GROUP": group, "G_PACK": g_pack, "HEAD_CHUNKS": head_chunks, "BLOCK_H": max(16, next_pow2(g_pack)),
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
-        "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch, "FUSED": num_splits > 1 and fused,
+        "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch,
     }
     return (b, hk * head_chunks, num_splits), consts, num_warps, num_stages or 3, num_splits
 
@@ -298,21 +262,18 @@ def decode_attention_triton(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch, FUSED_COMBINE)
+    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch)
     tkey = (skey, b, block_tables.shape[1], over)
     plan = _TILES.get(tkey)
     if plan is None:
         plan = bounded_put(_TILES, tkey, _tile_plan(static, b, block_tables.shape[1] * bs, num_sms(q.device), over))
     grid, consts, warps, stages, splits = plan
-    count = out
     if splits > 1:
         m, lsum, acc = split_partials(b * hq, splits, d, q.device)
-        if consts["FUSED"]:
-            count = arrival_counters(q.device, grid[0] * grid[1])
     else:
         m = lsum = acc = out
     _decode_partial_kernel.launch(grid, (
-        q, k_cache, v_cache, block_tables, seq_lens, m, lsum, acc, out, count,
+        q, k_cache, v_cache, block_tables, seq_lens, m, lsum, acc, out,
         scale * 1.4426950408889634,
         sliding_window or 0,
         splits,
@@ -320,7 +281,7 @@ def decode_attention_triton(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
     ), consts, warps, stages, on_gpu)
-    if splits > 1 and not consts["FUSED"]:
+    if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
 

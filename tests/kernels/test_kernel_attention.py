@@ -309,28 +309,3 @@ def test_plan_prefill_splits_follows_the_context() -> None:
     assert short == 1 and long > 1
     # a sliding window does not change the count (the graphs ask without one)
     assert plan_prefill_splits(BF16, 8, kc, 16, 16, 16, 8192, 32) == long
-
-
-@pytest.mark.parametrize(("ctx", "splits"), [([1, 17, 100], 4), ([300, 5], 7)])
-def test_decode_combine_in_the_last_split_is_the_combine_kernel(monkeypatch: pytest.MonkeyPatch, ctx, splits) -> None:
-    """The last split of each (sequence, head chunk) to finish combines the partials (one launch):
-    the separate combine kernel's output (to fp32 rounding: that kernel sums a chunk of splits at
-    once), splits that saw no key (a 1-token context in 4 parts) dropped, the same bits on a second
-    launch, and every arrival counter back at zero for the next launch."""
-    from kernels import decode_attention as da
-    from kernels._triton import ARRIVAL_COUNTERS
-
-    kc, vc, bt = make_paged_kv(ctx, 2, 64, 16, F32)
-    q = torch.randn(len(ctx), 8, 64)
-    sl = torch.tensor(ctx, dtype=torch.int32)
-    outs = {}
-    for fused in (True, False):
-        monkeypatch.setattr(da, "FUSED_COMBINE", fused)
-        da._TILES.clear()
-        outs[fused] = decode_attention_triton(q, kc, vc, bt, sl, 0.125, num_splits=splits)
-        if fused:
-            assert torch.equal(decode_attention_triton(q, kc, vc, bt, sl, 0.125, num_splits=splits), outs[True])
-    da._TILES.clear()
-    torch.testing.assert_close(outs[True], outs[False], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(outs[True], decode_attention_ref(q, kc, vc, bt, sl, 0.125), **TOL[F32])
-    assert int(ARRIVAL_COUNTERS[q.device].abs().sum()) == 0
