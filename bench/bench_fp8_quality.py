@@ -169,16 +169,23 @@ def engine_quality(path: str, tok, args) -> None:
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     result = {"bench": "fp8_quality_engine", "device": args.device, "dtype": dtype, "reference": "the fp32 engine, CPU",
               "variants": {}, **header()}
+    scores = {}
     for name, cfg in ENGINE_VARIANTS.items():
-        result["variants"][name] = compare_scores(ref, engine_scores(path, prompts, device=args.device, dtype=dtype,
-                                                                      **cfg))
+        scores[name] = engine_scores(path, prompts, device=args.device, dtype=dtype, **cfg)
+        result["variants"][name] = compare_scores(ref, scores[name])
         print(name, result["variants"][name], flush=True)
+    # the bar through the engine: its FP8 against its own bf16 (on the CPU: fp32) engine
+    result["fp8_vs_" + ("bf16" if dtype == "bfloat16" else "fp32_engine")] = compare_scores(scores["bf16"], scores["fp8"])
     result["seconds"] = time.perf_counter() - t0
     print(json.dumps(result, indent=2))
     print(f"\n| engine on {args.device} ({dtype}) vs fp32 engine | top-1 agreement | mean abs dlogprob | mean KL (top 20) |")
     print("|---|---|---|---|")
     for name, r in result["variants"].items():
         print(f"| {name} | {r['top1_agreement']:.4f} | {r['mean_abs_dlogprob']:.4f} | {r['mean_kl_top20']:.5f} |")
+    key = next(k for k in result if k.startswith("fp8_vs_"))
+    r = result[key]
+    print(f"\n{key}: top-1 {r['top1_agreement']:.4f}, mean abs dlogprob {r['mean_abs_dlogprob']:.4f}, "
+          f"mean KL (top 20) {r['mean_kl_top20']:.5f} over {r['positions']} positions")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
