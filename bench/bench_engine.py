@@ -239,6 +239,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-w8a8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_GEMV_ROWS": "0"}},
     # an experiment: the weight-streaming kernel up to 256 rows of every projection
     "fp8-rows256": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_SMALL_M": "256"}},
+    # the lm_head in FP8 too (EngineConfig.fp8_lm_head; its floor still counts a bf16 head)
+    "fp8-head": {"quantization": "fp8", "fp8_lm_head": True},
 }
 
 

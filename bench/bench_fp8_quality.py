@@ -170,22 +170,27 @@ def engine_quality(path: str, tok, args) -> None:
     result = {"bench": "fp8_quality_engine", "device": args.device, "dtype": dtype, "reference": "the fp32 engine, CPU",
               "variants": {}, **header()}
     scores = {}
-    for name, cfg in ENGINE_VARIANTS.items():
+    variants = dict(ENGINE_VARIANTS)
+    if args.lm_head:
+        variants["fp8-head"] = {"quantization": "fp8", "fp8_lm_head": True}
+    for name, cfg in variants.items():
         scores[name] = engine_scores(path, prompts, device=args.device, dtype=dtype, **cfg)
         result["variants"][name] = compare_scores(ref, scores[name])
         print(name, result["variants"][name], flush=True)
     # the bar through the engine: its FP8 against its own bf16 (on the CPU: fp32) engine
-    result["fp8_vs_" + ("bf16" if dtype == "bfloat16" else "fp32_engine")] = compare_scores(scores["bf16"], scores["fp8"])
+    against = "bf16" if dtype == "bfloat16" else "fp32_engine"
+    for name in [n for n in variants if n != "bf16"]:
+        result[f"{name}_vs_{against}"] = compare_scores(scores["bf16"], scores[name])
     result["seconds"] = time.perf_counter() - t0
     print(json.dumps(result, indent=2))
     print(f"\n| engine on {args.device} ({dtype}) vs fp32 engine | top-1 agreement | mean abs dlogprob | mean KL (top 20) |")
     print("|---|---|---|---|")
     for name, r in result["variants"].items():
         print(f"| {name} | {r['top1_agreement']:.4f} | {r['mean_abs_dlogprob']:.4f} | {r['mean_kl_top20']:.5f} |")
-    key = next(k for k in result if k.startswith("fp8_vs_"))
-    r = result[key]
-    print(f"\n{key}: top-1 {r['top1_agreement']:.4f}, mean abs dlogprob {r['mean_abs_dlogprob']:.4f}, "
-          f"mean KL (top 20) {r['mean_kl_top20']:.5f} over {r['positions']} positions")
+    for key in [k for k in result if k.endswith("_vs_" + against)]:
+        r = result[key]
+        print(f"{key}: top-1 {r['top1_agreement']:.4f}, mean abs dlogprob {r['mean_abs_dlogprob']:.4f}, "
+              f"mean KL (top 20) {r['mean_kl_top20']:.5f} over {r['positions']} positions")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
@@ -200,6 +205,8 @@ def main() -> None:
     ap.add_argument("--keep", default="", help="projections left unquantized, e.g. down_proj (an experiment)")
     ap.add_argument("--weight-scale", default="search", choices=["search", "amax"],
                     help="weight scales per channel: the engine's least-error search, or amax / 448 (before 2026-12-03)")
+    ap.add_argument("--lm-head", action="store_true",
+                    help="the lm_head in FP8 too (EngineConfig.fp8_lm_head); with --engine, an fp8-head variant")
     ap.add_argument("--weight-only", action="store_true",
                     help="quantize the weights only (activations stay as they are): which side the error comes from")
     ap.add_argument("--engine", action="store_true",
@@ -224,6 +231,9 @@ def main() -> None:
         # loaded in `dtype`, then quantized (as the engine does): a quantized model is never cast
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval()
         n = swap_fp8(model, keep, args.weight_scale == "search")
+        if args.lm_head:  # the engine's fp8_lm_head (a tied embedding's lookup keeps the bf16 weight)
+            model.lm_head = Fp8Linear(model.lm_head, args.weight_scale == "search")
+            n += 1
         if args.weight_only:
             for m in model.modules():
                 if isinstance(m, Fp8Linear):
@@ -244,6 +254,7 @@ def main() -> None:
         "kept_unquantized": list(keep),
         "weight_only": args.weight_only,
         "weight_scale": args.weight_scale,
+        "fp8_lm_head": args.lm_head,
         "fp8_kernel": kernels,
         "reference": "fp32 activations over the checkpoint's weights",
         "bf16_vs_fp32": compare(ref, bf16),

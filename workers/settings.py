@@ -66,6 +66,10 @@ class EngineSettings(BaseSettings):
     quantization: Literal["fp8"] | None = Field(
         default=None, description="fp8: W8A8 e4m3 projections (per-channel weight scales, per-token activations)"
     )
+    fp8_lm_head: bool = Field(
+        default=False,
+        description="with quantization fp8: the lm_head in FP8 too (less to read per decode step, less accurate logits)",
+    )
     tpot_target_ms: float | None = Field(
         default=None, gt=0,
         description="while requests decode, size each step to keep time per output token under this",

@@ -150,3 +150,56 @@ def test_fp8_engine_decodes_through_the_gemv(monkeypatch):
             if name.endswith("proj.weight"):
                 p.copy_(dequantize(*quantize_weight(p)).to(p.dtype))  # the engine's scales
     assert run(fp8) == run(base)
+
+
+@pytest.mark.parametrize("gemv", [True, False])
+def test_fp8_lm_head_is_the_dequantized_head(monkeypatch, gemv):
+    """EngineConfig.fp8_lm_head: the lm_head is an Fp8Linear with the final norm fused before it.
+    Through the GEMV (one-token prompts, every step <= 4 rows) the greedy tokens are those of the
+    FP8 engine without it whose lm_head weight is the e4m3 head dequantized (W8A16 is that math);
+    with the GEMV off the logits are the final norm quantized per token times the e4m3 head,
+    exactly the W8A8 reference's. It needs quantization='fp8'."""
+    from torch import nn
+
+    from kernels.fp8_linear import dequantize, fp8_gemm_ref
+    from kernels.fp8_quant import rms_norm_quant_ref
+    from schemas.sampling import SamplingParams
+    from workers.engine import EngineConfig, LLMEngine
+    from workers.engine.quantization import Fp8Linear
+
+    with pytest.raises(ValueError, match="fp8_lm_head"):
+        EngineConfig(device="cpu", fp8_lm_head=True)
+    monkeypatch.setenv("FIRSTTOKEN_FP8_GEMV_ROWS", "4" if gemv else "0")
+    head = LLMEngine("tiny", EngineConfig(device="cpu", quantization="fp8", fp8_lm_head=True))
+    model = head.runner.model
+    assert isinstance(model.fp8_head, Fp8Linear) and model.fp8_head.gemv_rows == (4 if gemv else 0)
+    if not gemv:
+        g = torch.Generator().manual_seed(3)
+        h, r = torch.randn(5, model.cfg.hidden_size, generator=g), torch.randn(5, model.cfg.hidden_size, generator=g)
+        (q, s), _ = rms_norm_quant_ref(h, model.norm.weight, model.norm.eps, r)
+        want = fp8_gemm_ref(q, s, model.fp8_head.weight_fp8, model.fp8_head.weight_scale, None, h.dtype).float()
+        with torch.no_grad():
+            assert torch.equal(model.compute_logits(h, r), want)
+        return
+
+    def run(eng):
+        sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        for i, tok in enumerate([11, 257, 501]):
+            eng.add_request(f"r{i}", prompt_token_ids=[tok], sampling=sp)
+        outs = {}
+        while eng.has_unfinished():
+            for fin in eng.step().finished:
+                outs[fin.request_id] = fin.output_token_ids
+        return outs
+
+    plain = LLMEngine("tiny", EngineConfig(device="cpu", quantization="fp8"))
+    pm = plain.runner.model
+    w = dequantize(model.fp8_head.weight_fp8, model.fp8_head.weight_scale).to(pm.lm_head_weight.dtype)
+    pm.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False)  # untied: the embedding keeps its weight
+    with torch.no_grad():
+        pm.lm_head.weight.copy_(w)
+    got, want = run(head), run(plain)
+    assert got == want
+    # and the head matters: the bf16 head's tokens are not these (the tiny model's logits are near ties)
+    plain_head = LLMEngine("tiny", EngineConfig(device="cpu", quantization="fp8"))
+    assert run(plain_head) != got

@@ -208,6 +208,10 @@ class EngineConfig:
     # channel, made at load) and activations quantized per token at run time, in every projection
     # of the decoder layers (workers/engine/quantization.py); greedy tokens may then differ
     quantization: str | None = None
+    # with quantization "fp8": the lm_head in FP8 too (its weight bytes halved: of an 8B model's
+    # decode step at batch 1 on an H200, ~0.12 of the bf16 head's 0.24 ms), at a cost in the logits' accuracy
+    # (bench/bench_fp8_quality.py --lm-head); off by default, as in vLLM and TensorRT-LLM
+    fp8_lm_head: bool = False
     # a time-per-output-token target (ms): while requests decode, each step computes only the
     # prefill tokens that keep it under this (a cost model fitted to measured steps); None: every
     # step takes max_num_batched_tokens. Lower: smoother decoding, later first tokens under load
@@ -233,3 +237,5 @@ class EngineConfig:
             raise ValueError("mixed_graph_max_tokens must be >= 0 and mixed_graph_max_prefills >= 1")
         if self.quantization not in (None, "fp8"):
             raise ValueError("quantization must be None or 'fp8'")
+        if self.fp8_lm_head and self.quantization != "fp8":
+            raise ValueError("fp8_lm_head needs quantization='fp8'")

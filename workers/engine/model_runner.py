@@ -65,7 +65,7 @@ class ModelRunner:
         self.model, self.model_config = self._load(model)
         self.dtype = next(self.model.parameters()).dtype
         if config.quantization == "fp8":
-            quantize_fp8(self.model)
+            quantize_fp8(self.model, lm_head=config.fp8_lm_head)
         if self.device.type == "cuda":
             # what loading and quantizing freed (an FP8 engine's replaced bf16 projections, a
             # loader's temporaries) the caching allocator keeps reserved, and the KV sizing below

@@ -93,17 +93,20 @@ def test_cuda_choices_share_the_prompt_blocks_in_one_step(llama_dir, n_prompt):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("graphs", [True, False])
-def test_cuda_serving_never_compiles_after_start(graphs):
+@pytest.mark.parametrize(("graphs", "fields"), [(True, {}), (False, {}),
+                                                (True, {"quantization": "fp8", "fp8_lm_head": True})])
+def test_cuda_serving_never_compiles_after_start(graphs, fields):
     """Every Triton variant is compiled at start-up: a mixed workload (decodes, chunked and
-    split prefills, batch sizes from 1 to 48) launches no new specialisation."""
+    split prefills, batch sizes from 1 to 48) launches no new specialisation (also with the
+    FP8 projections and lm_head: its GEMV, few-row GEMM and fused final norm)."""
     import random
 
     from kernels._triton import _KERNELS, kernel_compiles
 
     eng = LLMEngine("tiny", EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton", num_blocks=512,
                                          max_model_len=1024, max_num_seqs=48, max_num_batched_tokens=384,
-                                         cuda_graphs=graphs, prefill_graph_max_tokens=64, prefill_graph_max_seqs=4))
+                                         cuda_graphs=graphs, prefill_graph_max_tokens=64, prefill_graph_max_seqs=4,
+                                         **fields))
     before = kernel_compiles()
     keys = {k.fn.__name__: set(k._compiled) for k in _KERNELS}
     rng = random.Random(5)

@@ -97,6 +97,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # set by quantize_fp8(lm_head=True): the lm_head as an Fp8Linear (the final norm then hands
+        # it quantized activations, or at one row its GEMV applies the norm itself)
+        self.fp8_head: nn.Module | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -116,4 +119,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         # hidden, residual: [N, H] rows that sample -> logits [N, V] fp32 (final norm fused with the add)
         h, _ = self.norm(hidden, residual)
+        if self.fp8_head is not None:
+            return self.fp8_head(h).float()
         return torch.nn.functional.linear(h, self.lm_head_weight).float()
