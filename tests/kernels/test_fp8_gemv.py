@@ -122,24 +122,27 @@ def test_fp8_linear_takes_the_gemv_at_few_rows(monkeypatch):
     assert Fp8Linear(lin).gemv_rows == 0 and _norm_for(Fp8Linear(lin), rms_norm_ref) is rms_norm_ref
 
 
+def _greedy_from_one_token_prompts(eng) -> dict[str, list[int]]:
+    """10 greedy tokens after each of three one-token prompts: steps of at most 3 rows."""
+    from schemas.sampling import SamplingParams
+
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    for i, tok in enumerate([11, 257, 501]):
+        eng.add_request(f"r{i}", prompt_token_ids=[tok], sampling=sp)
+    outs = {}
+    while eng.has_unfinished():
+        for fin in eng.step().finished:
+            outs[fin.request_id] = fin.output_token_ids
+    return outs
+
+
 def test_fp8_engine_decodes_through_the_gemv(monkeypatch):
     """With one-token prompts every step of the tiny model has at most 3 rows, so every FP8
     projection runs the GEMV: the greedy tokens are those of the unquantized engine with each
     projection's weight replaced by its dequantized e4m3 (W8A16 is that model's math, up to fp32
     sum order); the W8A8 engine (GEMV off) quantizes activations and is not held to it."""
     from kernels.fp8_linear import dequantize, quantize_weight
-    from schemas.sampling import SamplingParams
     from workers.engine import EngineConfig, LLMEngine
-
-    def run(eng):
-        sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
-        for i, tok in enumerate([11, 257, 501]):
-            eng.add_request(f"r{i}", prompt_token_ids=[tok], sampling=sp)
-        outs = {}
-        while eng.has_unfinished():
-            for fin in eng.step().finished:
-                outs[fin.request_id] = fin.output_token_ids
-        return outs
 
     monkeypatch.setenv("FIRSTTOKEN_FP8_GEMV_ROWS", "4")
     fp8 = LLMEngine("tiny", EngineConfig(device="cpu", quantization="fp8"))
@@ -149,7 +152,7 @@ def test_fp8_engine_decodes_through_the_gemv(monkeypatch):
         for name, p in base.runner.model.named_parameters():
             if name.endswith("proj.weight"):
                 p.copy_(dequantize(*quantize_weight(p)).to(p.dtype))  # the engine's scales
-    assert run(fp8) == run(base)
+    assert _greedy_from_one_token_prompts(fp8) == _greedy_from_one_token_prompts(base)
 
 
 @pytest.mark.parametrize("gemv", [True, False])
@@ -163,7 +166,6 @@ def test_fp8_lm_head_is_the_dequantized_head(monkeypatch, gemv):
 
     from kernels.fp8_linear import dequantize, fp8_gemm_ref
     from kernels.fp8_quant import rms_norm_quant_ref
-    from schemas.sampling import SamplingParams
     from workers.engine import EngineConfig, LLMEngine
     from workers.engine.quantization import Fp8Linear
 
@@ -182,24 +184,14 @@ def test_fp8_lm_head_is_the_dequantized_head(monkeypatch, gemv):
             assert torch.equal(model.compute_logits(h, r), want)
         return
 
-    def run(eng):
-        sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        for i, tok in enumerate([11, 257, 501]):
-            eng.add_request(f"r{i}", prompt_token_ids=[tok], sampling=sp)
-        outs = {}
-        while eng.has_unfinished():
-            for fin in eng.step().finished:
-                outs[fin.request_id] = fin.output_token_ids
-        return outs
-
     plain = LLMEngine("tiny", EngineConfig(device="cpu", quantization="fp8"))
     pm = plain.runner.model
     w = dequantize(model.fp8_head.weight_fp8, model.fp8_head.weight_scale).to(pm.lm_head_weight.dtype)
     pm.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False)  # untied: the embedding keeps its weight
     with torch.no_grad():
         pm.lm_head.weight.copy_(w)
-    got, want = run(head), run(plain)
+    got, want = _greedy_from_one_token_prompts(head), _greedy_from_one_token_prompts(plain)
     assert got == want
     # and the head matters: the bf16 head's tokens are not these (the tiny model's logits are near ties)
     plain_head = LLMEngine("tiny", EngineConfig(device="cpu", quantization="fp8"))
-    assert run(plain_head) != got
+    assert _greedy_from_one_token_prompts(plain_head) != got
