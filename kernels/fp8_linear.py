@@ -43,8 +43,8 @@ def quantize_weight(w: torch.Tensor, search: bool = True, chunk: int = 1 << 26) 
     scales amax x f / 448 (f in WEIGHT_SCALE_FRACTIONS), the one whose rounding to e4m3 leaves the
     row's least squared error (values past f x amax clip to 448). A float format's error is where
     the row's values fall between its grid points, which the scale shifts; on SmolLM2 (W8A8 as
-    served, 2410 positions) this took the mean KL against bf16 from 0.0278 to 0.0260 nats, weight-only
-    0.0170 to 0.0145 (bench/results/2026-12-03-fp8-quality-cpu-corpus.md). f = 1 is the first
+    served, 2410 positions) this took the mean KL against bf16 from 0.0278 to 0.0234 nats on the
+    CPU, 0.0268 to 0.0242 on the H200 (bench/results/2026-12-03-fp8-quality-corpus.md). f = 1 is the first
     candidate and kept on ties, so no row is worse than `quantize_rowwise`'s. Run once, at load; in
     chunks of rows of about `chunk` elements (fp32 temporaries of ~256 MB). `search=False`: `quantize_rowwise`."""
     if not search:
