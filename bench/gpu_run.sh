@@ -11,6 +11,7 @@
 #   kernels     FP8 GEMMs: _scaled_mm per channel vs bf16 (bench_kernels; ~3 min with the group GEMMs, less now)
 #   decode_gemms  a decode step's GEMMs: bf16, _scaled_mm, the small-M kernel's configs (bench_fp8_decode)  ~1 min
 #   engine      TTFT and decode: bf16, FP8 (per channel), FP8 with _scaled_mm only; transformers  ~5 min
+#   fp8_head    decode b1-b256: fp8+kv8 against fp8-head+kv8 (EngineConfig.fp8_lm_head)           ~3 min
 #   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens (TensorRT-LLM's shape): FP8, bf16  ~6 min
 #   quality     FP8 on SmolLM2 with the real kernels (needs the model: bench/restore_smollm2.py)  ~2.5 min with
 #               the group runs, less now
@@ -98,6 +99,9 @@ for stage in "${STAGES[@]}"; do
     engine)
       run engine 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines bf16,fp8+kv8,fp8-cublas+kv8 "${ENGINE_ARGS[@]}" ;;
+    fp8_head)  # the opt-in FP8 lm_head against the bf16 head, decode (both fp8 + fp8 KV)
+      run fp8_head 400 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode \
+        --engines fp8+kv8,fp8-head+kv8 --no-hf "${ENGINE_ARGS[@]}" ;;
     throughput)
       run throughput 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
         --engines fp8+kv8,bf16+kv8 "${TPUT_ARGS[@]}" ;;
