@@ -126,7 +126,7 @@ def _override() -> dict:
 
 def small_m_rows(n: int, k: int) -> int:
     """Rows up to which the few-row kernel serves an [N, K] weight (see SMALL_M)."""
-    o = _override().get(f"{k},{n}") if _override() else None
+    o = _override().get(f"{k},{n}")
     if o is not None:
         rows = SMALL_M
         for bucket in sorted(o, key=int):
@@ -159,7 +159,7 @@ def small_m_config(n: int, k: int, m: int = 1) -> tuple[int, ...]:
     (bench/results/2026-12-02-fp8-decode-h200.md): at 1 row qkv 10.7 us, o 9.1, gate_up 32.6,
     down 24.6 (23.4 at 16 rows)."""
     if m > 64:
-        picked = _override().get(f"{k},{n}", {}).get("128" if m <= 128 else "256") if _override() else None
+        picked = _override().get(f"{k},{n}", {}).get("128" if m <= 128 else "256")
         return tuple(picked) if picked else (64, 32, 256, 4, 4)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     if k >= 8192:  # down_proj

@@ -175,6 +175,7 @@ def test_fp8_lm_head_is_the_dequantized_head(monkeypatch, gemv):
     head = LLMEngine("tiny", EngineConfig(device="cpu", quantization="fp8", fp8_lm_head=True))
     model = head.runner.model
     assert isinstance(model.fp8_head, Fp8Linear) and model.fp8_head.gemv_rows == (4 if gemv else 0)
+    assert not model.cfg.tie_word_embeddings and model.lm_head is None  # the bf16 head is not kept beside it
     if not gemv:
         g = torch.Generator().manual_seed(3)
         h, r = torch.randn(5, model.cfg.hidden_size, generator=g), torch.randn(5, model.cfg.hidden_size, generator=g)

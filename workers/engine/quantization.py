@@ -130,14 +130,16 @@ def quantize_fp8(model: nn.Module, *, fuse: bool = True, lm_head: bool = False) 
     """Replace the decoder layers' projections by Fp8Linear (weight scales per channel, activation
     scales per token), in place; with `fuse`, the norms before qkv and gate_up and the activation
     before down_proj hand them quantized activations. `lm_head`: the lm_head too (an e4m3 copy
-    of a tied embedding; the bf16 weight stays for the embedding lookup), the final norm fused
-    with it as the others are. Returns the layers replaced."""
+    of a tied embedding, whose bf16 weight stays for the lookup; an untied head's bf16 weight goes,
+    as the replaced projections' do), the final norm fused with it as the others are. Returns the
+    layers replaced."""
     n = 0
     if lm_head:
         w = model.lm_head_weight  # type: ignore[attr-defined]
         head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
         head.weight = nn.Parameter(w.detach(), requires_grad=False)
         model.fp8_head = Fp8Linear(head)  # type: ignore[attr-defined]
+        model.lm_head = None  # type: ignore[attr-defined]
         n += 1
         if fuse:
             model.norm.norm_fn = _norm_for(model.fp8_head, model.ops.rms_norm_quant)  # type: ignore[attr-defined]

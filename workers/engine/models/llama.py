@@ -103,7 +103,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        # (an untied head quantized by quantize_fp8(lm_head=True) has no bf16 weight left: fp8_head)
+        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
