@@ -241,6 +241,10 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-rows256": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_SMALL_M": "256"}},
     # the lm_head in FP8 too (EngineConfig.fp8_lm_head; its floor still counts a bf16 head)
     "fp8-head": {"quantization": "fp8", "fp8_lm_head": True},
+    # A/B: decode's rope_and_cache in its own launch again and torch's argmax in the sampler
+    "fp8-unfused": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FUSED_DECODE_ROPE": "0", "FIRSTTOKEN_TRITON_ARGMAX": "0"}},
+    # an experiment: cuBLASLt's fast accumulation in every _scaled_mm (bench/bench_fp8_accum.py)
+    "fp8-fastacc": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_FAST_ACCUM": "1"}},
 }
 
 
@@ -259,7 +263,7 @@ def run_engine(spec: str, fields: dict[str, Any], args: argparse.Namespace, sect
     env = fields.get("_env", {})
     fields = {k: v for k, v in fields.items() if k != "_env"}
     budget = big if "ttft" in sections else args.max_num_batched_tokens
-    ecfg = EngineConfig(max_model_len=max(big, 2176) + 256, max_num_batched_tokens=budget,
+    ecfg = EngineConfig(max_model_len=args.max_model_len or max(big, 2176) + 256, max_num_batched_tokens=budget,
                         max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
                         device=args.device, **fields)
     t0 = time.perf_counter()
@@ -329,6 +333,8 @@ def main() -> None:
                     help="sequences running at once (decode batch); more amortises the GEMMs at the cost of KV room")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="tokens per step without the ttft section (with it: the longest TTFT length)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engines' max_model_len (default: the longest TTFT length + 256, at least 2432)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                     help="share of the device's memory the engine takes (the rest of it: KV blocks)")
     args = ap.parse_args()

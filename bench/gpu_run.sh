@@ -12,6 +12,9 @@
 #   decode_gemms  a decode step's GEMMs: bf16, _scaled_mm, the small-M kernel's configs (bench_fp8_decode)  ~1 min
 #   engine      TTFT and decode: bf16, FP8 (per channel), FP8 with _scaled_mm only; transformers  ~5 min
 #   fp8_head    decode b1-b256: fp8+kv8 against fp8-head+kv8 (EngineConfig.fp8_lm_head)           ~3 min
+#   fused_ab    decode's fused rope + Triton argmax against the unfused (fp8-unfused), _scaled_mm's fast
+#               accumulation (bench_fp8_accum, then fp8-fastacc in the engine), decode b1/b8 at max_model_len
+#               33024 (the full TTFT bench's) against 2432                                            ~6 min
 #   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens (TensorRT-LLM's shape): FP8, bf16  ~6 min
 #   quality     FP8 on SmolLM2 with the real kernels (needs the model: bench/restore_smollm2.py)  ~2.5 min with
 #               the group runs, less now
@@ -102,6 +105,13 @@ for stage in "${STAGES[@]}"; do
     fp8_head)  # the opt-in FP8 lm_head against the bf16 head, decode (both fp8 + fp8 KV)
       run fp8_head 400 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode \
         --engines fp8+kv8,fp8-head+kv8 --no-hf "${ENGINE_ARGS[@]}" ;;
+    fused_ab)
+      [ "${SMOKE:-0}" = 1 ] && continue
+      run fp8_accum 150 $PY bench/bench_fp8_accum.py
+      run fused_ab 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
+        --engines fp8+kv8,fp8-unfused+kv8,fp8-fastacc+kv8 --no-hf "${ENGINE_ARGS[@]}"
+      run long_table 120 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode --decode-batches 1,8 \
+        --max-model-len 33024 --engines fp8+kv8 --no-hf ;;
     throughput)
       run throughput 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
         --engines fp8+kv8,bf16+kv8 "${TPUT_ARGS[@]}" ;;

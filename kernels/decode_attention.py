@@ -34,7 +34,7 @@ tl: Any = None  # triton.language, bound at the first launch by kernels._triton.
 
 # block tables are as wide as the step's longest sequence: their row stride changes every step
 @lazy_jit(do_not_specialize=("window", "num_splits", "stride_bt"),
-          do_not_specialize_on_alignment=("bt_ptr", "seq_lens_ptr"))
+          do_not_specialize_on_alignment=("bt_ptr", "seq_lens_ptr", "kn_ptr", "vn_ptr", "pos_ptr", "slot_ptr"))
 def _decode_partial_kernel(
     q_ptr,  # q: [B, Hq, D], last dim contiguous
     k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous; q's dtype or fp8 e4m3
@@ -45,6 +45,15 @@ def _decode_partial_kernel(
     l_ptr,  # partial row sum: [B * Hq, num_splits] fp32
     acc_ptr,  # partial unnormalised output: [B * Hq, num_splits, D] fp32 (rows with l = 0 unwritten)
     out_ptr,  # out: [B, Hq, D] contiguous, written directly unless SPLIT
+    kn_ptr,  # ROPE: the step's new k, not rotated: [B, Hk, D], last dim contiguous (else a dummy)
+    vn_ptr,  # ROPE: the step's new v: [B, Hk, D], last dim contiguous
+    pos_ptr,  # ROPE: positions [B] int64
+    cs_ptr,  # ROPE: cos_sin [max_pos, D] fp32 = cat(cos[:, :D/2], sin[:, :D/2])
+    slot_ptr,  # ROPE: slot_mapping [B] int64; a negative slot writes nothing
+    stride_kt,  # ROPE: new k token stride (elements)
+    stride_kh,  # ROPE: new k head stride
+    stride_vt,  # ROPE: new v token stride
+    stride_vh,  # ROPE: new v head stride
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window W (read only when HAS_WINDOW)
     num_splits,  # context partitions per (sequence, kv head) = grid axis 2
@@ -69,6 +78,7 @@ def _decode_partial_kernel(
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
     WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
     PREFETCH: tl.constexpr,  # load the next key tile's block-table entries one iteration ahead
+    ROPE: tl.constexpr,  # q (and the new k) arrive unrotated: rotate them here and write k, v to the cache
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -93,6 +103,36 @@ def _decode_partial_kernel(
     dmask = d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    if ROPE:
+        # rope_and_cache's rotation (rotate-half), each column with its partner in the other half:
+        # fp32, rounded to q's dtype; the new k rotated the same way, written with v to its slot by
+        # one program of the kv head, and put in place of its slot's tile row by every program (the
+        # write may not be visible to another program's load in this launch)
+        half = HEAD_DIM // 2
+        lo_half = d < half
+        j = tl.where(lo_half, d, d - half)
+        pd = tl.where(lo_half, d + half, d - half)
+        pos = tl.load(pos_ptr + b)
+        cos = tl.load(cs_ptr + pos * HEAD_DIM + j, mask=dmask, other=0.0)
+        sin = tl.load(cs_ptr + pos * HEAD_DIM + half + j, mask=dmask, other=0.0)
+        sin = tl.where(lo_half, -sin, sin)
+        qp = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + pd[None, :],
+                     mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        q = (q.to(tl.float32) * cos[None, :] + qp.to(tl.float32) * sin[None, :]).to(q.dtype)
+        kn_row = kn_ptr + b * stride_kt + kvh.to(tl.int64) * stride_kh
+        kn = tl.load(kn_row + d, mask=dmask, other=0.0)
+        knp = tl.load(kn_row + pd, mask=dmask, other=0.0)
+        k_new = (kn.to(tl.float32) * cos + knp.to(tl.float32) * sin).to(kn.dtype).to(k_cache_ptr.dtype.element_ty)
+        v_new = tl.load(vn_ptr + b * stride_vt + kvh.to(tl.int64) * stride_vh + d, mask=dmask,
+                        other=0.0).to(v_cache_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + b)
+        if (split == 0) & (chunk == 0):
+            s_blk = (slot // BLOCK_SIZE).to(tl.int64)
+            s_off = (slot % BLOCK_SIZE).to(tl.int64)
+            w_off = s_blk * stride_cb + s_off * stride_cs + kvh.to(tl.int64) * stride_ch + d
+            w_ok = dmask & ((d * 0 + slot) >= 0)  # as a block: the interpreter rejects a scalar mask term
+            tl.store(k_cache_ptr + w_off, k_new, mask=w_ok)
+            tl.store(v_cache_ptr + w_off, v_new, mask=w_ok)
     if WIDEN_F16:
         q = (q.to(tl.float32) * qk_scale).to(tl.float16)  # pre-scaled: far from fp16's range limit
     if DOT_FP32:
@@ -119,6 +159,10 @@ def _decode_partial_kernel(
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if ROPE:
+            is_new = (kpos == ctx - 1)[:, None]
+            k = tl.where(is_new, k_new[None, :], k)
+            v = tl.where(is_new, v_new[None, :], v)
         if WIDEN_F16:
             k = k.to(tl.float16)  # e4m3 -> fp16 is exact
             v = v.to(tl.float16)
@@ -213,7 +257,7 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
         "GROUP": group, "G_PACK": g_pack, "HEAD_CHUNKS": head_chunks, "BLOCK_H": max(16, next_pow2(g_pack)),
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
-        "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch,
+        "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch, "ROPE": False,
     }
     return (b, hk * head_chunks, num_splits), consts, num_warps, num_stages or 3, num_splits
 
@@ -233,6 +277,7 @@ def decode_attention_triton(
     num_stages: int | None = None,
     widen: str | None = None,
     prefetch: bool = False,
+    rope: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Triton `decode_attention_ref` (flash-decoding): q [B, Hq, D] -> [B, Hq, D].
 
@@ -245,6 +290,11 @@ def decode_attention_triton(
     (q, pre-scaled, and the probabilities cast to fp16 too); None: "fp16" for an fp8 cache on
     the GPU with a 16-bit q, else "q". prefetch: load each key tile's block-table entries in the
     iteration before (off by default: 2% at B=640 on the H200, noise-level).
+
+    rope = (k, v, positions, cos_sin, slot_mapping): `rope_and_cache` fused in (a pure decode step):
+    q and k [B, Hk, D] arrive unrotated (strided views of the fused qkv output are fine), the kernel
+    rotates them as `rope_and_cache_ref` does and writes k and v to their slots (a negative slot:
+    nothing), and attends over the cache with the new key and value in it. q itself is not changed.
     """
     # q: [B, Hq, D]; partials: [B * Hq, S] and [B * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride()[1:], q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -263,17 +313,26 @@ def decode_attention_triton(
     if b == 0:
         return out
     over = (num_splits, block_n, num_warps, num_stages, widen, prefetch)
-    tkey = (skey, b, block_tables.shape[1], over)
+    tkey = (skey, b, block_tables.shape[1], over, rope is None)
     plan = _TILES.get(tkey)
     if plan is None:
-        plan = bounded_put(_TILES, tkey, _tile_plan(static, b, block_tables.shape[1] * bs, num_sms(q.device), over))
+        plan = _tile_plan(static, b, block_tables.shape[1] * bs, num_sms(q.device), over)
+        if rope is not None:
+            plan = (plan[0], {**plan[1], "ROPE": True}, *plan[2:])
+        bounded_put(_TILES, tkey, plan)
     grid, consts, warps, stages, splits = plan
     if splits > 1:
         m, lsum, acc = split_partials(b * hq, splits, d, q.device)
     else:
         m = lsum = acc = out
+    if rope is not None:
+        kn, vn, positions, cos_sin, slots = rope
+        _check_rope(q, kn, vn, positions, cos_sin, slots, k_cache)
+        rope_args = (kn, vn, positions, cos_sin, slots, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1))
+    else:
+        rope_args = (q, q, q, q, q, 0, 0, 0, 0)
     _decode_partial_kernel.launch(grid, (
-        q, k_cache, v_cache, block_tables, seq_lens, m, lsum, acc, out,
+        q, k_cache, v_cache, block_tables, seq_lens, m, lsum, acc, out, *rope_args,
         scale * 1.4426950408889634,
         sliding_window or 0,
         splits,
@@ -284,6 +343,46 @@ def decode_attention_triton(
     if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
+
+
+def _check_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                slots: torch.Tensor, k_cache: torch.Tensor) -> None:
+    b, _hq, d = q.shape
+    hk = k_cache.shape[2]
+    check(k.shape == (b, hk, d) and v.shape == (b, hk, d), "decode_attention: rope's k {} / v {} are not [{}, {}, {}]",
+          tuple(k.shape), tuple(v.shape), b, hk, d)
+    check(k.stride(2) == 1 and v.stride(2) == 1, "decode_attention: rope's k and v need a contiguous last dim")
+    check(k.dtype == v.dtype == q.dtype, "decode_attention: rope's k {} / v {} are not q's {}", k.dtype, v.dtype, q.dtype)
+    check(d % 2 == 0, "decode_attention: rope needs an even head_dim, not {}", d)
+    check(cos_sin.dim() == 2 and cos_sin.shape[1] == d and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous(),
+          "decode_attention: cos_sin must be contiguous fp32 [max_pos, {}]", d)
+    check(positions.shape == (b,) and slots.shape == (b,) and positions.dtype == slots.dtype == torch.int64
+          and positions.is_contiguous() and slots.is_contiguous(),
+          "decode_attention: rope's positions and slot_mapping must be contiguous [{}] int64", b)
+    check(len({x.device for x in (q, k, v, positions, cos_sin, slots, k_cache)}) == 1,
+          "decode_attention: rope's tensors on several devices")
+
+
+def decode_rope_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                              cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                              scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """`rope_and_cache_ref`, then `decode_attention_ref` (what the fused decode computes)."""
+    from kernels.rope_cache import rope_and_cache_ref
+
+    q_rot, _ = rope_and_cache_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    return decode_attention_ref(q_rot, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+
+
+def decode_rope_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                 scale: float, sliding_window: int | None = None,
+                                 num_splits: int | None = None) -> torch.Tensor:
+    """`decode_rope_attention_ref` in the decode attention's launches: one kernel a layer fewer in a
+    pure decode step (rope_and_cache took 2.5 us a layer at batch 1 on the H200, b9352b7's profile)."""
+    return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, num_splits,
+                                   rope=(k, v, positions, cos_sin, slot_mapping))
 
 
 def warm_up_decode(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
@@ -297,5 +396,16 @@ def warm_up_decode(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
     q = torch.zeros((2, num_heads, k_cache.shape[-1]), dtype=q_dtype, device=dev)
     tables = torch.zeros((2, 1), dtype=torch.int32, device=dev)
     lens = torch.ones(2, dtype=torch.int32, device=dev)
+    hk, d = k_cache.shape[2], k_cache.shape[3]
+    # the fused rope's variants too, its k / v as views of a fused qkv row (the strides serving passes)
+    qkv = torch.zeros((2, (num_heads + 2 * hk) * d), dtype=q_dtype, device=dev)
+    kn = qkv[:, num_heads * d:(num_heads + hk) * d].view(2, hk, d)
+    vn = qkv[:, (num_heads + hk) * d:].view(2, hk, d)
+    qv = qkv[:, :num_heads * d].view(2, num_heads, d)
+    cos_sin = torch.zeros((1, d), dtype=torch.float32, device=dev)
+    pos = torch.zeros(2, dtype=torch.int64, device=dev)
+    no_slot = torch.full((2,), -1, dtype=torch.int64, device=dev)  # writes nothing
     for splits in (1, 2, 4, 8, 16, 32, 64):
         decode_attention_triton(q, k_cache, v_cache, tables, lens, scale, sliding_window, splits)
+        decode_attention_triton(qv, k_cache, v_cache, tables, lens, scale, sliding_window, splits,
+                                rope=(kn, vn, pos, cos_sin, no_slot))

@@ -97,12 +97,15 @@ def fp8_gemm_ref(
 
 def fp8_gemm_scaled_mm(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, fast_accum: bool = False,
 ) -> torch.Tensor:
     """The same on CUDA with torch._scaled_mm (FP8 tensor cores, fp32 accumulation). K and N must
-    be multiples of 16; w_q.t() is column-major, as _scaled_mm wants its second operand."""
+    be multiples of 16; w_q.t() is column-major, as _scaled_mm wants its second operand.
+    fast_accum: cuBLASLt's fast accumulation (the tensor cores' own accumulator over the whole K
+    loop, not promoted to fp32 every few steps): faster, less exact (bench/bench_fp8_accum.py)."""
     return torch._scaled_mm(
-        x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.t().contiguous(), bias=bias, out_dtype=out_dtype
+        x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.t().contiguous(), bias=bias, out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,9 @@ class KernelOps:
     rope_and_cache: Callable  # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
     prefill_attention: Callable  # (q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, window) -> out
     decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, window) -> out
+    # rope_and_cache then decode_attention in one op for a pure decode step: (q, k, v, positions, cos_sin,
+    # k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale, window) -> out; None: the two ops
+    decode_rope_attention: Callable | None = None
     # (k_cache, v_cache, num_heads, scale, window, q_dtype) -> None: compile every kernel variant the attention
     # ops can pick, so that no step of serving waits for a compile; a no-op for the references
     warm_up: Callable = lambda *args: None
@@ -53,7 +57,7 @@ def get_ops(backend: str) -> KernelOps:
             decode_attention=decode_attention_torch,
         )
     if backend == "triton":
-        from kernels.decode_attention import decode_attention_triton
+        from kernels.decode_attention import decode_attention_triton, decode_rope_attention_triton
         from kernels.fp8_quant import rms_norm_quant_triton, silu_and_mul_quant_triton
         from kernels.prefill_attention import paged_attention_triton, plan_prefill_splits
         from kernels.rmsnorm import rms_norm_triton
@@ -69,6 +73,9 @@ def get_ops(backend: str) -> KernelOps:
             rope_and_cache=rope_and_cache_triton,
             prefill_attention=paged_attention_triton,
             decode_attention=decode_attention_triton,
+            # FIRSTTOKEN_FUSED_DECODE_ROPE=0: rope_and_cache's own launch in decode steps too (an A/B switch)
+            decode_rope_attention=None if os.environ.get("FIRSTTOKEN_FUSED_DECODE_ROPE") == "0"
+            else decode_rope_attention_triton,
             warm_up=_warm_up_triton,
             prefill_splits=plan_prefill_splits,
         )

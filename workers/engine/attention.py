@@ -65,6 +65,21 @@ class PagedAttention:
         out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta)
         return out
 
+    def fuses_rope(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """A pure decode step on ops that fuse rope_and_cache into the decode attention."""
+        return (self.ops.decode_rope_attention is not None and meta.num_decode_tokens == num_tokens > 0
+                and not meta.prefill_dense)
+
+    def decode_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        # q: [B, Hq, D], k, v: [B, Hk, D] not rotated yet; written to the cache by the op
+        assert self.ops.decode_rope_attention is not None
+        return self.ops.decode_rope_attention(
+            q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
+            meta.decode_seq_lens, self.scale, self.sliding_window, **_splits(meta),
+        )
+
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         kwargs = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,7 +93,10 @@ class ModelRunner:
         # long uncached prompts: dense causal attention (cuDNN) beats the paged kernel on CUDA
         self.dense_prefill_min_tokens = config.dense_prefill_min_tokens if self.device.type == "cuda" else None
         self.logits_processor = LogitsProcessor(mc.vocab_size, self.device)
-        self.sampler = Sampler(self.device, config.seed, self.logits_processor)
+        argmax = None  # torch's; on a GPU with the Triton ops kernels/argmax.py's (FIRSTTOKEN_TRITON_ARGMAX=0: torch's)
+        if self.device.type == "cuda" and self.ops.name == "triton" and os.environ.get("FIRSTTOKEN_TRITON_ARGMAX") != "0":
+            from kernels.argmax import argmax_triton as argmax
+        self.sampler = Sampler(self.device, config.seed, self.logits_processor, argmax)
         self._generators: dict[str, torch.Generator] = {}
         self.last_path = ""  # how the last step ran: decode_graph, prefill_graph, mixed_graph or eager
         self.path_steps: dict[str, int] = {}  # steps run on each path (diagnostics, benchmarks)
@@ -139,7 +143,7 @@ class ModelRunner:
         positions = torch.cat([torch.zeros(1, dtype=torch.int64), torch.arange(n - 1)]).to(dev)
         ids = torch.zeros(n, dtype=torch.int64, device=dev)
         hidden, residual = self.model(ids, positions, self.cos_sin, self.kv_caches, meta)
-        self.model.compute_logits(hidden[-1:], residual[-1:])
+        self.sampler.argmax(self.model.compute_logits(hidden[-1:], residual[-1:]))  # (its kernels too)
         torch.cuda.synchronize(dev)
 
     def _warm_dense_attention(self) -> None:

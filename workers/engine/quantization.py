@@ -18,6 +18,7 @@ kernels/fp8_gemv.py's W8A16 GEMV with that op fused before it, four launches a l
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -84,6 +85,8 @@ class Fp8Linear(nn.Module):
         gemm: Gemm
         if scaled_mm_supported(w.device, self.in_features, self.out_features):
             gemm, self.kernel = fp8_gemm_scaled_mm, "scaled_mm"
+            if os.environ.get("FIRSTTOKEN_FP8_FAST_ACCUM") == "1":  # an experiment (bench_engine's fp8-fastacc)
+                gemm = partial(fp8_gemm_scaled_mm, fast_accum=True)
         else:
             gemm, self.kernel = fp8_gemm_ref, "reference"
         self._gemm = gemm
@@ -92,7 +95,7 @@ class Fp8Linear(nn.Module):
         # an experiment
         env = os.environ.get("FIRSTTOKEN_FP8_SMALL_M")
         small = int(env) if env is not None else small_m_rows(self.out_features, self.in_features)
-        self.small_m = small if gemm is fp8_gemm_scaled_mm else 0
+        self.small_m = small if self.kernel == "scaled_mm" else 0
         # rows up to which a step takes the W8A16 GEMV (0 on the CPU, where FIRSTTOKEN_FP8_GEMV_ROWS
         # turns its reference on for a test)
         env = os.environ.get("FIRSTTOKEN_FP8_GEMV_ROWS")

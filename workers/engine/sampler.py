@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -63,10 +64,14 @@ def sampling_batch(reqs: list[Request], device: torch.device, vocab_size: int,
 class Sampler:
     """Picks one token per row of logits (after the rows' logits processing, when they ask)."""
 
-    def __init__(self, device: torch.device, seed: int = 0, processor: LogitsProcessor | None = None) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, processor: LogitsProcessor | None = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.processor = processor
+        # logits [N, V] -> [N] int64, torch.argmax(dim=-1)'s answer (the first maximum, NaN first);
+        # kernels.argmax.argmax_triton on a GPU: two short launches for the one long one of torch's
+        self.argmax = argmax or (lambda x: x.argmax(dim=-1))
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # logits: [N, V] fp32 -> token ids [N] int64 (on the device). `logits` itself is left as it
@@ -86,16 +91,16 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
-            return logits.argmax(dim=-1)
+            return self.argmax(logits)
         assert batch.temperature is not None and batch.greedy_mask is not None
-        greedy = logits.argmax(dim=-1)
+        greedy = self.argmax(logits)
         x = logits / batch.temperature[:, None]
         if batch.top_k is not None or batch.top_p is not None:
             x = _top_k_top_p(x, batch.top_k, batch.top_p)
         probs = torch.softmax(x, dim=-1)
         noise = self._exponential(probs, batch.generators)
         # argmax(p / E) with E ~ Exp(1) draws from p without a host sync (the Gumbel-max trick's twin)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = self.argmax(probs / noise)
         return torch.where(batch.greedy_mask, greedy, sampled)
 
     def _exponential(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -49,8 +49,11 @@ class Attention(nn.Module):
         q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.ops.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-        o = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D]
+        if self.attn.fuses_rope(meta, t):  # a pure decode step: rope and the cache write in its attention
+            o = self.attn.decode_with_rope(q, k, v, positions, cos_sin, k_cache, v_cache, meta)
+        else:
+            q, k = self.ops.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+            o = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, cfg.q_size))
 
 
