@@ -15,6 +15,8 @@
 #   fused_ab    decode's fused rope + Triton argmax against the unfused (fp8-unfused), _scaled_mm's fast
 #               accumulation (bench_fp8_accum, then fp8-fastacc in the engine), decode b1/b8 at max_model_len
 #               33024 (the full TTFT bench's) against 2432                                            ~6 min
+#   gemv_sweep  the one-row GEMV's tiles with and without the weight prefetch (bench_fp8_gemv --rows 1), then
+#               decode b1/b8 with the sweep's picks (FIRSTTOKEN_FP8_GEMV_CONFIG) against the defaults    ~3 min
 #   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens (TensorRT-LLM's shape): FP8, bf16  ~6 min
 #   quality     FP8 on SmolLM2 with the real kernels (needs the model: bench/restore_smollm2.py)  ~2.5 min with
 #               the group runs, less now
@@ -112,6 +114,11 @@ for stage in "${STAGES[@]}"; do
         --engines fp8+kv8,fp8-unfused+kv8,fp8-fastacc+kv8 --no-hf "${ENGINE_ARGS[@]}"
       run long_table 120 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode --decode-batches 1,8 \
         --max-model-len 33024 --engines fp8+kv8 --no-hf ;;
+    gemv_sweep)
+      [ "${SMOKE:-0}" = 1 ] && continue
+      run gemv_sweep 200 $PY bench/bench_fp8_gemv.py --rows 1
+      FIRSTTOKEN_FP8_GEMV_CONFIG="$OUT/gemv_best.json" run gemv_picks 150 $PY bench/bench_engine.py "${DEV[@]}" \
+        --preset $PRESET --sections decode --decode-batches 1,8 --max-model-len 2432 --engines fp8+kv8 --no-hf ;;
     throughput)
       run throughput 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
         --engines fp8+kv8,bf16+kv8 "${TPUT_ARGS[@]}" ;;
