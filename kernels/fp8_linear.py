@@ -95,6 +95,16 @@ def fp8_gemm_ref(
     return out.to(out_dtype)
 
 
+# _scaled_mm's fast accumulation for weights of at most this many input columns (the engine's default;
+# FIRSTTOKEN_FP8_FAST_ACCUM=0 turns it off, =1 on at every K). On the H200, Llama-3.1-8B shapes
+# (bench/bench_fp8_accum.py, bench/results/2026-12-03-fp8-accum-h200-8132169.md): K = 4096 (qkv, o,
+# gate_up) 1.07-1.16x faster at 2048 and 8192 rows, even at 128; its output error against the exact
+# product of the same e4m3 inputs 0.16% RMS (fp32 accumulation: 0.02%), against the 3.6% that W8A8's
+# input rounding itself costs there (so 3.64% in all). K = 14336 (down): no faster (0.99-1.03x) and
+# twice the error (0.33%): left on fp32 accumulation.
+FAST_ACCUM_MAX_K = 8192
+
+
 def fp8_gemm_scaled_mm(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, fast_accum: bool = False,

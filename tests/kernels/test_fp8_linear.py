@@ -311,3 +311,26 @@ def test_small_m_sweep_override(tmp_path, monkeypatch):
     monkeypatch.delenv("FIRSTTOKEN_FP8_SMALL_M_CONFIG")
     assert fp8_gemm.small_m_rows(4096, 14336) == 128
     monkeypatch.setattr(fp8_gemm, "_OVERRIDE", None)
+
+
+def test_fast_accumulation_where_it_pays(monkeypatch) -> None:
+    """_scaled_mm's fast accumulation for K <= FAST_ACCUM_MAX_K only (down_proj's K = 14336 gained
+    nothing on the H200 and doubled the error); the switch turns it off or on everywhere."""
+    import workers.engine.quantization as quant
+    from kernels.fp8_linear import FAST_ACCUM_MAX_K
+
+    monkeypatch.setattr(quant, "scaled_mm_supported", lambda *_a: True)  # as on a sm89+ GPU
+    monkeypatch.delenv("FIRSTTOKEN_FP8_FAST_ACCUM", raising=False)
+
+    def fast(k: int) -> bool:
+        layer = quant.Fp8Linear(torch.nn.Linear(k, 32, bias=False))
+        assert layer.kernel == "scaled_mm"
+        assert (getattr(layer._gemm, "keywords", None) == {"fast_accum": True}) == layer.fast_accum
+        return layer.fast_accum
+
+    assert fast(256) and fast(FAST_ACCUM_MAX_K)
+    assert not fast(FAST_ACCUM_MAX_K + 16)
+    monkeypatch.setenv("FIRSTTOKEN_FP8_FAST_ACCUM", "0")
+    assert not fast(256)
+    monkeypatch.setenv("FIRSTTOKEN_FP8_FAST_ACCUM", "1")
+    assert fast(FAST_ACCUM_MAX_K + 16)

@@ -34,6 +34,7 @@ from kernels.fp8_gemv import (
     fp8_gemv_triton,
 )
 from kernels.fp8_linear import (
+    FAST_ACCUM_MAX_K,
     Gemm,
     fp8_gemm_ref,
     fp8_gemm_scaled_mm,
@@ -83,9 +84,12 @@ class Fp8Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         # the GEMM picked once here, not per call: FP8 tensor cores where they exist, else the reference
         gemm: Gemm
+        self.fast_accum = False  # cuBLASLt's fast accumulation (kernels.fp8_linear.FAST_ACCUM_MAX_K)
         if scaled_mm_supported(w.device, self.in_features, self.out_features):
             gemm, self.kernel = fp8_gemm_scaled_mm, "scaled_mm"
-            if os.environ.get("FIRSTTOKEN_FP8_FAST_ACCUM") == "1":  # an experiment (bench_engine's fp8-fastacc)
+            env = os.environ.get("FIRSTTOKEN_FP8_FAST_ACCUM")  # A/B switches: "0" never, "1" at every K
+            self.fast_accum = env == "1" or (env != "0" and self.in_features <= FAST_ACCUM_MAX_K)
+            if self.fast_accum:
                 gemm = partial(fp8_gemm_scaled_mm, fast_accum=True)
         else:
             gemm, self.kernel = fp8_gemm_ref, "reference"
