@@ -27,9 +27,9 @@ SIG = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "
        "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_r": "i32",
        "stride_bn": "i32", "stride_c": "i32", "eps": "fp32"}
 out = []
-for prologue, residual, split, row in json.loads(sys.argv[1]):
+for prologue, residual, split, row, prefetch in json.loads(sys.argv[1]):
     consts = {"PROLOGUE": prologue, "HAS_RESIDUAL": residual, "HAS_BIAS": True, "BLOCK_N": 16, "BLOCK_K": 256,
-              "SPLIT": split, "K_SPLIT": 2048, "ROW": row}
+              "SPLIT": split, "K_SPLIT": 2048, "ROW": row, "PREFETCH": prefetch}
     sig = {n: SIG[n] for n in jitted.arg_names if n in SIG} | dict.fromkeys(consts, "constexpr")
     src = triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -39,8 +39,10 @@ for prologue, residual, split, row in json.loads(sys.argv[1]):
 print(json.dumps(out))
 '''
 
-CASES = [  # (prologue, residual, split, row: the RMSNorm row at once, or 0 in a loop)
-    (1, True, 2, 4096), (1, True, 1, 0), (1, False, 1, 4096), (2, False, 4, 0), (0, False, 2, 0), (0, False, 1, 0),
+CASES = [  # (prologue, residual, split, row: the RMSNorm row at once, or 0 in a loop, weight prefetch)
+    (1, True, 2, 4096, False), (1, True, 1, 0, False), (1, False, 1, 4096, False), (2, False, 4, 0, False),
+    (0, False, 2, 0, False), (0, False, 1, 0, False), (1, True, 2, 4096, True), (2, False, 4, 0, True),
+    (0, False, 1, 0, True),
 ]
 
 
@@ -87,3 +89,46 @@ def test_small_m_gemm_split_k_compiles_for_sm90():
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert [(g["cubin"] > 0, g["wgmma"], g["atom"]) for g in got] == [(True, True, s > 1) for s, _ in cases]
+
+
+DECODE_SCRIPT = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from kernels import argmax, decode_attention
+jitted = decode_attention._decode_partial_kernel.jitted()
+PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "bt_ptr": "*i32",
+        "seq_lens_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
+        "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
+        "qk_scale": "fp32"}
+out = []
+for rope, split, window in json.loads(sys.argv[1]):
+    consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": 64, "HEAD_DIM": 128,
+              "BLOCK_D": 128, "BLOCK_SIZE": 16, "SPLIT": split, "HAS_WINDOW": window, "PRECISION": None,
+              "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope}
+    sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
+    c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 3})
+    out.append({"cubin": len(c.asm["cubin"]), "mma": "mma" in c.asm["ptx"]})
+for k, cst in ((argmax._chunk_argmax_kernel, {"CHUNK_": 2048}), (argmax._rows_argmax_kernel, {"BLOCK_C": 64})):
+    j = k.jitted()
+    types = {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "out_ptr": "*i64"}
+    sig = {n: types.get(n, "i32") for n in j.arg_names if n not in cst} | dict.fromkeys(cst, "constexpr")
+    c = triton.compile(triton.compiler.ASTSource(fn=j, signature=sig, constexprs=cst),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+    out.append({"cubin": len(c.asm["cubin"]), "mma": False})
+print(json.dumps(out))
+'''
+
+
+def test_decode_attention_and_argmax_compile_for_sm90():
+    """Decode attention over an fp8 cache with rope_and_cache fused in (or not), split or not, with a
+    window or not, and the two argmax kernels: Triton's sm90 passes and ptxas, no device."""
+    cases = [(True, True, False), (True, False, True), (False, True, False)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", DECODE_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [g["cubin"] > 0 for g in got] == [True] * (len(cases) + 2)
+    assert all(g["mma"] for g in got[: len(cases)])  # the score and value products on the tensor cores
