@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_fp8_decode import SHAPES, chain_us
 from bench.common import header, md_table, write_report
 
-# (block_n, block_k, split, num_warps, num_stages[, prefetch]): the earlier sweeps' best per shape
+# (block_n, block_k, split, num_warps, num_stages): the earlier sweeps' best per shape
 # (bench/results/2026-12-02-fp8-gemv-h200.md) and their neighbours
 SWEEP = [(8, 512, 1, 4, 3), (8, 1024, 2, 4, 3), (16, 256, 4, 4, 3), (16, 512, 2, 4, 3), (16, 512, 4, 4, 3),
          (16, 1024, 4, 4, 2), (32, 256, 1, 4, 3), (32, 256, 2, 4, 3), (32, 256, 4, 4, 3), (32, 512, 2, 8, 3),
@@ -94,12 +94,11 @@ def main() -> None:
             want, want_res = fp8_gemv_ref(x, *ws[0], None, **kw)
             row = {"proj": name, "K": k, "N": n, "M": m, "prologue": kind,
                    "bf16_us": chain_us(bf16, [(w,) for w in w16]), "w8a8_us": chain_us(w8a8, ws)}
-            # each configuration also with the weight prefetched an iteration ahead (a sixth field)
-            cands = [*SWEEP, *((*c, True) for c in SWEEP)] if m == 1 or not ranked else [c for _, c in ranked[: args.top]]
+            cands = SWEEP if m == 1 or not ranked else [c for _, c in ranked[: args.top]]
             timed = []
             for cfg in cands:
                 f = partial(fp8_gemv_triton, x, **kw, block_n=cfg[0], block_k=cfg[1], split=cfg[2],
-                            num_warps=cfg[3], num_stages=cfg[4], prefetch=len(cfg) > 5 and cfg[5])
+                            num_warps=cfg[3], num_stages=cfg[4])
                 try:
                     a, ra = f(*ws[0])
                     b, _ = f(*ws[0])

@@ -15,7 +15,7 @@
 #   fused_ab    decode's fused rope + Triton argmax against the unfused (fp8-unfused), _scaled_mm's fast
 #               accumulation (bench_fp8_accum, then fp8-fastacc in the engine), decode b1/b8 at max_model_len
 #               33024 (the full TTFT bench's) against 2432                                            ~6 min
-#   gemv_sweep  the one-row GEMV's tiles with and without the weight prefetch (bench_fp8_gemv --rows 1), then
+#   gemv_sweep  the one-row GEMV's tiles (bench_fp8_gemv --rows 1), then
 #               decode b1/b8 with the sweep's picks (FIRSTTOKEN_FP8_GEMV_CONFIG) against the defaults    ~3 min
 #   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens (TensorRT-LLM's shape): FP8, bf16  ~6 min
 #   quality     FP8 on SmolLM2 with the real kernels (needs the model: bench/restore_smollm2.py)  ~2.5 min with

@@ -27,7 +27,9 @@ bench_fp8_gemv.py, bench/results/2026-12-02-fp8-gemv-h200.md): 70.7 us a layer a
 W8A8 path (the quantizing op, then the few-row GEMM), 131 for bf16; engine decode at batch 1 2.77 ms
 against 3.30. From two rows it loses (each row re-reads the weight: 110.7 against 86.1 us a layer),
 hence GEMV_ROWS = 1. Tried and dropped, slower or within run-to-run noise: programmatic dependent
-launches (the first weight tile read before `gdc_wait`: 3-8 us slower per call, every shape),
+launches (the first weight tile read before `gdc_wait`: 3-8 us slower per call, every shape), the
+weight's next tile loaded an iteration ahead and its first before the prologue (b3eebdf: no shape's
+best needed it, engine decode b1 2.97 ms with the sweep's picks against 2.96; 2026-12-03-fp8-gemv-prefetch-h200-b3eebdf.md),
 multiplying 1 / rms after the loop instead of a first look at the row (10.8 against 11.3 us on qkv in
 one run, 11.3 against 11.0 in the next), and [BLOCK_N, BLOCK_K] partial products summed once after
 the loop (within noise).
@@ -106,7 +108,6 @@ def _fp8_gemv_kernel(
     SPLIT: tl.constexpr,  # K parts (programs per output tile)
     K_SPLIT: tl.constexpr,  # columns of K per part: a multiple of BLOCK_K, SPLIT * K_SPLIT >= K
     ROW: tl.constexpr,  # PROLOGUE 1: a power of two >= K to load the row at once, or 0 (a loop)
-    PREFETCH: tl.constexpr,  # load the first weight tile before the prologue, each next one an iteration ahead
 ):
     # axis 0 over rows, so the programs of one weight tile start together and read it from DRAM once
     m = tl.program_id(0).to(tl.int64)
@@ -116,10 +117,6 @@ def _fp8_gemv_kernel(
     mask_n = rn < N
     rk = tl.arange(0, BLOCK_K)
     x_row = x_ptr + m * stride_x
-    b_rows = b_ptr + rn.to(tl.int64)[:, None] * stride_bn
-    k_lo = part * K_SPLIT
-    if PREFETCH:  # the weight's first tile in flight while the prologue reads the row
-        wt_next = tl.load(b_rows + (k_lo + rk)[None, :], mask=mask_n[:, None] & ((k_lo + rk) < K)[None, :], other=0.0)
     inv = 1.0
     if PROLOGUE == 1:
         first = (pid_n == 0) & (part == 0)
@@ -149,6 +146,8 @@ def _fp8_gemv_kernel(
                 ss += xf * xf
             inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_rows = b_ptr + rn.to(tl.int64)[:, None] * stride_bn
+    k_lo = part * K_SPLIT
     for k0 in range(0, K_SPLIT, BLOCK_K):
         k = k_lo + k0 + rk
         mk = k < K
@@ -169,13 +168,7 @@ def _fp8_gemv_kernel(
             a = (w.to(tl.float32) * normed.to(tl.float32)).to(xv.dtype).to(tl.float32)
         else:
             a = tl.load(x_row + k, mask=mk, other=0.0).to(tl.float32)
-        if PREFETCH:
-            wt = wt_next
-            kn = k + BLOCK_K  # the next tile of this part (none past the part's end)
-            wt_next = tl.load(b_rows + kn[None, :], mask=mask_n[:, None] & ((kn < K) & (kn - k_lo < K_SPLIT))[None, :],
-                              other=0.0)
-        else:
-            wt = tl.load(b_rows + k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        wt = tl.load(b_rows + k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
     acc = acc * tl.load(b_scale_ptr + rn, mask=mask_n, other=0.0)
     if SPLIT == 1:
@@ -204,7 +197,7 @@ ROW_MAX = 8192  # the RMSNorm prologue loads rows up to this long at once
 
 
 def gemv_config(n: int, k: int) -> tuple[int, ...]:
-    """(block_n, block_k, split, num_warps, num_stages[, prefetch]) for an [N, K] weight; see GEMV_CONFIGS.
+    """(block_n, block_k, split, num_warps, num_stages) for an [N, K] weight; see GEMV_CONFIGS.
     FIRSTTOKEN_FP8_GEMV_CONFIG names a JSON file of {"K,N": [block_n, ...]} that comes first (a sweep's
     picks, for an engine run in the same session: bench/bench_fp8_gemv.py writes one)."""
     global _OVERRIDE
@@ -241,11 +234,10 @@ def fp8_gemv_triton(
     prologue: int = PROLOGUE_NONE, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6, res_out: torch.Tensor | None = None,
     block_n: int | None = None, block_k: int | None = None, split: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton `fp8_gemv_ref`: (out [M, N], x + residual written into res_out (allocated when None),
-    or None without a residual). Tiles default to `gemv_config` (its sixth field, when there is
-    one, is `prefetch`: the weight's next tile loaded an iteration ahead, the first before the prologue)."""
+    or None without a residual). Tiles default to `gemv_config`."""
     check(w_q.dtype == FP8 and w_q.dim() == 2 and w_q.stride(1) == 1, "fp8_gemv: the weight must be [N, K] e4m3")
     n, k = w_q.shape
     check(w_scale.numel() == n, "fp8_gemv: one weight scale per output channel ({}), got {}", n, w_scale.numel())
@@ -271,7 +263,6 @@ def fp8_gemv_triton(
     bn, bk = block_n or cfg[0], block_k or cfg[1]
     sp = split if split is not None else cfg[2]
     warps, stages = num_warps or cfg[3], num_stages or cfg[4]
-    pre = bool(cfg[5]) if prefetch is None and len(cfg) > 5 else bool(prefetch)
     row = next_pow2(k) if prologue == PROLOGUE_RMS and k <= ROW_MAX else 0
     k_split = cdiv(cdiv(k, sp), bk) * bk
     sp = cdiv(k, k_split)  # no empty part
@@ -287,6 +278,6 @@ def fp8_gemv_triton(
             res_out if has_res else x, w_q, w_s, bias if has_bias else w_s, c, part, count,
             m, n, k, x.stride(0), residual.stride(0) if has_res else 0, w_q.stride(0), c.stride(0), float(eps))
     consts = {"PROLOGUE": prologue, "HAS_RESIDUAL": has_res, "HAS_BIAS": has_bias, "BLOCK_N": bn, "BLOCK_K": bk,
-              "SPLIT": sp, "K_SPLIT": k_split, "ROW": row, "PREFETCH": pre}
+              "SPLIT": sp, "K_SPLIT": k_split, "ROW": row}
     _fp8_gemv_kernel.launch((m, tiles_n, sp), args, consts, warps, stages, x.device.type == "cuda")
     return c, res_out if has_res else None

@@ -118,3 +118,23 @@ def test_decode_rope_rejects_bad_inputs() -> None:
         decode_rope_attention_triton(q, k, v, pos, cs.double(), kc, vc, slots, bt, sl, 0.125)
     with pytest.raises(ValueError, match=r"rope's k"):
         decode_rope_attention_triton(q, k[:, :, :32], v, pos, cs, kc, vc, slots, bt, sl, 0.125)
+
+
+def test_the_fused_rope_serves_small_pure_decode_steps_only() -> None:
+    """Mixed or prefill steps keep rope_and_cache's launch (it rotates every token of the step), and
+    so do decode batches past FUSED_ROPE_MAX_BATCH (slower fused on the H200 at 256)."""
+    from kernels.ops import get_ops
+    from workers.engine.attention import FUSED_ROPE_MAX_BATCH, AttentionMetadata, PagedAttention
+
+    def meta(decodes: int, prefill_tokens: int = 0, dense: bool = False) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=torch.zeros(decodes + prefill_tokens, dtype=torch.int64),
+                                 num_decodes=decodes, num_decode_tokens=decodes, decode_block_tables=None,
+                                 decode_seq_lens=None, prefill_block_tables=None, prefill_query_start_loc=None,
+                                 prefill_seq_lens=None, prefill_dense=dense)
+
+    attn = PagedAttention(get_ops("triton"), 8, 2, 64, None)
+    assert attn.fuses_rope(meta(1), 1) and attn.fuses_rope(meta(FUSED_ROPE_MAX_BATCH), FUSED_ROPE_MAX_BATCH)
+    assert not attn.fuses_rope(meta(FUSED_ROPE_MAX_BATCH + 1), FUSED_ROPE_MAX_BATCH + 1)
+    assert not attn.fuses_rope(meta(2, 5), 7)  # a mixed step
+    assert not attn.fuses_rope(meta(0, 9, dense=True), 9)
+    assert not PagedAttention(get_ops("torch"), 8, 2, 64, None).fuses_rope(meta(1), 1)

@@ -32,6 +32,14 @@ class AttentionMetadata:
     prefill_dense: bool = False
 
 
+# decode batches up to which rope_and_cache runs inside the decode attention (KernelOps.decode_rope_attention).
+# On the H200, Llama-3.1-8B shape, fp8 + fp8 KV, context ~600 (bench/results/2026-12-03-engine-h200-b3eebdf.md),
+# fused against its own launch: batch 1 2.96 / 3.03 ms, 8 3.41 / 3.48, 64 4.33 / 4.35, 256 9.16 / 8.68
+# (at 256 there is one split a sequence, and each program's rotation before its long loop costs more
+# than the launch it saves)
+FUSED_ROPE_MAX_BATCH = 16
+
+
 class PagedAttention:
     """Attention of the step's new tokens over one layer's paged KV cache (no weights)."""
 
@@ -66,9 +74,10 @@ class PagedAttention:
         return out
 
     def fuses_rope(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A pure decode step on ops that fuse rope_and_cache into the decode attention."""
-        return (self.ops.decode_rope_attention is not None and meta.num_decode_tokens == num_tokens > 0
-                and not meta.prefill_dense)
+        """A pure decode step of at most FUSED_ROPE_MAX_BATCH sequences on ops that fuse rope_and_cache
+        into the decode attention."""
+        return (self.ops.decode_rope_attention is not None and 0 < num_tokens <= FUSED_ROPE_MAX_BATCH
+                and meta.num_decode_tokens == num_tokens and not meta.prefill_dense)
 
     def decode_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                          cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

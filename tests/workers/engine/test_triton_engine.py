@@ -14,6 +14,16 @@ MAX_NEW = 6
 @pytest.mark.slow
 def test_triton_kernels_greedy_matches_transformers(llama_dir, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import kernels.decode_attention as da
+
+    fused_calls = []
+    real = da.decode_rope_attention_triton
+
+    def counted(q, *args, **kwargs):
+        fused_calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(da, "decode_rope_attention_triton", counted)  # bound by get_ops at engine start
     prompts = prompt_set(5, seed=21, min_len=3, max_len=40)
     prompts.append(prompts[-1][:30] + [7, 8, 9])  # shares 28 tokens (7 blocks) with the one before
     want = hf_greedy(llama_dir, prompts, MAX_NEW)
@@ -24,3 +34,5 @@ def test_triton_kernels_greedy_matches_transformers(llama_dir, monkeypatch):
     done = run_prompts(eng, prompts, sp)
     assert [f.output_token_ids for f in done] == want
     assert done[5].usage.cached_prompt_tokens > 0  # a prefix hit went through the Triton prefill path
+    # pure decode steps ran rope_and_cache inside the decode attention (a call a layer)
+    assert fused_calls and max(fused_calls) <= 16
