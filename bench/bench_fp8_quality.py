@@ -8,10 +8,11 @@ swapped for firsttoken's Fp8Linear: per-output-channel weight scales and per-tok
 scales, exactly as the engine's fused qkv and gate_up matrices quantize (a fused matrix's rows are
 the separate ones', and its input the same activations). On CPU the GEMM is the reference
 (dequantize, multiply in fp32); on a GPU (sm89+) it is torch._scaled_mm, so running this script
-on both is the CPU-emulation-vs-real-kernels check. (The group-scaled and block-wise variants
-were removed with those layouts; their numbers stay in bench/results/2026-12-01-fp8-quality-*.)
+on both is the CPU-emulation-vs-real-kernels check. (The group-scaled and block-wise engine layouts
+were removed; their numbers stay in bench/results/2026-12-01-fp8-quality-*. `--groups N` emulates
+scales per N columns on both sides, in fp32, as a bound on what finer scales could buy.)
 
-    python3 bench/bench_fp8_quality.py [--device cpu|cuda] [--text corpus|passages]
+    python3 bench/bench_fp8_quality.py [--device cpu|cuda] [--text corpus|passages] [--groups 32]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import header
-from kernels.fp8_linear import dequantize
+from kernels.fp8_linear import FP8_MAX, dequantize
 from workers.engine.downloads import ensure_model
 from workers.engine.quantization import Fp8Linear
 
@@ -60,6 +61,42 @@ def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = (), scale_search: b
             child = getattr(module, name, None)
             if isinstance(child, torch.nn.Linear):
                 setattr(module, name, Fp8Linear(child, scale_search))
+                n += 1
+    return n
+
+
+class GroupFp8Emulation(torch.nn.Module):
+    """--groups N: the finest FP8 a layout could serve, emulated (no engine kernel runs it): e4m3
+    weights with a scale per output channel and N input columns, e4m3 activations with a scale per
+    token and N columns (each scale its group's amax / 448), products in fp32. What per-channel
+    W8A8 could at best be brought to by finer scales on this model."""
+
+    def __init__(self, linear: torch.nn.Linear, group: int) -> None:
+        super().__init__()
+        k = linear.weight.shape[1]
+        if k % group:
+            raise SystemExit(f"--groups {group} does not divide K = {k}")
+        self.group = group
+        self.weight = self._fake_quant(linear.weight.detach().float())  # [N, K] on the e4m3 grid x scales
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def _fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        g = x.reshape(*x.shape[:-1], x.shape[-1] // self.group, self.group)
+        scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        return ((g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale).reshape(x.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._fake_quant(x.float()) @ self.weight.t()
+        return (out if self.bias is None else out + self.bias).to(x.dtype)
+
+
+def swap_groups(model: torch.nn.Module, group: int) -> int:
+    n = 0
+    for module in list(model.modules()):
+        for name in PROJECTIONS:
+            child = getattr(module, name, None)
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, name, GroupFp8Emulation(child, group))
                 n += 1
     return n
 
@@ -207,6 +244,8 @@ def main() -> None:
                     help="weight scales per channel: the engine's least-error search, or amax / 448 (before 2026-12-03)")
     ap.add_argument("--lm-head", action="store_true",
                     help="the lm_head in FP8 too (EngineConfig.fp8_lm_head); with --engine, an fp8-head variant")
+    ap.add_argument("--groups", type=int, default=0,
+                    help="emulate FP8 with scales per N columns on both sides (GroupFp8Emulation): an upper bound")
     ap.add_argument("--weight-only", action="store_true",
                     help="quantize the weights only (activations stay as they are): which side the error comes from")
     ap.add_argument("--engine", action="store_true",
@@ -230,6 +269,8 @@ def main() -> None:
     def quantized(dtype: torch.dtype) -> tuple[torch.nn.Module, int]:
         # loaded in `dtype`, then quantized (as the engine does): a quantized model is never cast
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval()
+        if args.groups:
+            return model, swap_groups(model, args.groups)
         n = swap_fp8(model, keep, args.weight_scale == "search")
         if args.lm_head:  # the engine's fp8_lm_head (a tied embedding's lookup keeps the bf16 weight)
             model.lm_head = Fp8Linear(model.lm_head, args.weight_scale == "search")
@@ -253,6 +294,7 @@ def main() -> None:
         "fp8_layers": swapped,
         "kept_unquantized": list(keep),
         "weight_only": args.weight_only,
+        "groups": args.groups,
         "weight_scale": args.weight_scale,
         "fp8_lm_head": args.lm_head,
         "fp8_kernel": kernels,
