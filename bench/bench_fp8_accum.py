@@ -12,8 +12,6 @@ float8 inference run the fast mode; the question here is what it costs on these 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -22,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import header, md_table
+from bench.common import header, md_table, write_report
 from kernels.fp8_linear import FP8, fp8_gemm_scaled_mm, quantize
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
@@ -75,11 +73,7 @@ def main() -> None:
     data = {**header(), "bench": "fp8_accum", "rows": rows}
     md = md_table(rows, ["proj", "M", "fast_accum", "us", "tflops", "speedup", "rel_rms_fp32_out", "max_abs_fp32_out",
                          "rel_rms_bf16_out", "bf16_out_differ"])
-    print(md, flush=True)
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir, "bench_fp8_accum.json").write_text(json.dumps(data, indent=1))
-        Path(out_dir, "bench_fp8_accum.md").write_text(md + "\n")
+    write_report("bench_fp8_accum", data, md)
 
 
 if __name__ == "__main__":

@@ -53,16 +53,21 @@ TEXTS = [
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = (), scale_search: bool = True) -> int:
+def swap_projections(model: torch.nn.Module, make, keep: tuple[str, ...] = ()) -> int:
+    """Replace each projection nn.Linear (but those named in keep) by make(linear); returns how many."""
     names = tuple(n for n in PROJECTIONS if n not in keep)
     n = 0
     for module in list(model.modules()):
         for name in names:
             child = getattr(module, name, None)
             if isinstance(child, torch.nn.Linear):
-                setattr(module, name, Fp8Linear(child, scale_search))
+                setattr(module, name, make(child))
                 n += 1
     return n
+
+
+def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = (), scale_search: bool = True) -> int:
+    return swap_projections(model, lambda lin: Fp8Linear(lin, scale_search), keep)
 
 
 class GroupFp8Emulation(torch.nn.Module):
@@ -88,17 +93,6 @@ class GroupFp8Emulation(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._fake_quant(x.float()) @ self.weight.t()
         return (out if self.bias is None else out + self.bias).to(x.dtype)
-
-
-def swap_groups(model: torch.nn.Module, group: int) -> int:
-    n = 0
-    for module in list(model.modules()):
-        for name in PROJECTIONS:
-            child = getattr(module, name, None)
-            if isinstance(child, torch.nn.Linear):
-                setattr(module, name, GroupFp8Emulation(child, group))
-                n += 1
-    return n
 
 
 def _weight_only_forward(m: Fp8Linear):
@@ -270,7 +264,7 @@ def main() -> None:
         # loaded in `dtype`, then quantized (as the engine does): a quantized model is never cast
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval()
         if args.groups:
-            return model, swap_groups(model, args.groups)
+            return model, swap_projections(model, lambda lin: GroupFp8Emulation(lin, args.groups))
         n = swap_fp8(model, keep, args.weight_scale == "search")
         if args.lm_head:  # the engine's fp8_lm_head (a tied embedding's lookup keeps the bf16 weight)
             model.lm_head = Fp8Linear(model.lm_head, args.weight_scale == "search")
