@@ -77,8 +77,11 @@ def _rows_argmax_kernel(
 
 
 def argmax_triton(x: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """torch.argmax(x, dim=-1) of logits x [R, V] (fp32 or 16-bit) -> [R] int64, in two launches."""
-    check(x.dim() == 2 and x.stride(1) == 1, "argmax: x must be [R, V] with a contiguous last dim")
+    """torch.argmax(x, dim=-1) of logits x [R, V] (fp32 or 16-bit) -> [R] int64, in two launches.
+    Rows may have any stride; a last dim that is not contiguous is copied first."""
+    check(x.dim() == 2, "argmax: x must be [R, V], got {}", tuple(x.shape))
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        x = x.contiguous()
     check(x.is_floating_point(), "argmax: logits must be floating point, got {}", x.dtype)
     check(chunk >= 16 and chunk & (chunk - 1) == 0, "argmax: chunk {} is not a power of two >= 16", chunk)
     rows, v = x.shape

@@ -50,9 +50,11 @@ def test_argmax_strided_rows_and_no_rows() -> None:
     assert argmax_triton(torch.empty(0, 10)).shape == (0,)
 
 
-def test_argmax_refuses_what_it_cannot_do() -> None:
-    with pytest.raises(ValueError, match="contiguous last dim"):
-        argmax_triton(torch.randn(10, 4).t())
+def test_argmax_refuses_what_it_cannot_do_and_copies_what_it_must() -> None:
+    t = torch.randn(10, 4).t()  # a last dim that is not contiguous: copied, same answer
+    assert torch.equal(argmax_triton(t, chunk=16), t.argmax(dim=-1))
+    with pytest.raises(ValueError, match=r"\[R, V\]"):
+        argmax_triton(torch.randn(3))
     with pytest.raises(ValueError, match="floating point"):
         argmax_triton(torch.ones(2, 5, dtype=torch.int64))
     with pytest.raises(ValueError, match="power of two"):
