@@ -18,6 +18,7 @@ CASES = [
     ([40, 123, 16], 4, 4, 64, None, 3),
     ([300], 8, 1, 128, 50, 5),
     ([1, 64, 65], 32, 4, 64, None, 1),
+    ([30, 7], 4, 2, 96, None, 2),  # a head_dim that is not a power of two (masked columns, partners in range)
 ]
 
 
