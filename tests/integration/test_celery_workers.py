@@ -53,6 +53,9 @@ pytestmark = pytest.mark.integration
 
 CLAIM_KEY = "firsttoken-test-celery-claim"
 DRAIN_TIMEOUT_S = 1.0  # the GPU workers' FIRSTTOKEN_DRAIN_TIMEOUT_S
+# the stop tests' long jobs: as long as the tiny model's 2048 positions allow beside their ~40-token
+# prompts, so that they still run when the short ones have ended however fast the engine gets
+LONG_TOKENS = 1900
 
 
 # --- Redis: a database of our own ------------------------------------------------------------------
@@ -463,9 +466,11 @@ def successor_finishes_the_rest(
 def test_sigquit_stops_gpu_worker_at_once_and_another_finishes(cluster: Cluster):
     """Cold shutdown: the GPU worker stops without draining, and leaves its successor in its place."""
     batch = f"quit-{uuid.uuid4().hex[:8]}"
-    # short jobs finish first; the long ones (400 tokens: seconds) are still running at the SIGQUIT
+    # short jobs finish first; the long ones are still running at the SIGQUIT: LONG_TOKENS steps after
+    # the short ones' 8 (400 tokens once took seconds here; by 2026-12-03 all 36 jobs ended within
+    # the 1.4 s before the signal, and the test had nothing left to hand back)
     jobs = make_jobs(32, batch, batch_id=batch, max_tokens=8)
-    jobs += make_jobs(4, f"{batch}-long", batch_id=batch, max_tokens=400)
+    jobs += make_jobs(4, f"{batch}-long", batch_id=batch, max_tokens=LONG_TOKENS)
     n = len(jobs)
     want = {j.id: j.sampling.max_tokens for j in jobs}
     old = cluster.gpu_name
@@ -495,10 +500,10 @@ def test_sigquit_stops_gpu_worker_at_once_and_another_finishes(cluster: Cluster)
 def test_sigterm_drains_gpu_worker_and_another_finishes(cluster: Cluster):
     """Last in the module: it stops the GPU worker and leaves its successor in its place."""
     batch = f"drain-{uuid.uuid4().hex[:8]}"
-    # short jobs finish first; the long ones (800 tokens: seconds, whatever the engine's speed)
-    # cannot finish within the drain timeout, so that the worker must hand them back
+    # short jobs finish first; the long ones (LONG_TOKENS steps) cannot finish within the drain
+    # timeout, so that the worker must hand them back
     jobs = make_jobs(96, batch, batch_id=batch, max_tokens=8)
-    jobs += make_jobs(6, f"{batch}-long", batch_id=batch, max_tokens=800)
+    jobs += make_jobs(6, f"{batch}-long", batch_id=batch, max_tokens=LONG_TOKENS)
     n = len(jobs)
     want = {j.id: j.sampling.max_tokens for j in jobs}
     old = cluster.gpu_name
