@@ -5,6 +5,7 @@
 #
 #   OUT=/some/dir bash bench/gpu_run.sh STAGE [STAGE...]   # stages run in the order given
 #   SMOKE=1 OUT=/tmp/x bash bench/gpu_run.sh engine load goodput   # the plumbing on a CPU: tiny model, seconds
+# More than 8 files under $OUT at the end are bundled into $OUT/all.tgz (the device tool returns 8 at most).
 #
 # Stages (run each as its own device command; a failure does not stop the next):
 #   tests       GPU tests (tests/workers/engine/test_gpu.py), measurements to measure.jsonl      ~3 min
@@ -165,3 +166,12 @@ done
 
 echo "=== summary ($FIRSTTOKEN_COMMIT)" | tee -a "$OUT/summary.txt"
 for k in "${!STATUS[@]}"; do echo "$k: ${STATUS[$k]}"; done | sort | tee -a "$OUT/summary.txt"
+
+# The device tool brings back at most 8 files from $OUT (bench/results/2026-12-03-session4-*: a tests.log
+# was dropped that way): past 8, everything goes into one all.tgz beside summary.txt
+# (`tar xzf /work/.device/N/all.tgz -C somewhere` here).
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf "$OUT/../all.tgz.$$" -C "$OUT" . && find "$OUT" -mindepth 1 ! -name summary.txt -delete \
+    && mv "$OUT/../all.tgz.$$" "$OUT/all.tgz"
+  echo "=== $OUT held more than 8 files: bundled into all.tgz"
+fi

@@ -171,3 +171,20 @@ def test_bench_guided_times_guided_against_plain_steps_on_cpu(tmp_path):
     assert all(r["tpot_ms"] > 0 and r["decode_steps"] > 0 for r in rows.values())
     assert rows["json_schema"]["mask_host_ms"] > 0 and rows["none"]["mask_host_ms"] == 0
     assert "| json_schema |" in (tmp_path / "bench_guided_tiny_b4.md").read_text()
+
+
+def test_gpu_run_bundles_more_than_the_eight_files_a_device_call_returns(tmp_path):
+    """The device tool brings back 8 files from $OUT: past 8, gpu_run.sh leaves all.tgz and summary.txt."""
+    import tarfile
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "SMOKE": "1", "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run(["bash", "bench/gpu_run.sh", "fp8_head", "load_fp8", "engine"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(f.name for f in out.iterdir()) == ["all.tgz", "summary.txt"]
+    with tarfile.open(out / "all.tgz") as tar:
+        names = {n.lstrip("./") for n in tar.getnames()}
+        data = json.loads(tar.extractfile("./bench_load_tiny_fp8_goodput.json").read())
+    assert len([n for n in names if n]) > 8 and {"machine.txt", "engine.log", "summary.txt"} <= names
+    assert data["quantization"] == "fp8"
