@@ -171,8 +171,11 @@ for k in "${!STATUS[@]}"; do echo "$k: ${STATUS[$k]}"; done | sort | tee -a "$OU
 # The device tool brings back at most 8 files from $OUT (bench/results/2026-12-03-session4-*: a tests.log
 # was dropped that way): past 8, everything goes into one all.tgz beside summary.txt
 # (`tar xzf /work/.device/N/all.tgz -C somewhere` here).
+# (the archive is written outside $OUT, under mktemp: tar reading the folder it writes into may exit
+# 1, "file changed as we read it"; and $OUT's parent need not be ours)
 if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
-  tar czf "$OUT/../all.tgz.$$" -C "$OUT" . && find "$OUT" -mindepth 1 ! -name summary.txt -delete \
-    && mv "$OUT/../all.tgz.$$" "$OUT/all.tgz"
+  bundle=$(mktemp)
+  tar czf "$bundle" -C "$OUT" . && find "$OUT" -mindepth 1 ! -name summary.txt -delete \
+    && mv "$bundle" "$OUT/all.tgz" && chmod 644 "$OUT/all.tgz"
   echo "=== $OUT held more than 8 files: bundled into all.tgz"
 fi
