@@ -287,15 +287,23 @@ def time_variant(f, ref: torch.Tensor, rate: str, work: float, **row) -> dict:
     return row
 
 
-def run_prefill_graph_shape(sweep: list) -> None:
+def run_prefill_graph_shape(sweep: list, cache_dtypes: tuple[str, ...] = ("bf16",)) -> None:
     """The cached-prefix TTFT case as the engine's prefill graph runs it: 16 table rows (15 padded,
     no tokens), tables as wide as max_model_len (33024), 128 new tokens over a 2048 prefix (and
-    over none); tiles x split counts, graph-replayed with the combine."""
+    over none); tiles x split counts, graph-replayed with the combine. cache_dtypes: "bf16" and/or
+    "fp8" (the engine's fp8 KV cache: the same values rounded to e4m3)."""
+    for cache in cache_dtypes:
+        _prefill_graph_shape(sweep, cache)
+
+
+def _prefill_graph_shape(sweep: list, cache: str) -> None:
     scale = D**-0.5
     rows_, width = 16, 33024 // BS
     for prefix, new in ((2048, 128), (0, 128), (0, 512)):
         ctx = prefix + new
         kc, vc, bt1 = paged_kv([ctx])
+        if cache == "fp8":
+            kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         bt = torch.full((rows_, width), kc.shape[0] - 1, dtype=torch.int32, device=DEV)
         bt[0, : bt1.shape[1]] = bt1[0]
         q = torch.randn(new, HQ, D, device=DEV, dtype=DT)
@@ -312,7 +320,7 @@ def run_prefill_graph_shape(sweep: list) -> None:
                 f = partial(paged_attention_triton, q, kc, vc, bt, qsl, sl, scale, None, max_query_len=new,
                             num_splits=splits, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
                 sweep.append(time_variant(f, ref, "TFLOPs", flops / 1e9, op="prefill_graph_shape",
-                                          shape=f"prefix={prefix} new={new} rows=16",
+                                          shape=f"prefix={prefix} new={new} rows=16 cache={cache}",
                                           cfg=f"M{bm} N{bn} w{w} s{st} splits={splits or 'auto'}"))
         del kc, vc
         torch.cuda.empty_cache()
@@ -677,6 +685,8 @@ def main() -> None:
     ap.add_argument("--kv-batches", default="64,224,640", help="decode_kv_dtype: batch sizes (of 64, 224, 640)")
     ap.add_argument("--focus", action="store_true", help="only the split-KV / launch-overhead set (see above)")
     ap.add_argument("--old", default=None, help="folder holding the previous kernels as package `oldkernels`")
+    ap.add_argument("--prefill-caches", default="bf16",
+                    help="prefill_graph_shape: KV cache dtypes to sweep (bf16, fp8; comma list)")
     ap.add_argument("--sections", default=None,
                     help="comma list of sections to run (rms,silu,rope,prefill,decode,decode_kv_dtype,prefill_graph_shape,graph,fp8); default all")
     args = ap.parse_args()
@@ -699,7 +709,8 @@ def main() -> None:
                 ("prefill", lambda: run_prefill(rows, sweep)), ("decode", lambda: run_decode(rows, sweep)),
                 ("decode_kv_dtype", lambda: sweep is not None and run_decode_kv_dtype(
                     sweep, tuple(int(x) for x in args.kv_batches.split(",")))),
-                ("prefill_graph_shape", lambda: sweep is not None and run_prefill_graph_shape(sweep)),
+                ("prefill_graph_shape", lambda: sweep is not None and run_prefill_graph_shape(
+                    sweep, tuple(args.prefill_caches.split(",")))),
                 ("graph", lambda: result.__setitem__("graph_check", check_decode_graph())),
                 ("fp8", lambda: run_fp8(result.setdefault("fp8", []))))
     only = set(args.sections.split(",")) if args.sections else None
