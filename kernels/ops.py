@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ def get_ops(backend: str) -> KernelOps:
         from kernels.rope_cache import rope_and_cache_triton
         from kernels.silu_mul import silu_and_mul_triton
 
+        # FIRSTTOKEN_PREFILL_WIDEN=q: the prefill attention widens an fp8 cache to q's dtype (bf16),
+        # not to fp16 (kernels.prefill_attention.default_widen; an A/B switch)
+        f16 = {"widen": "q"} if os.environ.get("FIRSTTOKEN_PREFILL_WIDEN") == "q" else {}
         return KernelOps(
             name="triton",
             rms_norm=rms_norm_triton,
@@ -71,20 +75,21 @@ def get_ops(backend: str) -> KernelOps:
             rms_norm_quant=rms_norm_quant_triton,
             silu_and_mul_quant=silu_and_mul_quant_triton,
             rope_and_cache=rope_and_cache_triton,
-            prefill_attention=paged_attention_triton,
+            prefill_attention=partial(paged_attention_triton, **f16) if f16 else paged_attention_triton,
             decode_attention=decode_attention_triton,
             # FIRSTTOKEN_FUSED_DECODE_ROPE=0: rope_and_cache's own launch in decode steps too (an A/B switch)
             decode_rope_attention=None if os.environ.get("FIRSTTOKEN_FUSED_DECODE_ROPE") == "0"
             else decode_rope_attention_triton,
-            warm_up=_warm_up_triton,
+            warm_up=partial(_warm_up_triton, **f16),
             prefill_splits=plan_prefill_splits,
         )
     raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
 
 
-def _warm_up_triton(k_cache, v_cache, num_heads: int, scale: float, sliding_window: int | None, q_dtype) -> None:
+def _warm_up_triton(k_cache, v_cache, num_heads: int, scale: float, sliding_window: int | None, q_dtype,
+                    widen: str | None = None) -> None:
     from kernels.decode_attention import warm_up_decode
     from kernels.prefill_attention import warm_up_prefill
 
-    warm_up_prefill(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype)
+    warm_up_prefill(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype, widen)
     warm_up_decode(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype)

@@ -102,6 +102,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,  # write partials (m, l, acc) for `combine_splits` instead of the output
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no tf32) and the interpreter, None (default) for 16 bit
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
+    WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
 ):
     pid0 = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -133,6 +134,8 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & dmask[None, :],
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    if WIDEN_F16:  # pre-scaled (far from fp16's range limit; clamped to it), so the scores need no scaling
+        q = tl.minimum(tl.maximum(q.to(tl.float32) * qk_scale, -65504.0), 65504.0).to(tl.float16)
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -164,10 +167,13 @@ def _paged_attention_kernel(
         c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        k = k.to(q_ptr.dtype.element_ty)  # an fp8 cache widens exactly to q's dtype (else a no-op)
+        # an fp8 cache widens exactly to q's dtype (else a no-op), or to fp16 (exact too)
+        k = k.to(tl.float16) if WIDEN_F16 else k.to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        if not WIDEN_F16:
+            s = s * qk_scale
         # only tiles on the causal diagonal or the window's edge need the per-element mask
         need_mask = start + BLOCK_N - 1 > q_lo
         if HAS_WINDOW:
@@ -182,7 +188,7 @@ def _paged_attention_kernel(
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = v.to(q_ptr.dtype.element_ty)
+        v = v.to(tl.float16) if WIDEN_F16 else v.to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
         else:
@@ -337,8 +343,20 @@ _STATIC: dict = {}
 _TILES: dict = {}
 
 
+def default_widen(q_dtype: torch.dtype, fp8_cache: bool, on_gpu: bool) -> str:
+    """What an fp8 cache's tiles are widened to before the dots: "fp16" for 16-bit q on a GPU, else "q".
+
+    e4m3 widens to fp16 in one instruction per pair of values, to bf16 only through more: on the
+    H200 (bench_kernels' prefill_graph_shape, graph-replayed, 4b075a9) widening to bf16 took 31.7 us
+    against 24.6 with a bf16 cache at 2048 cached + 128 new tokens, 26.3 against 14.8 at 512 new.
+    fp16 holds e4m3 exactly and p in [0, 1] with 3 more bits than bf16; q is pre-scaled by the
+    softmax scale (as decode_attention's fp16 path does) and rounded to fp16's 11 bits (bf16 has 8)."""
+    sixteen = q_dtype in (torch.bfloat16, torch.float16)
+    return "fp16" if fp8_cache and sixteen and on_gpu else "q"
+
+
 def _static_plan(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sliding_window) -> tuple:
-    """All argument checks (run once per key); returns (Hq, Hk, D, block_size, B, on_gpu)."""
+    """All argument checks (run once per key); returns (Hq, Hk, D, block_size, B, on_gpu, f16 dots)."""
     hq, hk, d, bs = check_paged_inputs("paged_attention", q, k_cache, v_cache, block_tables)
     b = block_tables.shape[0]
     check(query_start_loc.shape == (b + 1,) and query_start_loc.dtype == torch.int32,
@@ -349,7 +367,7 @@ def _static_plan(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, s
     check(query_start_loc.device == q.device and seq_lens.device == q.device,
           "paged_attention: metadata on another device than q")
     check(sliding_window is None or sliding_window >= 1, "paged_attention: bad sliding_window {}", sliding_window)
-    return hq, hk, d, bs, b, q.device.type == "cuda"
+    return hq, hk, d, bs, b, q.device.type == "cuda", k_cache.dtype == torch.float8_e4m3fn
 
 
 # 16-bit tiles on the GPU (block_m, block_n, num_warps, num_stages): large grids, and grids too
@@ -361,8 +379,11 @@ GPU_TILES_SMALL = (64, 64, 4, 2)
 def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound: int, has_window: bool,
                sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits, num_m_tiles) of one launch."""
-    hq, hk, d, bs, b, on_gpu = static
-    block_m, block_n, num_warps, num_stages, num_splits = over
+    hq, hk, d, bs, b, on_gpu, fp8_cache = static
+    block_m, block_n, num_warps, num_stages, num_splits, widen = over
+    check(widen in (None, "q", "fp16"), "paged_attention: widen must be 'q' or 'fp16', not {!r}", widen)
+    if widen is None:
+        widen = default_widen(dtype, fp8_cache, on_gpu)
     group = hq // hk
     # Tiles from the H200 sweeps (bf16, Hq=32, Hk=8, D=128; bench/results/kernels-2026-11-30.md):
     # M128 N128 w8 s3 ran 8192 / 32768 causal tokens at 390 / 414 TFLOP/s against 324 / 360 for
@@ -405,7 +426,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
         "BLOCK_M": bm, "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs,
         "HAS_WINDOW": has_window, "SPLIT": num_splits > 1,
         "PRECISION": "ieee" if dtype == torch.float32 or not on_gpu else None,
-        "DOT_FP32": not on_gpu,
+        "DOT_FP32": not on_gpu, "WIDEN_F16": fp8_cache and widen == "fp16" and dtype != torch.float32,
     }
     return grid, consts, warps, stages, num_splits, num_m_tiles
 
@@ -418,9 +439,9 @@ def plan_prefill_splits(q_dtype: torch.dtype, num_heads: int, k_cache: torch.Ten
     step with the real, shorter context would pick, and replay an unsplit capture when it is 1.
     """
     _, bs, hk, d = k_cache.shape
-    static = (num_heads, hk, d, bs, batch, k_cache.device.type == "cuda")
+    static = (num_heads, hk, d, bs, batch, k_cache.device.type == "cuda", k_cache.dtype == torch.float8_e4m3fn)
     plan = _tile_plan(static, q_dtype, num_tokens, min(max_query_len, num_tokens), ctx_bound,
-                      sliding_window is not None, num_sms(k_cache.device), (None,) * 5)
+                      sliding_window is not None, num_sms(k_cache.device), (None,) * 6)
     return plan[4]
 
 
@@ -441,6 +462,7 @@ def paged_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    widen: str | None = None,
 ) -> torch.Tensor:
     """Triton `paged_attention_ref`: the whole varlen batch in one launch (two when split), no host sync.
 
@@ -452,6 +474,8 @@ def paged_attention_triton(
     (`prefill_splits`; from shapes only: T, max_query_len, B, heads, SM count and the context
     bound min(max_seq_len, block table width x block size)) whose partials a second launch
     combines. block_m / block_n / num_warps / num_stages / num_splits override the choice.
+    widen: what an fp8 cache's tiles are widened to before the dots, "q" (q's dtype) or "fp16"
+    (None: `default_widen`).
     """
     # q: [T, Hq, D]; out: [T, Hq, D]; split partials: [T * Hq, S] and [T * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -463,7 +487,7 @@ def paged_attention_triton(
     if static is None:
         static = bounded_put(_STATIC, skey, _static_plan(q, k_cache, v_cache, block_tables, query_start_loc,
                                                          seq_lens, sliding_window))
-    hq, _hk, d, bs, b, on_gpu = static
+    hq, _hk, d, bs, b, on_gpu, _fp8 = static
     t = q.shape[0]
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     max_q = t if max_query_len is None else min(max_query_len, t)
@@ -472,7 +496,7 @@ def paged_attention_triton(
     ctx_bound = block_tables.shape[1] * bs
     if max_seq_len is not None:
         ctx_bound = min(ctx_bound, max_seq_len)
-    over = (block_m, block_n, num_warps, num_stages, num_splits)
+    over = (block_m, block_n, num_warps, num_stages, num_splits, widen)
     tkey = (skey, t, max_q, ctx_bound, over)
     plan = _TILES.get(tkey)
     if plan is None:
@@ -498,7 +522,7 @@ def paged_attention_triton(
 
 
 def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
-                    sliding_window: int | None, q_dtype: torch.dtype) -> None:
+                    sliding_window: int | None, q_dtype: torch.dtype, widen: str | None = None) -> None:
     """Compile every variant `paged_attention_triton` can pick on this GPU for these caches.
 
     A variant is a tile configuration times split-or-not; the runtime ints are not specialised
@@ -518,4 +542,5 @@ def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
     for bm, bn, warps, stages in (GPU_TILES_LARGE, GPU_TILES_SMALL):
         for splits in (1, 2):
             paged_attention_triton(q, k_cache, v_cache, tables, qsl, lens, scale, sliding_window, t,
-                                   num_splits=splits, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+                                   num_splits=splits, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+                                   widen=widen)

@@ -230,16 +230,18 @@ FP8 = torch.float8_e4m3fn
 
 
 @pytest.mark.usefixtures("poison_empty")
-@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize(("dtype", "widen"), [(F32, None), (BF16, None), (BF16, "fp16")])
 @pytest.mark.parametrize(("prefix", "new", "hq", "hk", "d", "window", "tiles"), PREFILL_CASES[:4])
-def test_paged_prefill_fp8_cache(dtype, prefix, new, hq, hk, d, window, tiles) -> None:
-    """An fp8 (e4m3) KV cache: the kernel widens each loaded tile to q's dtype; same answer as
+def test_paged_prefill_fp8_cache(dtype, widen, prefix, new, hq, hk, d, window, tiles) -> None:
+    """An fp8 (e4m3) KV cache: the kernel widens each loaded tile to q's dtype, or (widen="fp16",
+    the GPU's default for 16-bit q) with q pre-scaled and the probabilities in fp16; same answer as
     the reference reading the same fp8 cache (NaN poison survives the cast, so unowned slots
     still fail the test if read)."""
     q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, d, 16, dtype)
     kc8, vc8 = kc.to(FP8), vc.to(FP8)
     assert kc8.float().isnan().any(), "the poison must survive the fp8 cast"
-    out = paged_attention_triton(q, kc8, vc8, bt, qsl, sl, d**-0.5, window, max_query_len=max(new), **tiles)
+    out = paged_attention_triton(q, kc8, vc8, bt, qsl, sl, d**-0.5, window, max_query_len=max(new), widen=widen,
+                                 **tiles)
     assert not out.isnan().any()
     ref = paged_attention_ref(q, kc8, vc8, bt, qsl, sl, d**-0.5, window)
     torch.testing.assert_close(out, ref, **TOL[dtype])

@@ -130,3 +130,44 @@ def test_decode_attention_and_argmax_compile_for_sm90():
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert [g["cubin"] > 0 for g in got] == [True] * (len(cases) + 2)
     assert all(g["mma"] for g in got[: len(cases)])  # the score and value products on the tensor cores
+
+
+PREFILL_SCRIPT = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from kernels import prefill_attention
+jitted = prefill_attention._paged_attention_kernel.jitted()
+PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "out_ptr": "*bf16", "m_ptr": "*fp32",
+        "l_ptr": "*fp32", "acc_ptr": "*fp32", "bt_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "qk_scale": "fp32"}
+out = []
+for widen, bm, bn, warps, stages in json.loads(sys.argv[1]):
+    consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_Q": bm // 4, "BLOCK_M": bm, "BLOCK_N": bn,
+              "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "HAS_WINDOW": False, "SPLIT": True,
+              "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": widen}
+    sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
+    c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ptx = c.asm["ptx"]
+    out.append({"cubin": len(c.asm["cubin"]), "wgmma": "wgmma" in ptx, "e4m3_pairs": ptx.count("cvt.rn.f16x2.e4m3x2"),
+                "f16_to_bf16": ptx.count("cvt.bf16.f16")})
+print(json.dumps(out))
+'''
+
+
+def test_prefill_attention_fp8_cache_compiles_for_sm90():
+    """The prefill attention over an fp8 cache, tiles widened to bf16 (q's dtype) or to fp16, at the
+    engine's two tile shapes: both on Hopper's MMA (wgmma); e4m3 widens in pairs to fp16 either way,
+    and the fp16 path drops the per-value fp16 -> bf16 conversion that the bf16 path adds to each
+    loaded K and V tile (what made an fp8 cache slower than a bf16 one on the H200)."""
+    cases = [(False, 64, 64, 4, 2), (True, 64, 64, 4, 2), (False, 128, 128, 8, 3), (True, 128, 128, 8, 3)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", PREFILL_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    for case, g in zip(cases, got, strict=True):
+        widen = case[0]
+        assert g["cubin"] > 0 and g["wgmma"] and g["e4m3_pairs"] > 0, (case, g)
+        assert (g["f16_to_bf16"] == 0) == widen, (case, g)
