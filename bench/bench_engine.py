@@ -249,6 +249,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # fast up to kernels.fp8_linear.FAST_ACCUM_MAX_K; bench/bench_fp8_accum.py)
     "fp8-fastacc": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_FAST_ACCUM": "1"}},
     "fp8-exactacc": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_FAST_ACCUM": "0"}},
+    # A/B: the prefill attention widening an fp8 cache to bf16 (q's dtype), not fp16 (the default)
+    "fp8-widenq": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "q"}},
 }
 
 

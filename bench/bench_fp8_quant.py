@@ -41,7 +41,7 @@ def main() -> None:
     import triton.testing
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", default="1,128,2048")
+    ap.add_argument("--tokens", default="1,128,2048,8192")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--inter", type=int, default=14336)
     args = ap.parse_args()
@@ -63,7 +63,10 @@ def main() -> None:
                          ("hw cast chunks 2048", {"hw_cast": True, "chunk": 2048}),
                          ("hw cast chunks 4096", {"hw_cast": True, "chunk": 4096}),
                          *((f"hw cast whole row, {w} warps", {"hw_cast": True, "chunk": 0, "num_warps": w})
-                           for w in (4, 8, 32))):
+                           for w in (4, 8, 32)),
+                         ("whole row, product held in bf16", {"hw_cast": True, "y16": True}),
+                         *((f"whole row, at most {r} registers{', bf16 product' if y else ''}",
+                            {"hw_cast": True, "y16": y, "maxnreg": r}) for r in (40, 48) for y in (False, True))):
             q, s = silu_and_mul_quant_triton(x, **kw)
             ms = bench(lambda kw=kw, x=x: silu_and_mul_quant_triton(x, **kw))
             rows.append({"op": "silu_and_mul_quant", "T": t, "variant": name, "us": ms * 1e3,

@@ -23,6 +23,7 @@ default), and host microseconds per call with and without the direct launch path
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -313,15 +314,21 @@ def _prefill_graph_shape(sweep: list, cache: str) -> None:
         sl[0] = ctx
         flops = 4 * D * HQ * sum(prefix + i + 1 for i in range(new))
         ref = paged_attention_ref(q, kc, vc, bt1, qsl[:2].clone(), sl[:1].clone(), scale)
-        for tiles in [(None, None, None, None), (64, 128, 4, 2), (64, 64, 4, 2), (64, 128, 4, 3), (32, 128, 4, 2),
-                      (64, 64, 2, 2), (128, 128, 8, 3), (128, 64, 8, 3), (16, 128, 4, 2)]:
-            for splits in (None, 1, 2, 4, 8, 16):
-                bm, bn, w, st = tiles
-                f = partial(paged_attention_triton, q, kc, vc, bt, qsl, sl, scale, None, max_query_len=new,
-                            num_splits=splits, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-                sweep.append(time_variant(f, ref, "TFLOPs", flops / 1e9, op="prefill_graph_shape",
-                                          shape=f"prefix={prefix} new={new} rows=16 cache={cache}",
-                                          cfg=f"M{bm} N{bn} w{w} s{st} splits={splits or 'auto'}"))
+        # an fp8 cache: its widening to q's dtype ("q") against fp16 (the default), on fewer tiles
+        tile_set = [(None, None, None, None), (64, 128, 4, 2), (64, 64, 4, 2), (64, 128, 4, 3), (32, 128, 4, 2),
+                    (64, 64, 2, 2), (128, 128, 8, 3), (128, 64, 8, 3), (16, 128, 4, 2)]
+        widens = (None,)
+        if cache == "fp8":
+            tile_set = [(None, None, None, None), (64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 3)]
+            widens = ("q", "fp16")
+        for tiles, widen, splits in itertools.product(tile_set, widens, (None, 1, 2, 4, 8, 16)):
+            bm, bn, w, st = tiles
+            f = partial(paged_attention_triton, q, kc, vc, bt, qsl, sl, scale, None, max_query_len=new,
+                        num_splits=splits, block_m=bm, block_n=bn, num_warps=w, num_stages=st, widen=widen)
+            sweep.append(time_variant(f, ref, "TFLOPs", flops / 1e9, op="prefill_graph_shape",
+                                      shape=f"prefix={prefix} new={new} rows=16 cache={cache}",
+                                      cfg=f"M{bm} N{bn} w{w} s{st} splits={splits or 'auto'}"
+                                          + (f" widen={widen}" if widen else "")))
         del kc, vc
         torch.cuda.empty_cache()
 

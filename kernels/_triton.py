@@ -106,8 +106,10 @@ class LazyKernel:
     def __getitem__(self, grid: Any) -> Any:
         return self.jitted()[grid]
 
-    def launch(self, grid: tuple, args: tuple, consts: dict, num_warps: int, num_stages: int, fast: bool) -> None:
+    def launch(self, grid: tuple, args: tuple, consts: dict, num_warps: int, num_stages: int, fast: bool,
+               maxnreg: int | None = None) -> None:
         """`self[grid](*args, **consts, num_warps=..., num_stages=...)`, the runtime args first.
+        maxnreg: a register cap per thread (Triton's option; more programs resident per SM).
 
         fast (the caller's choice: on a CUDA device, not under the interpreter): after the first
         launch of a specialisation, launch the compiled kernel directly, skipping Triton's per-call
@@ -116,6 +118,8 @@ class LazyKernel:
         """
         global FAST_LAUNCH
         opts = {"num_warps": num_warps, "num_stages": num_stages}
+        if maxnreg is not None:
+            opts["maxnreg"] = maxnreg
         if not (fast and FAST_LAUNCH):
             self.jitted()[grid](*args, **consts, **opts)
             return
@@ -123,7 +127,7 @@ class LazyKernel:
             spec = tuple(f(a) for f, a in zip(self._spec_fns, args))
         else:
             spec = tuple(map(_spec, args))
-        key = (spec, *consts.values(), num_warps, num_stages, args[0].device.index)
+        key = (spec, *consts.values(), num_warps, num_stages, maxnreg, args[0].device.index)
         hit = self._compiled.get(key)
         if hit is not None:
             try:
