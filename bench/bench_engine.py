@@ -309,7 +309,14 @@ def run_engine(spec: str, fields: dict[str, Any], args: argparse.Namespace, sect
         mem = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
         ours["throughput_stats"] = {"preemptions": st.num_preemptions, "prefix_hit_rate": st.prefix_hit_rate,
                                     "alloc_retries": mem.get("num_alloc_retries"),
-                                    "device_allocs": mem.get("num_device_alloc")}
+                                    "device_allocs": mem.get("num_device_alloc"),
+                                    # peaks over the engine's life, the KV cache included: the headroom
+                                    # gpu_memory_utilization left unused is total x util - peak reserved
+                                    "peak_allocated_gib": mem.get("allocated_bytes.all.peak", 0) / 2**30,
+                                    "peak_reserved_gib": mem.get("reserved_bytes.all.peak", 0) / 2**30,
+                                    "device_total_gib": torch.cuda.mem_get_info()[1] / 2**30
+                                    if torch.cuda.is_available() else None,
+                                    "kv_cache_gib": st.kv_blocks_total * engine.runner.kv_bytes_per_block() / 2**30}
         print(f"# {spec} throughput {ours['throughput_tok_s']:.0f} tok/s", flush=True)
     engine.close()  # the next engine gets the memory (del alone kept it: graphs and the runner hold it)
     free_memory()
