@@ -221,6 +221,16 @@ def _hw_cast(x: torch.Tensor, hw_cast: bool | None) -> bool:
     return x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
+def silu_maxnreg(block: int, warps: int) -> int:
+    """The whole-row silu_and_mul_quant's register cap: 40 when a thread holds at most 32 of the
+    row's values, else none (0). Llama-3.1-8B's row (I = 14336, 16 warps, 32 values a thread) takes
+    64 registers uncapped, two rows resident per SM; capped at 40, three (spilling 48 bytes a
+    thread): on the H200 at 642cfb5 (bench_fp8_quant) 49.2 -> 45.7 us at T = 2048, 164 -> 148 at
+    8192 (3.2 / 4.0 TB/s). At 128 rows every variant's timing moved 9-20 us within the run (noise
+    larger than any difference); one variant for every T, so the engine's warm-up compiles it."""
+    return 40 if block // (32 * warps) <= 32 else 0
+
+
 def silu_and_mul_quant_triton(x: torch.Tensor, hw_cast: bool | None = None, chunk: int | None = None,
                               num_warps: int | None = None, y16: bool = False,
                               maxnreg: int | None = None) -> Quantized:
@@ -228,7 +238,7 @@ def silu_and_mul_quant_triton(x: torch.Tensor, hw_cast: bool | None = None, chun
     `num_warps`: as in rms_norm_quant_triton. `chunk`: the row in chunks of this many columns (two
     passes); None or 0: the whole row in one program (faster on the H200). `y16`: the whole-row
     kernel holds the product in x's dtype across the row's reduction; `maxnreg`: its register cap
-    per thread on a GPU (more rows resident per SM; bench/bench_fp8_quant.py measures both)."""
+    per thread on a GPU (None: `silu_maxnreg`; 0: none)."""
     check(x.dim() == 2 and x.shape[1] % 2 == 0, "silu_and_mul_quant: x must be [T, 2 * I], got {}", tuple(x.shape))
     check(x.stride(1) == 1, "silu_and_mul_quant: x's last dim must be contiguous")
     t, two_i = x.shape
@@ -249,9 +259,12 @@ def silu_and_mul_quant_triton(x: torch.Tensor, hw_cast: bool | None = None, chun
                                                   min(8, max(1, chunk // 256)), 3, x.device.type == "cuda")
         return q, scale
     gpu = x.device.type == "cuda"
+    warps = num_warps or _warps(block)
+    if maxnreg is None:
+        maxnreg = silu_maxnreg(block, warps)
     _silu_and_mul_quant_kernel.launch((t,), (x, q, scale, x.stride(0), inter),
                                       {"FP8_MAX_": FP8_MAX, "HW_CAST": hw, "BLOCK": block, "Y16": y16},
-                                      num_warps or _warps(block), 3, gpu, maxnreg if gpu else None)
+                                      warps, 3, gpu, (maxnreg or None) if gpu else None)
     return q, scale
 
 
