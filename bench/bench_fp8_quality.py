@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -53,11 +54,16 @@ TEXTS = [
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def swap_projections(model: torch.nn.Module, make, keep: tuple[str, ...] = ()) -> int:
-    """Replace each projection nn.Linear (but those named in keep) by make(linear); returns how many."""
+def swap_projections(model: torch.nn.Module, make, keep: tuple[str, ...] = (),
+                     keep_layers: frozenset[int] = frozenset()) -> int:
+    """Replace each projection nn.Linear (but those named in keep, and every one of the decoder
+    layers numbered in keep_layers) by make(linear); returns how many."""
     names = tuple(n for n in PROJECTIONS if n not in keep)
     n = 0
-    for module in list(model.modules()):
+    for qual, module in list(model.named_modules()):
+        layer = re.search(r"layers\.(\d+)(\.|$)", qual)
+        if layer and int(layer.group(1)) in keep_layers:
+            continue
         for name in names:
             child = getattr(module, name, None)
             if isinstance(child, torch.nn.Linear):
@@ -66,8 +72,9 @@ def swap_projections(model: torch.nn.Module, make, keep: tuple[str, ...] = ()) -
     return n
 
 
-def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = (), scale_search: bool = True) -> int:
-    return swap_projections(model, lambda lin: Fp8Linear(lin, scale_search), keep)
+def swap_fp8(model: torch.nn.Module, keep: tuple[str, ...] = (), scale_search: bool = True,
+             keep_layers: frozenset[int] = frozenset()) -> int:
+    return swap_projections(model, lambda lin: Fp8Linear(lin, scale_search), keep, keep_layers)
 
 
 class GroupFp8Emulation(torch.nn.Module):
@@ -234,6 +241,8 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=800, help="with --text passages: positions at least")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     ap.add_argument("--keep", default="", help="projections left unquantized, e.g. down_proj (an experiment)")
+    ap.add_argument("--keep-layers", default="",
+                    help="decoder layers (indices, e.g. 0,29) whose projections stay unquantized (an experiment)")
     ap.add_argument("--weight-scale", default="search", choices=["search", "amax"],
                     help="weight scales per channel: the engine's least-error search, or amax / 448 (before 2026-12-03)")
     ap.add_argument("--lm-head", action="store_true",
@@ -259,13 +268,14 @@ def main() -> None:
     ref = logprobs(ref_model, batches)
     bf16 = logprobs(ref_model.to(torch.bfloat16), batches)
     keep = tuple(k for k in args.keep.split(",") if k)
+    keep_layers = frozenset(int(k) for k in args.keep_layers.split(",") if k)
 
     def quantized(dtype: torch.dtype) -> tuple[torch.nn.Module, int]:
         # loaded in `dtype`, then quantized (as the engine does): a quantized model is never cast
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval()
         if args.groups:
             return model, swap_projections(model, lambda lin: GroupFp8Emulation(lin, args.groups))
-        n = swap_fp8(model, keep, args.weight_scale == "search")
+        n = swap_fp8(model, keep, args.weight_scale == "search", keep_layers)
         if args.lm_head:  # the engine's fp8_lm_head (a tied embedding's lookup keeps the bf16 weight)
             model.lm_head = Fp8Linear(model.lm_head, args.weight_scale == "search")
             n += 1
@@ -287,6 +297,7 @@ def main() -> None:
         "positions": int(ref.shape[0]),
         "fp8_layers": swapped,
         "kept_unquantized": list(keep),
+        "kept_layers": sorted(keep_layers),
         "weight_only": args.weight_only,
         "groups": args.groups,
         "weight_scale": args.weight_scale,
