@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, update_wrapper
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,8 @@ def get_ops(backend: str) -> KernelOps:
             rms_norm_quant=rms_norm_quant_triton,
             silu_and_mul_quant=silu_and_mul_quant_triton,
             rope_and_cache=rope_and_cache_triton,
-            prefill_attention=partial(paged_attention_triton, **f16) if f16 else paged_attention_triton,
+            prefill_attention=update_wrapper(partial(paged_attention_triton, **f16), paged_attention_triton)
+            if f16 else paged_attention_triton,
             decode_attention=decode_attention_triton,
             # FIRSTTOKEN_FUSED_DECODE_ROPE=0: rope_and_cache's own launch in decode steps too (an A/B switch)
             decode_rope_attention=None if os.environ.get("FIRSTTOKEN_FUSED_DECODE_ROPE") == "0"

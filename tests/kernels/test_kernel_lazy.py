@@ -37,6 +37,18 @@ def test_get_ops_triton() -> None:
     assert ops.prefill_attention.__name__ == "paged_attention_triton"
 
 
+def test_get_ops_prefill_widen_switch(monkeypatch) -> None:
+    """FIRSTTOKEN_PREFILL_WIDEN=q: the prefill attention and its warm-up widen an fp8 cache to q's
+    dtype (the A/B of the fp16 default); unset, neither is bound to a choice."""
+    monkeypatch.setenv("FIRSTTOKEN_PREFILL_WIDEN", "q")
+    ops = get_ops("triton")
+    assert ops.prefill_attention.__name__ == "paged_attention_triton"
+    assert ops.prefill_attention.keywords == {"widen": "q"} and ops.warm_up.keywords == {"widen": "q"}
+    monkeypatch.delenv("FIRSTTOKEN_PREFILL_WIDEN")
+    ops = get_ops("triton")
+    assert not hasattr(ops.prefill_attention, "keywords") and ops.warm_up.keywords == {}
+
+
 def test_direct_launch_reuses_the_compiled_kernel(monkeypatch) -> None:
     """After the first launch of a specialisation, `launch` calls the compiled kernel with every
     argument in signature order and a three-axis grid (as Triton's own launcher does)."""
