@@ -143,7 +143,6 @@ def _silu_and_mul_quant_kernel(
     FP8_MAX_: tl.constexpr,  # 448
     HW_CAST: tl.constexpr,  # the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
     BLOCK: tl.constexpr,  # power of two >= I: one program handles one whole row
-    Y16: tl.constexpr,  # keep the product in the activation dtype until the row's scale is known
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -153,13 +152,8 @@ def _silu_and_mul_quant_kernel(
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     # rounded to the activation dtype, as the unfused silu_and_mul writes it
-    y16 = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-    if Y16:  # held in the activation dtype across the row's reduction (half the registers of fp32)
-        amax = tl.max(tl.abs(y16), axis=0).to(tl.float32)
-        scale = tl.maximum(amax, 1e-12) / FP8_MAX_
-        q = _round_e4m3(tl.minimum(tl.maximum(y16.to(tl.float32) / scale, -FP8_MAX_), FP8_MAX_), HW_CAST)
-    else:
-        q, scale = _quantize_row(y16.to(tl.float32), FP8_MAX_, HW_CAST)
+    y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    q, scale = _quantize_row(y, FP8_MAX_, HW_CAST)
     tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
@@ -227,18 +221,18 @@ def silu_maxnreg(block: int, warps: int) -> int:
     64 registers uncapped, two rows resident per SM; capped at 40, three (spilling 48 bytes a
     thread): on the H200 at 642cfb5 (bench_fp8_quant) 49.2 -> 45.7 us at T = 2048, 164 -> 148 at
     8192 (3.2 / 4.0 TB/s). At 128 rows every variant's timing moved 9-20 us within the run (noise
-    larger than any difference); one variant for every T, so the engine's warm-up compiles it."""
+    larger than any difference); one variant for every T, so the engine's warm-up compiles it.
+    Holding the product in bf16 across the row's reduction (to free registers) measured 48.3 / 161
+    us and 45.5 / 151 with the cap: not kept."""
     return 40 if block // (32 * warps) <= 32 else 0
 
 
 def silu_and_mul_quant_triton(x: torch.Tensor, hw_cast: bool | None = None, chunk: int | None = None,
-                              num_warps: int | None = None, y16: bool = False,
-                              maxnreg: int | None = None) -> Quantized:
+                              num_warps: int | None = None, maxnreg: int | None = None) -> Quantized:
     """Triton `silu_and_mul_quant_ref`: x [T, 2 * I] -> (q [T, I] e4m3, scale [T, 1]). `hw_cast`,
     `num_warps`: as in rms_norm_quant_triton. `chunk`: the row in chunks of this many columns (two
-    passes); None or 0: the whole row in one program (faster on the H200). `y16`: the whole-row
-    kernel holds the product in x's dtype across the row's reduction; `maxnreg`: its register cap
-    per thread on a GPU (None: `silu_maxnreg`; 0: none)."""
+    passes); None or 0: the whole row in one program (faster on the H200). `maxnreg`: the
+    whole-row kernel's register cap per thread on a GPU (None: `silu_maxnreg`; 0: none)."""
     check(x.dim() == 2 and x.shape[1] % 2 == 0, "silu_and_mul_quant: x must be [T, 2 * I], got {}", tuple(x.shape))
     check(x.stride(1) == 1, "silu_and_mul_quant: x's last dim must be contiguous")
     t, two_i = x.shape
@@ -263,7 +257,7 @@ def silu_and_mul_quant_triton(x: torch.Tensor, hw_cast: bool | None = None, chun
     if maxnreg is None:
         maxnreg = silu_maxnreg(block, warps)
     _silu_and_mul_quant_kernel.launch((t,), (x, q, scale, x.stride(0), inter),
-                                      {"FP8_MAX_": FP8_MAX, "HW_CAST": hw, "BLOCK": block, "Y16": y16},
+                                      {"FP8_MAX_": FP8_MAX, "HW_CAST": hw, "BLOCK": block},
                                       warps, 3, gpu, (maxnreg or None) if gpu else None)
     return q, scale
 

@@ -356,7 +356,7 @@ def default_widen(q_dtype: torch.dtype, fp8_cache: bool, on_gpu: bool) -> str:
 
 
 def _static_plan(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sliding_window) -> tuple:
-    """All argument checks (run once per key); returns (Hq, Hk, D, block_size, B, on_gpu, f16 dots)."""
+    """All argument checks (run once per key); returns (Hq, Hk, D, block_size, B, on_gpu, fp8 cache)."""
     hq, hk, d, bs = check_paged_inputs("paged_attention", q, k_cache, v_cache, block_tables)
     b = block_tables.shape[0]
     check(query_start_loc.shape == (b + 1,) and query_start_loc.dtype == torch.int32,
