@@ -19,6 +19,11 @@
 #   gemv_sweep  the one-row GEMV's tiles (bench_fp8_gemv --rows 1), then
 #               decode b1/b8 with the sweep's picks (FIRSTTOKEN_FP8_GEMV_CONFIG) against the defaults    ~3 min
 #   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens (TensorRT-LLM's shape): FP8, bf16  ~6 min
+#   throughput_mem  the same shape, FP8 + fp8 KV alone, at gpu_memory_utilization 0.90 then 0.95 (fewer
+#               preemptions; the stats give peak memory against the device's total)                  ~4.5 min
+#   ttft_probe  where TTFT 2048 and 2048 cached + 128 spend the time outside their kernels (FP8 + fp8 KV:
+#               profile_engine's timeline of idle gaps and the CPU op in each), then bench_engine TTFT 2048
+#               in the same call (TTFT 2048 measured 29.5 and 37.6 ms in two calls of session 5)      ~2.5 min
 #   quality     FP8 on SmolLM2 with the real kernels (needs the model: bench/restore_smollm2.py)  ~2.5 min with
 #               the group runs, less now
 #   load        TTFT under load, bf16: targets none/15/20/30 ms at 8/16/24/32 req/s, 8 s each  ~3 min
@@ -124,6 +129,17 @@ for stage in "${STAGES[@]}"; do
     throughput)
       run throughput 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
         --engines fp8+kv8,bf16+kv8 "${TPUT_ARGS[@]}" ;;
+    throughput_mem)
+      for mem in 0.9 0.95; do
+        run "throughput_mem$mem" 270 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
+          --engines fp8+kv8 --no-hf --gpu-memory-utilization $mem "${TPUT_ARGS[@]}"
+      done ;;
+    ttft_probe)
+      [ "${SMOKE:-0}" = 1 ] && continue
+      run ttft_profile 200 $PY bench/profile_engine.py --quantization fp8 --kv-cache-dtype fp8 \
+        --cases "ttft 2048,ttft 2048c+128" --decode-batches ""
+      run ttft_2048 150 $PY bench/bench_engine.py --preset $PRESET --sections ttft --ttft-lengths 2048 \
+        --engines fp8+kv8 --no-hf ;;
     quality)  # FP8 on SmolLM2 with the real kernels: compare with bench/results/*fp8-quality-cpu*
       [ "${SMOKE:-0}" = 1 ] && continue
       run quality 150 $PY bench/bench_fp8_quality.py --device cuda --out "$OUT/fp8_quality_channel.json"

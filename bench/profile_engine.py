@@ -133,7 +133,7 @@ def main() -> None:
         show(prof, f"{name}: wall {wall:.1f} ms (profiled), unprofiled {[round(w, 2) for w in walls]} ms", args.rows)
         print(timeline(prof, "case"), flush=True)
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    for b in (int(x) for x in args.decode_batches.split(",")):
+    for b in (int(x) for x in args.decode_batches.split(",") if x):  # "": no decode case
         for i in range(b):
             eng.add_request(f"d{b}-{i}", prompt_token_ids=ids(args.decode_prompt_len), sampling=sp)
         for _ in range(30):
