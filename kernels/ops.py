@@ -67,7 +67,7 @@ def get_ops(backend: str) -> KernelOps:
 
         # FIRSTTOKEN_PREFILL_WIDEN=q: the prefill attention widens an fp8 cache to q's dtype (bf16),
         # not to fp16 (kernels.prefill_attention.default_widen; an A/B switch)
-        f16 = {"widen": "q"} if os.environ.get("FIRSTTOKEN_PREFILL_WIDEN") == "q" else {}
+        widen = {"widen": "q"} if os.environ.get("FIRSTTOKEN_PREFILL_WIDEN") == "q" else {}
         return KernelOps(
             name="triton",
             rms_norm=rms_norm_triton,
@@ -75,13 +75,13 @@ def get_ops(backend: str) -> KernelOps:
             rms_norm_quant=rms_norm_quant_triton,
             silu_and_mul_quant=silu_and_mul_quant_triton,
             rope_and_cache=rope_and_cache_triton,
-            prefill_attention=update_wrapper(partial(paged_attention_triton, **f16), paged_attention_triton)
-            if f16 else paged_attention_triton,
+            prefill_attention=update_wrapper(partial(paged_attention_triton, **widen), paged_attention_triton)
+            if widen else paged_attention_triton,
             decode_attention=decode_attention_triton,
             # FIRSTTOKEN_FUSED_DECODE_ROPE=0: rope_and_cache's own launch in decode steps too (an A/B switch)
             decode_rope_attention=None if os.environ.get("FIRSTTOKEN_FUSED_DECODE_ROPE") == "0"
             else decode_rope_attention_triton,
-            warm_up=partial(_warm_up_triton, **f16),
+            warm_up=partial(_warm_up_triton, **widen),
             prefill_splits=plan_prefill_splits,
         )
     raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
