@@ -137,7 +137,7 @@ for stage in "${STAGES[@]}"; do
     ttft_probe)
       [ "${SMOKE:-0}" = 1 ] && continue
       run ttft_profile 200 $PY bench/profile_engine.py --quantization fp8 --kv-cache-dtype fp8 \
-        --cases "ttft 2048,ttft 2048c+128" --decode-batches ""
+        --cases "ttft 2048,ttft 2048c+128" --decode-batches "" --host "ttft 2048c+128,ttft 2048"
       run ttft_2048 150 $PY bench/bench_engine.py --preset $PRESET --sections ttft --ttft-lengths 2048 \
         --engines fp8+kv8 --no-hf ;;
     quality)  # FP8 on SmolLM2 with the real kernels: compare with bench/results/*fp8-quality-cpu*

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -87,6 +88,114 @@ def timeline(prof, marker: str) -> str:
     return "\n".join(lines)
 
 
+class HostClock:
+    """Wall time inside named host functions (wrapped on their objects) over many requests: where a
+    first token's time outside the GPU's kernels goes. Nested spans each count their own total (a
+    replay inside execute counts in both); `device` sums the steps' CUDA-event time."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.device = 0.0
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, obj: object, attr: str, name: str | None = None) -> None:
+        fn = getattr(obj, attr)
+        label = name or attr
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.spent[label] = self.spent.get(label, 0.0) + time.perf_counter() - t0
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        self._undo.append((obj, attr, obj.__dict__.get(attr) if hasattr(obj, "__dict__") else None))
+        setattr(obj, attr, timed)
+
+    def restore(self) -> None:
+        for obj, attr, old in reversed(self._undo):
+            if old is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
+        self._undo.clear()
+
+
+def host_breakdown(eng: LLMEngine, make_prompt, n: int = 20) -> str:
+    """Per request (mean of n, after 3 untimed): wall to the first token on the host against the
+    step's CUDA-event time and the host spans (add_request, schedule, execute and its parts, read-back
+    and its wait for the device); then cProfile's top functions by own time over n more."""
+    import cProfile
+    import io
+    import pstats
+
+    from workers.engine import cuda_graphs, model_runner
+    from workers.engine.sampled import SampledTokens
+
+    for i in range(3):
+        first_token(eng, f"hb-w{i}", make_prompt())
+    clock = HostClock()
+    r = eng.runner
+    clock.wrap(eng, "add_request")
+    clock.wrap(eng.scheduler, "schedule")
+    clock.wrap(eng.scheduler.kv, "allocate_slots")
+    clock.wrap(r, "execute")
+    for attr in ("graphs", "prefill_graphs", "mixed_graphs"):
+        if getattr(r, attr) is not None:
+            clock.wrap(getattr(r, attr), "run", f"{attr}.run")
+    clock.wrap(cuda_graphs, "host_batch")
+    clock.wrap(model_runner, "host_batch", "host_batch (eager)")
+    if torch.cuda.is_available():
+        clock.wrap(torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay")
+    clock.wrap(r, "sampler")
+    clock.wrap(r, "sampling_batch")
+    clock.wrap(eng, "_launched")
+    clock.wrap(eng, "_read_back")
+    clock.wrap(SampledTokens, "tolist", "tolist (waits for the device)")
+    seconds = SampledTokens.device_seconds
+
+    def device_seconds(self):  # the step's CUDA-event time, summed
+        sec = seconds(self)
+        clock.device += sec or 0.0
+        return sec
+
+    SampledTokens.device_seconds = device_seconds
+    walls = []
+    try:
+        for i in range(n):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            rid = f"hb-{i}"
+            eng.add_request(rid, prompt_token_ids=make_prompt(), sampling=ONE)
+            while True:
+                res = eng.step()
+                if any(e.request_id == rid for e in res.first_tokens):
+                    break
+            walls.append((time.perf_counter() - t0) * 1e3)
+            while eng.has_unfinished():
+                eng.step()
+    finally:
+        clock.restore()
+        SampledTokens.device_seconds = seconds
+    lines = [f"wall to first token: median {statistics.median(walls):.3f} ms, min {min(walls):.3f}, "
+             f"max {max(walls):.3f} over {n}; the steps' CUDA-event time {clock.device / n * 1e3:.3f} ms a request"]
+    for k in sorted(clock.spent, key=lambda k: -clock.spent[k]):
+        lines.append(f"  {k:<34} {clock.spent[k] / n * 1e3:8.3f} ms a request ({clock.calls[k] / n:.1f} calls)")
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(n):
+        first_token(eng, f"hb-p{i}", make_prompt())
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    lines.append(f"cProfile over {n} requests (its own overhead included), by own time:")
+    lines.append(buf.getvalue())
+    return "\n".join(lines)
+
+
 def show(prof, title: str, n: int = 12) -> None:
     print(f"\n## {title}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=60))
@@ -102,6 +211,8 @@ def main() -> None:
     ap.add_argument("--decode-prompt-len", type=int, default=512,
                     help="prompt tokens of each decode sequence (~1500: the throughput shape's mean context)")
     ap.add_argument("--rows", type=int, default=12, help="kernels listed per case")
+    ap.add_argument("--host", default="", help="comma-separated TTFT cases to break down on the host "
+                    "(HostClock spans and cProfile; e.g. 'ttft 2048c+128')")
     args = ap.parse_args()
     eng = LLMEngine("llama3-8b", EngineConfig(max_model_len=33024, max_num_batched_tokens=32768,
                                                gpu_memory_utilization=0.9, quantization=args.quantization,
@@ -116,6 +227,10 @@ def main() -> None:
     cases = {"ttft 512": ids(512), "ttft 2048c+128": prefix + ids(128), "ttft 2048": ids(2048),
              "ttft 8192": ids(8192), "ttft 32768": ids(32768)}
     cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}
+    for name in (c for c in args.host.split(",") if c):
+        n = int(name.split()[1].split("c")[0]) if "c+" not in name else 128
+        print(f"\n## host breakdown, {name}")
+        print(host_breakdown(eng, (lambda: prefix + ids(128)) if "c+" in name else (lambda n=n: ids(n))), flush=True)
     for name, prompt in cases.items():
         walls = []
         for i in range(3):  # unprofiled; a cached prefix stays cached, the rest is new each time
