@@ -257,6 +257,9 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-exactacc": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_FAST_ACCUM": "0"}},
     # A/B: the prefill attention widening an fp8 cache to bf16 (q's dtype), not fp16 (the default)
     "fp8-widenq": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "q"}},
+    # A/B: prefill graphs up to 2048 tokens (the default 1024): a 2048-token prompt replays a graph
+    # (the paged prefill kernel) rather than running eagerly (cuDNN's dense attention, host launches)
+    "fp8-pg2048": {"quantization": "fp8", "prefill_graph_max_tokens": 2048},
 }
 
 

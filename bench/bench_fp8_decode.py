@@ -61,6 +61,15 @@ def chain_us(fn, calls: list[tuple], reps: int = 20) -> float:
     return 1e3 * statistics.median(times) / len(calls)
 
 
+def scaled_mm_swapped(x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16, fast_accum=False, contiguous=True):
+    """C = X W^T computed as (W X^T)^T: the weight as _scaled_mm's first operand, so cuBLASLt tiles
+    the output channels (thousands) and not the few rows (its M tiles are 64 or more), then the
+    [N, M] result transposed back (a copy of M x N values when `contiguous`)."""
+    c_t = torch._scaled_mm(w_q, x_q.t(), scale_a=w_s.reshape(-1, 1).contiguous(),
+                           scale_b=x_s.reshape(1, -1).contiguous(), out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return c_t.t().contiguous() if contiguous else c_t.t()
+
+
 def main() -> None:
     from kernels.fp8_gemm import fp8_gemm_rowwise_small_m
     from kernels.fp8_linear import fp8_gemm_ref, fp8_gemm_scaled_mm, quantize
@@ -69,6 +78,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,16,64,128,256,512")
     ap.add_argument("--weights-mib", type=int, default=384, help="FP8 weight copies per shape, MiB in all")
+    ap.add_argument("--no-sweep", action="store_true", help="the few-row kernel at its default tiles only "
+                    "(no configuration sweep); with the swapped _scaled_mm (weight first) and fast accumulation")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows_out = []
@@ -86,6 +97,25 @@ def main() -> None:
             row["bf16_us"] = chain_us(lin, [(x, w) for w in ws_bf16])
             row["scaled_mm_us"] = chain_us(fp8_gemm_scaled_mm, [(xq, xs, q, sc, None, torch.bfloat16) for q, sc in ws_fp8])
             ref = fp8_gemm_ref(xq, xs, *ws_fp8[0], None, torch.float32)
+            if args.no_sweep:
+                mm = fp8_gemm_scaled_mm
+                row["scaled_mm_fast_us"] = chain_us(partial(mm, fast_accum=True),
+                                                    [(xq, xs, q, sc, None, torch.bfloat16) for q, sc in ws_fp8])
+                for fast in (False, True):
+                    for contig in (True, False):
+                        f = partial(scaled_mm_swapped, out_dtype=torch.bfloat16, fast_accum=fast, contiguous=contig)
+                        err = ((f(xq, xs, *ws_fp8[0]).float() - ref).norm() / ref.norm()).item()
+                        if err > 1e-2:
+                            raise SystemExit(f"swapped _scaled_mm {name} M={m}: rel err {err}")
+                        key = "swap" + ("_fast" if fast else "") + ("" if contig else "_nocopy") + "_us"
+                        row[key] = chain_us(f, [(xq, xs, q, sc) for q, sc in ws_fp8])
+                if m <= 256:
+                    row["small_m_default_us"] = chain_us(
+                        partial(fp8_gemm_rowwise_small_m, xq, xs, out_dtype=torch.bfloat16), ws_fp8)
+                row["floor_us"] = max(n * k / 4.29e6, 2 * m * n * k / 1.25e9)  # copy 4.29 TB/s, FP8 1250 TFLOP/s
+                rows_out.append(row)
+                print(row, flush=True)
+                continue
             timed = []
             for cfg in CONFIGS if m <= 64 else CONFIGS_M:
                 bm, (bn, bk, nw, ns), sp = (None, cfg, 1) if m <= 64 else (cfg[0], cfg[1:5], (*cfg[5:], 1)[0])
@@ -120,8 +150,11 @@ def main() -> None:
     # kernels.fp8_gemm reads this file from FIRSTTOKEN_FP8_SMALL_M_CONFIG
     if os.environ.get("OUT") and picks:
         Path(os.environ["OUT"], "small_m_config.json").write_text(json.dumps(picks, indent=1))
-    md = md_table(rows_out, ["proj", "M", "bf16_us", "scaled_mm_us", "small_m_us", "small_m_default_us", "small_m_cfg",
-                             "bf16_GBps", "fp8_best_GBps"])
+    cols = (["proj", "M", "floor_us", "bf16_us", "scaled_mm_us", "scaled_mm_fast_us", "swap_us", "swap_nocopy_us",
+             "swap_fast_us", "swap_fast_nocopy_us", "small_m_default_us"] if args.no_sweep else
+            ["proj", "M", "bf16_us", "scaled_mm_us", "small_m_us", "small_m_default_us", "small_m_cfg", "bf16_GBps",
+             "fp8_best_GBps"])
+    md = md_table(rows_out, cols)
     md += "\n\nquantization of a [M, 4096] bf16 input, us\n\n" + md_table(quant, ["M", "torch_us", "triton_us"])
     write_report("bench_fp8_decode", data, f"decode GEMMs, Llama-3.1-8B projections, us (do_bench medians)\n\n{md}")
 

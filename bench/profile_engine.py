@@ -211,6 +211,7 @@ def main() -> None:
     ap.add_argument("--decode-prompt-len", type=int, default=512,
                     help="prompt tokens of each decode sequence (~1500: the throughput shape's mean context)")
     ap.add_argument("--rows", type=int, default=12, help="kernels listed per case")
+    ap.add_argument("--trace", default="", help="a folder: each case's profile as a gzipped Chrome trace there")
     ap.add_argument("--host", default="", help="comma-separated TTFT cases to break down on the host "
                     "(HostClock spans and cProfile; e.g. 'ttft 2048c+128')")
     args = ap.parse_args()
@@ -247,6 +248,16 @@ def main() -> None:
             wall = (time.perf_counter() - t0) * 1e3
         show(prof, f"{name}: wall {wall:.1f} ms (profiled), unprofiled {[round(w, 2) for w in walls]} ms", args.rows)
         print(timeline(prof, "case"), flush=True)
+        if args.trace:
+            import gzip
+            import shutil
+            import tempfile
+
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                prof.export_chrome_trace(tmp.name)
+                with open(tmp.name, "rb") as src, gzip.open(Path(args.trace, f"{name.replace(' ', '_')}.json.gz"), "wb") as dst:
+                    shutil.copyfileobj(src, dst)
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for b in (int(x) for x in args.decode_batches.split(",") if x):  # "": no decode case
         for i in range(b):
