@@ -260,6 +260,9 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B: prefill graphs up to 2048 tokens (the default 1024): a 2048-token prompt replays a graph
     # (the paged prefill kernel) rather than running eagerly (cuDNN's dense attention, host launches)
     "fp8-pg2048": {"quantization": "fp8", "prefill_graph_max_tokens": 2048},
+    # A/B: no dense prefill graphs (a lone uncached prompt of 1025-2048 tokens runs eagerly, as before)
+    "fp8-nodg": {"quantization": "fp8", "dense_graph_max_tokens": 0},
+    "bf16-nodg": {"dense_graph_max_tokens": 0},
 }
 
 

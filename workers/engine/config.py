@@ -195,6 +195,10 @@ class EngineConfig:
     mixed_graph_max_prefills: int = 8
     # one uncached prompt of at least this many tokens uses dense causal attention (CUDA); None: never
     dense_prefill_min_tokens: int | None = 1025
+    # such a prompt of at most this many tokens (and at least dense_prefill_min_tokens) replays a
+    # captured graph (cuda_graphs.DenseGraphs, buckets every 128 tokens) rather than running eagerly:
+    # its first token no longer waits on the host launching ~500 kernels; 0: never
+    dense_graph_max_tokens: int = 2048
     # overlap the host's work for the next step (schedule, inputs, post-processing) with the
     # device running this one; the next step's decodes read the sampled tokens on the device.
     # None: on for CUDA, off elsewhere (the CPU computes synchronously: nothing to overlap)
@@ -233,6 +237,8 @@ class EngineConfig:
             raise ValueError("kv_cache_dtype must be 'auto' or 'fp8'")
         if self.tpot_target_ms is not None and self.tpot_target_ms <= 0:
             raise ValueError("tpot_target_ms must be positive")
+        if self.dense_graph_max_tokens < 0:
+            raise ValueError("dense_graph_max_tokens must be >= 0")
         if self.mixed_graph_max_tokens < 0 or self.mixed_graph_max_prefills < 1:
             raise ValueError("mixed_graph_max_tokens must be >= 0 and mixed_graph_max_prefills >= 1")
         if self.quantization not in (None, "fp8"):

@@ -22,7 +22,10 @@ def auto_num_blocks(c: EngineConfig, mc: ModelConfig, device: torch.device, byte
     free, total = torch.cuda.mem_get_info(device)
     used_by_others_and_us = total - free
     t = c.max_num_batched_tokens
-    act = t * (mc.hidden_size * 12 + mc.intermediate_size * 6 + (mc.q_size + 2 * mc.kv_size) * 4)
+    per_token = mc.hidden_size * 12 + mc.intermediate_size * 6 + (mc.q_size + 2 * mc.kv_size) * 4
+    act = t * per_token
+    if c.cuda_graphs:  # the dense prefill graphs' activations live in the graph pool, beside the eager step's
+        act += min(c.dense_graph_max_tokens, t) * per_token
     act += c.max_num_seqs * mc.vocab_size * 4 * 4 + (1 << 30)
     budget = total * c.gpu_memory_utilization - used_by_others_and_us - act
     n = int(budget // bytes_per_block)

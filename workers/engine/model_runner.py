@@ -16,7 +16,14 @@ import torch
 from kernels.ops import KernelOps, get_ops
 from workers.engine.attention import AttentionMetadata
 from workers.engine.config import EngineConfig, ModelConfig
-from workers.engine.cuda_graphs import DecodeGraphs, GraphContext, MixedGraphs, PrefillGraphs, capture_graphs
+from workers.engine.cuda_graphs import (
+    DecodeGraphs,
+    DenseGraphs,
+    GraphContext,
+    MixedGraphs,
+    PrefillGraphs,
+    capture_graphs,
+)
 from workers.engine.downloads import resolve_model, unknown_model_message
 from workers.engine.errors import CheckpointError
 from workers.engine.kv_sizing import auto_num_blocks, kv_bytes_per_block
@@ -98,13 +105,16 @@ class ModelRunner:
             from kernels.argmax import argmax_triton as argmax
         self.sampler = Sampler(self.device, config.seed, self.logits_processor, argmax)
         self._generators: dict[str, torch.Generator] = {}
-        self.last_path = ""  # how the last step ran: decode_graph, prefill_graph, mixed_graph or eager
+        self.last_path = ""  # how the last step ran: decode_graph, prefill_graph, mixed_graph, dense_graph or eager
         self.path_steps: dict[str, int] = {}  # steps run on each path (diagnostics, benchmarks)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.dense_graphs: DenseGraphs | None = None
         if self.device.type == "cuda":
             self._warm_up()
+        if self.dense_prefill_min_tokens is not None:
+            self._warm_dense_attention()
         if config.cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton":
             max_bs = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
             ctx = self.graph_context()
@@ -115,9 +125,11 @@ class ModelRunner:
             if mixed_t > 0 and max_bs > 1:
                 self.mixed_graphs = MixedGraphs(ctx, max_bs, mixed_t, min(config.mixed_graph_max_prefills,
                                                                             config.max_num_seqs))
-            capture_graphs(*(g for g in (self.graphs, self.prefill_graphs, self.mixed_graphs) if g is not None))
-        if self.dense_prefill_min_tokens is not None:
-            self._warm_dense_attention()
+            dense_t = min(config.dense_graph_max_tokens, config.max_num_batched_tokens)
+            if (self.dense_prefill_min_tokens is not None and dense_t >= self.dense_prefill_min_tokens
+                    and all(w is None for w in self.model_config.sliding_windows)):
+                self.dense_graphs = DenseGraphs(ctx, self.dense_prefill_min_tokens, dense_t)
+            capture_graphs(*(g for g in self._graph_sets() if g is not None))
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -207,10 +219,10 @@ class ModelRunner:
         if self.closed:
             return
         self.closed = True
-        for graphs in (self.graphs, self.prefill_graphs, self.mixed_graphs):
+        for graphs in self._graph_sets():
             if graphs is not None:
                 graphs.close()
-        self.graphs = self.prefill_graphs = self.mixed_graphs = None
+        self.graphs = self.prefill_graphs = self.mixed_graphs = self.dense_graphs = None
         self.kv_caches = []
         self.cos_sin = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]
@@ -221,6 +233,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing in flight still reads the memory
             torch.cuda.empty_cache()
+
+    def _graph_sets(self) -> tuple[DecodeGraphs | PrefillGraphs | MixedGraphs | DenseGraphs | None, ...]:
+        """The captured graph sets, in capture order (the dense prefills, the largest steps, first:
+        the others reuse the shared pool's memory they freed)."""
+        return self.dense_graphs, self.graphs, self.prefill_graphs, self.mixed_graphs
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (its RNG, its penalty slot) once it has finished."""
@@ -282,6 +299,9 @@ class ModelRunner:
         if self.graphs is not None and out.num_decodes == n_seq and self.graphs.fits(n_seq):
             self.last_path = "decode_graph"
             logits = self.graphs.run(out, pending)
+        elif not plan and self.dense_graphs is not None and self.dense_graphs.fits(out):
+            self.last_path = "dense_graph"
+            logits = self.dense_graphs.run(out, pending)
         elif not plan and self.prefill_graphs is not None and self.prefill_graphs.fits(out.num_batched_tokens, n_seq):
             self.last_path = "prefill_graph"
             logits = self.prefill_graphs.run(out, pending)

@@ -60,13 +60,33 @@ def test_cuda_other_architectures(ckpt, request):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_dense_prefill_path(llama_dir):
-    # long uncached prompts alone in a step go through SDPA instead of the paged kernel
-    prompts = prompt_set(4, seed=8, min_len=100, max_len=300)
+@pytest.mark.parametrize("dense_graphs", [True, False])
+def test_cuda_dense_prefill_path(llama_dir, dense_graphs):
+    """Long uncached prompts alone in a step go through SDPA instead of the paged kernel: eagerly,
+    or replaying a dense prefill graph (buckets 128, 256, 384 here: lengths on a bucket, one past
+    it, and padded ones); a prompt longer than the budget has its first chunk there too."""
+    prompts = prompt_set(4, seed=8, min_len=100, max_len=300) + prompt_set(3, seed=9, min_len=128, max_len=128)
+    prompts[5] = prompts[5] + [7]  # 129 tokens: the 256 bucket, 127 rows of padding
+    prompts.append(prompt_set(1, seed=10, min_len=450, max_len=450)[0])  # chunks of 384 (dense) and 66
     want = hf_greedy_cuda(llama_dir, prompts)
-    _, got = run(llama_dir, prompts, dense_prefill_min_tokens=64, prefill_graph_max_tokens=32,
-                   max_num_batched_tokens=512, max_num_seqs=1)
+    eng = LLMEngine(str(llama_dir), EngineConfig(
+        device="cuda", dtype="float32", kernel_backend="triton", num_blocks=256, max_model_len=512,
+        dense_prefill_min_tokens=64, prefill_graph_max_tokens=32, max_num_batched_tokens=384, max_num_seqs=1,
+        dense_graph_max_tokens=2048 if dense_graphs else 0))
+    assert (eng.runner.dense_graphs is not None) == dense_graphs
+    if dense_graphs:
+        assert eng.runner.dense_graphs.buckets == [128, 256, 384]
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    got = [f.output_token_ids for f in run_prompts(eng, prompts, sp)]
     assert got == want
+    assert eng.runner.path_steps.get("dense_graph", 0) == (len(prompts) if dense_graphs else 0), eng.runner.path_steps
+    # two choices of one long prompt: the second is forked from the first's dense prefill
+    eng.add_request("lead", prompt_token_ids=prompts[0], sampling=sp)
+    eng.add_request("fork", prompt_token_ids=prompts[0], sampling=sp, follows="lead")
+    done = {}
+    while eng.has_unfinished():
+        done.update((f.request_id, f.output_token_ids) for f in eng.step().finished)
+    assert done == {"lead": want[0], "fork": want[0]}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,0 +1,97 @@
+"""The dense prefill graphs' buckets, what they hold, and their forward (run here without capture,
+on the CPU) against the eager step: the captured graphs replay exactly this forward on a GPU
+(tests/workers/engine/test_gpu.py::test_cuda_dense_prefill_path)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from schemas.sampling import SamplingParams
+from workers.engine import EngineConfig, LLMEngine
+from workers.engine.cuda_graphs import DenseGraphs, dense_buckets
+
+SP = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def test_dense_buckets():
+    assert dense_buckets(1025, 2048) == [1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048]
+    assert dense_buckets(1025, 1100) == [1100]
+    assert dense_buckets(64, 300) == [128, 256, 300]
+    assert dense_buckets(128, 256) == [128, 256]
+    assert dense_buckets(1025, 1024) == []
+
+
+def test_dense_graph_max_tokens_is_checked():
+    with pytest.raises(ValueError, match="dense_graph_max_tokens"):
+        EngineConfig(dense_graph_max_tokens=-1)
+
+
+def _engine() -> LLMEngine:
+    return LLMEngine("tiny", EngineConfig(device="cpu", kernel_backend="torch", block_size=16,
+                                          max_num_batched_tokens=256, max_num_seqs=4))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [100, 128, 129])
+def test_a_dense_graphs_forward_equals_the_eager_step(n):
+    """A prompt padded to its bucket (100 and 129 tokens: 28 and 127 rows of padding; 128: none)
+    gives the eager step's logits for its last token, and writes its K/V where the eager step does."""
+    eng = _engine()
+    assert eng.runner.dense_graphs is None  # no graphs on a CPU
+    eng.add_request("p", prompt_token_ids=_prompt(n, n), sampling=SP)
+    out = eng.scheduler.schedule()
+    r = eng.runner
+    dg = DenseGraphs(r.graph_context(), 64, 256)
+    assert dg.buckets == [128, 256] and dg.fits(out)
+    with torch.inference_mode():
+        ids, pos, meta, logit_rows = r.prepare(out)  # the CPU's eager step: paged attention
+        hidden, residual = r.model(ids, pos, r.cos_sin, r.kv_caches, meta)
+        rows = torch.from_numpy(logit_rows)
+        want = r.model.compute_logits(hidden[rows], residual[rows])
+        k_want = [k.clone() for k, _ in r.kv_caches]
+        for k, v in r.kv_caches:
+            k.zero_()
+            v.zero_()
+        t, sampled = dg.load(out)
+        assert (t, sampled) == (128 if n <= 128 else 256, 1)
+        got = dg._forward(t)[:sampled]
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got.argmax(-1).item() == want.argmax(-1).item()
+    blocks = eng.requests["p"].block_ids
+    for (k, _), kw in zip(r.kv_caches, k_want):
+        torch.testing.assert_close(k[blocks], kw[blocks])
+
+
+def _first_step(eng: LLMEngine, *prompts: list[int]):
+    """The scheduled first step of these prompts (then aborted: the next case starts clean)."""
+    for i, p in enumerate(prompts):
+        eng.add_request(f"q{i}", prompt_token_ids=p, sampling=SP)
+    out = eng.scheduler.schedule()
+    for i in range(len(prompts)):
+        eng.abort(f"q{i}")
+    return out
+
+
+def test_what_the_dense_graphs_do_not_hold():
+    eng = _engine()
+    ctx = eng.runner.graph_context()
+    dg = DenseGraphs(ctx, 64, 256)
+    assert dg.fits(_first_step(eng, _prompt(96, 2)))  # alone, uncached, within the buckets
+    assert not dg.fits(_first_step(eng, _prompt(40, 1)))  # under the dense minimum
+    assert not DenseGraphs(ctx, 64, 128).fits(_first_step(eng, _prompt(200, 3)))  # over the largest bucket
+    out = _first_step(eng, _prompt(70, 4), _prompt(70, 5))
+    assert len(out.scheduled) == 2 and not dg.fits(out)  # two prompts in one step
+    prefix = _prompt(96, 6)
+    eng.add_request("b", prompt_token_ids=prefix, sampling=SP)
+    while eng.has_unfinished():
+        eng.step()
+    out = _first_step(eng, prefix + _prompt(80, 7))
+    assert out.scheduled[0].num_computed_tokens > 0 and not dg.fits(out)  # over a cached prefix
