@@ -187,7 +187,45 @@ def ours_decode(engine: LLMEngine, vocab: int, batches: list[int], steps: int = 
     return res
 
 
-def ours_throughput(engine: LLMEngine, prompts: list[list[int]], outs: list[int]) -> dict[str, float]:
+def _peak_allocations(snapshot: dict, top: int = 12) -> list[dict]:
+    """From a memory snapshot's trace (the last events of torch.cuda.memory._record_memory_history's
+    ring): the moment the memory allocated inside the window peaked, and the largest allocations
+    live then, each with the innermost frames of this project's code that made it."""
+    events = [e for trace in snapshot.get("device_traces", []) for e in trace]
+
+    def replay(upto: int) -> tuple[dict[int, dict], int, int]:  # (live at event upto, best total, its index)
+        live: dict[int, dict] = {}
+        cur = best = best_i = 0
+        for i, e in enumerate(events[:upto]):
+            if e.get("action") == "alloc":
+                live[e["addr"]] = e
+                cur += e["size"]
+                if cur > best:
+                    best, best_i = cur, i + 1
+            elif e.get("action") == "free_requested" and e["addr"] in live:
+                cur -= live.pop(e["addr"])["size"]
+        return live, best, best_i
+
+    _, best, best_i = replay(len(events))
+    at_best = list(replay(best_i)[0].values())
+    out = []
+    for e in sorted(at_best, key=lambda e: -e["size"])[:top]:
+        frames = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in e.get("frames", [])
+                  if any(part in f["filename"] for part in ("/workers/", "/kernels/", "/bench/"))][:4]
+        out.append({"MiB": round(e["size"] / 2**20, 1), "frames": frames})
+    return [{"peak_in_window_GiB": round(best / 2**30, 3), "events": len(events)}, *out]
+
+
+def ours_throughput(engine: LLMEngine, prompts: list[list[int]], outs: list[int],
+                    memory_trace: bool = False) -> dict[str, float]:
+    """Offline throughput over the prompts; with memory_trace, each step's peak memory beyond what
+    was allocated before it, and for each new record (by 256 MiB) the largest allocations live
+    at that step's peak (torch's allocator history; slows eager steps)."""
+    cuda = torch.cuda.is_available()
+    mem_log: list[dict] = []
+    record = 0
+    if memory_trace and cuda:
+        torch.cuda.memory._record_memory_history(max_entries=60000)
     t0 = time.perf_counter()
     for i, (p, o) in enumerate(zip(prompts, outs)):
         engine.add_request(f"tp{i}", prompt_token_ids=p,
@@ -196,8 +234,20 @@ def ours_throughput(engine: LLMEngine, prompts: list[list[int]], outs: list[int]
     paths: dict[str, list[float]] = {}  # path -> [steps, seconds, tokens, sequences]
     step_log: list[tuple] = []  # (path, ms, tokens, sequences) per step
     while engine.has_unfinished():
+        if memory_trace and cuda:
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         ts = time.perf_counter()
         out = engine.step()
+        if memory_trace and cuda:
+            extra = torch.cuda.max_memory_allocated() - before
+            if extra > record + (256 << 20):
+                record = extra
+                mem_log.append({"step": len(step_log), "path": engine.runner.last_path, "tokens": out.num_batched_tokens,
+                                "seqs": out.num_scheduled, "step_peak_extra_GiB": round(extra / 2**30, 3),
+                                "allocated_before_GiB": round(before / 2**30, 3),
+                                "largest": _peak_allocations(torch.cuda.memory._snapshot())})
+                print(f"# memory: {mem_log[-1]}", flush=True)
         for f in out.finished:
             n_out += f.usage.completion_tokens
         p = paths.setdefault(engine.runner.last_path or "none", [0, 0.0, 0, 0])
@@ -211,7 +261,9 @@ def ours_throughput(engine: LLMEngine, prompts: list[list[int]], outs: list[int]
     for k, (n, sec, tok, seqs) in sorted(paths.items()):
         print(f"# step path {k}: {n} steps, {sec:.1f} s, {1e3 * sec / max(n, 1):.1f} ms/step, "
               f"{tok / max(n, 1):.0f} tokens/step, {seqs / max(n, 1):.0f} seqs/step", flush=True)
-    return {"throughput_tok_s": n_out / dt, "throughput_s": dt, "throughput_tokens": n_out,
+    if memory_trace and cuda:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return {"throughput_tok_s": n_out / dt, "throughput_s": dt, "throughput_tokens": n_out, "memory_log": mem_log,
             "throughput_paths": {k: {"steps": v[0], "s": v[1], "tokens": v[2], "seqs": v[3]} for k, v in paths.items()},
             "throughput_step_log": step_log}
 
@@ -315,7 +367,7 @@ def run_engine(spec: str, fields: dict[str, Any], args: argparse.Namespace, sect
     if "throughput" in sections:
         engine.scheduler.max_num_batched_tokens = 8192  # the throughput budget, whatever TTFT used
         compiles = kernel_compiles()
-        ours.update(ours_throughput(engine, prompts, lens_out))
+        ours.update(ours_throughput(engine, prompts, lens_out, args.memory_trace))
         ours["throughput_kernel_compiles"] = kernel_compiles() - compiles
         st = engine.stats()
         mem = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
@@ -360,6 +412,8 @@ def main() -> None:
                     help="tokens per step without the ttft section (with it: the longest TTFT length)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="the engines' max_model_len (default: the longest TTFT length + 256, at least 2432)")
+    ap.add_argument("--memory-trace", action="store_true",
+                    help="throughput: log the steps whose peak memory sets a record, with the largest allocations then")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                     help="share of the device's memory the engine takes (the rest of it: KV blocks)")
     args = ap.parse_args()
