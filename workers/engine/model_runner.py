@@ -130,6 +130,13 @@ class ModelRunner:
                     and all(w is None for w in self.model_config.sliding_windows)):
                 self.dense_graphs = DenseGraphs(ctx, self.dense_prefill_min_tokens, dense_t)
             capture_graphs(*(g for g in self._graph_sets() if g is not None))
+        if self.device.type == "cuda" and config.num_blocks is None:
+            free, total = torch.cuda.mem_get_info(self.device)
+            over = (total - free) - total * config.gpu_memory_utilization
+            if over > 1 << 30:  # what the KV sizing did not foresee (its activation margin is 1 GiB)
+                log.warning("the engine holds %.1f GiB of device memory beyond gpu_memory_utilization %.2f after "
+                            "start (graphs, buffers): steps may run out of memory", over / 2**30,
+                            config.gpu_memory_utilization)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -401,8 +408,8 @@ class ModelRunner:
             return self.ops.prefill_splits(self.dtype, mc.num_heads, self.kv_caches[0][0], batch, tokens, tokens,
                                            ctx_bound, None)
 
-        return GraphContext(self.layout, forward, lambda h, r: self.model.compute_logits(h, r),
-                            self.decode_num_splits, prefill_splits)
+        return GraphContext(self.layout, forward, lambda h, r, out=None: self.model.compute_logits(h, r, out),
+                            self.decode_num_splits, prefill_splits, mc.vocab_size)
 
     def decode_num_splits(self, batch: int) -> int:
         """Flash-decoding splits for a graph-captured batch: enough programs to fill the GPU."""

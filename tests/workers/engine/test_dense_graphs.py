@@ -95,3 +95,37 @@ def test_what_the_dense_graphs_do_not_hold():
         eng.step()
     out = _first_step(eng, prefix + _prompt(80, 7))
     assert out.scheduled[0].num_computed_tokens > 0 and not dg.fits(out)  # over a cached prefix
+
+
+def test_the_decode_graphs_share_one_logits_buffer():
+    """Every decode bucket's graph writes its logits into rows of one [max_bs, V] buffer (a
+    captured output per bucket stayed allocated with its graph: 16 GiB at 71 buckets up to 1024
+    on the 8B shape), and the rows hold what compute_logits returns without it."""
+    from workers.engine.cuda_graphs import DecodeGraphs
+
+    eng = _engine()
+    for i in range(3):
+        eng.add_request(f"d{i}", prompt_token_ids=_prompt(20 + i, 10 + i), sampling=SP)
+    eng.step()  # the prompts' prefill: their KV in the cache
+    out = eng.scheduler.schedule()
+    assert out.num_decodes == 3
+    r = eng.runner
+    import dataclasses
+
+    ctx = dataclasses.replace(r.graph_context(), decode_splits=lambda bs: None)  # (the GPU's split count reads its SMs; the torch op takes none)
+    dg = DecodeGraphs(ctx, max_bs=8)
+    _ids, _pos, _slots, tables, _qsl, seq_lens, _rows = r.host_inputs(out)
+    with torch.inference_mode():
+        ids, pos, meta, _ = r.prepare(out)
+        hidden, residual = r.model(ids, pos, r.cos_sin, r.kv_caches, meta)
+        want = r.model.compute_logits(hidden, residual)
+        dg.input_ids[:3].copy_(ids)
+        dg.positions[:3].copy_(pos)
+        dg.slot_mapping[:3].copy_(meta.slot_mapping)
+        dg.block_tables[:3, : tables.shape[1]].copy_(torch.from_numpy(tables))
+        dg.seq_lens[:3].copy_(torch.from_numpy(seq_lens))
+        got4 = dg._forward(4)
+        got8 = dg._forward(8)
+    assert got4.untyped_storage().data_ptr() == got8.untyped_storage().data_ptr() == dg.logits_buf.data_ptr()
+    assert dg.logits_buf.shape == (8, want.shape[1])
+    torch.testing.assert_close(got8[:3], want, rtol=1e-4, atol=1e-4)

@@ -120,9 +120,12 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None
         return x, residual
 
-    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        # hidden, residual: [N, H] rows that sample -> logits [N, V] fp32 (final norm fused with the add)
+    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden, residual: [N, H] rows that sample -> logits [N, V] fp32 (final norm fused with the add).
+        # out: an fp32 [N, V] tensor the logits are written to (a graph's shared output buffer), returned
         h, _ = self.norm(hidden, residual)
-        if self.fp8_head is not None:
-            return self.fp8_head(h).float()
-        return torch.nn.functional.linear(h, self.lm_head_weight).float()
+        logits = self.fp8_head(h) if self.fp8_head is not None else torch.nn.functional.linear(h, self.lm_head_weight)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)  # the cast .float() does, into out
