@@ -28,17 +28,19 @@ class GraphContext:
     """What the graphs capture and replay, handed over by the model runner: no graph reaches into it.
 
     forward(input_ids, positions, meta) -> (hidden, residual): the model over the KV cache;
-    logits(hidden, residual, out=None): the final norm and lm_head (fp32; written to `out` when given); decode_splits(batch): the flash-decoding
+    logits(hidden, residual): the final norm and lm_head, written to rows of one fp32 buffer every
+    graph shares (one step runs at a time, and its sampler reads them in stream order before the next
+    replay; a captured output per bucket stays allocated with its graph: the 71 decode buckets up to
+    1024 held 15.98 GiB on the Llama-3.1-8B shape, outside the KV sizing); decode_splits(batch): the flash-decoding
     splits of a captured decode batch; prefill_splits(sequences, tokens, context bound): the
     prefill attention's key-range splits for those shapes.
     """
 
     layout: CacheLayout
     forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]]
-    logits: Callable[..., torch.Tensor]
+    logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     decode_splits: Callable[[int], int]
     prefill_splits: Callable[[int, int, int], int]
-    vocab_size: int  # the logits' columns (the decode graphs' shared output buffer)
 
 
 def _close_graphs(gs: DecodeGraphs | PrefillGraphs | MixedGraphs | DenseGraphs) -> None:
@@ -108,7 +110,6 @@ class DecodeGraphs:
             (max_bs, lay.max_blocks_per_seq), lay.num_blocks, dtype=torch.int32, device=dev
         )
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
-        self.logits_buf: torch.Tensor | None = None  # [max_bs, V] fp32, made at the first forward
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def fits(self, batch: int) -> bool:
@@ -133,17 +134,7 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> torch.Tensor:
         hidden, residual = self.ctx.forward(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
-        return self.ctx.logits(hidden, residual, self._logits_out(bs))
-
-    def _logits_out(self, bs: int) -> torch.Tensor:
-        """Rows of the one fp32 logits buffer every bucket's graph writes (one step runs at a time,
-        and its sampler reads them in stream order before the next replay). A captured output per
-        bucket stays allocated with its graph: [bs, V] fp32 for each of 71 buckets up to 1024 held
-        15.98 GiB beside Llama-3.1-8B's KV cache on the H200, outside the KV sizing's budget."""
-        if self.logits_buf is None:
-            self.logits_buf = torch.empty((self.max_bs, self.ctx.vocab_size), dtype=torch.float32,
-                                          device=self.input_ids.device)
-        return self.logits_buf[:bs]
+        return self.ctx.logits(hidden, residual)
 
     @torch.inference_mode()
     def capture(self, pool: object, stream: torch.cuda.Stream) -> None:

@@ -134,8 +134,8 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             over = (total - free) - total * config.gpu_memory_utilization
             if over > 1 << 30:  # what the KV sizing did not foresee (its activation margin is 1 GiB)
-                log.warning("the engine holds %.1f GiB of device memory beyond gpu_memory_utilization %.2f after "
-                            "start (graphs, buffers): steps may run out of memory", over / 2**30,
+                log.warning("%.1f GiB of device memory in use beyond gpu_memory_utilization %.2f after the engine's "
+                            "start (graphs, buffers, other processes): steps may run out of memory", over / 2**30,
                             config.gpu_memory_utilization)
 
     @torch.inference_mode()
@@ -408,8 +408,15 @@ class ModelRunner:
             return self.ops.prefill_splits(self.dtype, mc.num_heads, self.kv_caches[0][0], batch, tokens, tokens,
                                            ctx_bound, None)
 
-        return GraphContext(self.layout, forward, lambda h, r, out=None: self.model.compute_logits(h, r, out),
-                            self.decode_num_splits, prefill_splits, mc.vocab_size)
+        # the graphs' logits: rows of one buffer as tall as the largest graph's sampling rows (GraphContext)
+        c = self.config
+        rows = max(min(c.cuda_graph_max_batch or c.max_num_seqs, c.max_num_seqs), c.prefill_graph_max_seqs)
+        logits_buf = torch.empty((rows, mc.vocab_size), dtype=torch.float32, device=self.device)
+
+        def logits(hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            return self.model.compute_logits(hidden, residual, logits_buf[: hidden.shape[0]])
+
+        return GraphContext(self.layout, forward, logits, self.decode_num_splits, prefill_splits)
 
     def decode_num_splits(self, batch: int) -> int:
         """Flash-decoding splits for a graph-captured batch: enough programs to fill the GPU."""
