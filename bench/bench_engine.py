@@ -232,13 +232,15 @@ def ours_throughput(engine: LLMEngine, prompts: list[list[int]], outs: list[int]
                            sampling=SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
     n_out = 0
     paths: dict[str, list[float]] = {}  # path -> [steps, seconds, tokens, sequences]
-    step_log: list[tuple] = []  # (path, ms, tokens, sequences) per step
+    step_log: list[tuple] = []  # (path, wall ms, tokens, sequences, device ms read back) per step
     while engine.has_unfinished():
         if memory_trace and cuda:
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         ts = time.perf_counter()
+        dev0 = engine.device_seconds
         out = engine.step()
+        dev_ms = round((engine.device_seconds - dev0) * 1e3, 2)  # the step read back in this call (async: the previous)
         if memory_trace and cuda:
             extra = torch.cuda.max_memory_allocated() - before
             if extra > record + (256 << 20):
@@ -250,21 +252,27 @@ def ours_throughput(engine: LLMEngine, prompts: list[list[int]], outs: list[int]
                 print(f"# memory: {mem_log[-1]}", flush=True)
         for f in out.finished:
             n_out += f.usage.completion_tokens
-        p = paths.setdefault(engine.runner.last_path or "none", [0, 0.0, 0, 0])
+        p = paths.setdefault(engine.runner.last_path or "none", [0, 0.0, 0, 0, 0.0])
         p[0] += 1
         p[1] += time.perf_counter() - ts
         p[2] += out.num_batched_tokens
         p[3] += out.num_scheduled
+        p[4] += dev_ms / 1e3
         step_log.append((engine.runner.last_path, round((time.perf_counter() - ts) * 1e3, 2),
-                         out.num_batched_tokens, out.num_scheduled))
+                         out.num_batched_tokens, out.num_scheduled, dev_ms))
     dt = time.perf_counter() - t0
-    for k, (n, sec, tok, seqs) in sorted(paths.items()):
-        print(f"# step path {k}: {n} steps, {sec:.1f} s, {1e3 * sec / max(n, 1):.1f} ms/step, "
-              f"{tok / max(n, 1):.0f} tokens/step, {seqs / max(n, 1):.0f} seqs/step", flush=True)
+    for k, (n, sec, tok, seqs, dev) in sorted(paths.items()):
+        print(f"# step path {k}: {n} steps, {sec:.1f} s, {1e3 * sec / max(n, 1):.1f} ms/step "
+              f"(device {1e3 * dev / max(n, 1):.1f}), {tok / max(n, 1):.0f} tokens/step, "
+              f"{seqs / max(n, 1):.0f} seqs/step", flush=True)
+    dev_total = sum(v[4] for v in paths.values())
+    print(f"# device busy {dev_total:.1f} s of {dt:.1f} s wall (CUDA events per step)", flush=True)
     if memory_trace and cuda:
         torch.cuda.memory._record_memory_history(enabled=None)
     return {"throughput_tok_s": n_out / dt, "throughput_s": dt, "throughput_tokens": n_out, "memory_log": mem_log,
-            "throughput_paths": {k: {"steps": v[0], "s": v[1], "tokens": v[2], "seqs": v[3]} for k, v in paths.items()},
+            "throughput_device_s": dev_total,
+            "throughput_paths": {k: {"steps": v[0], "s": v[1], "tokens": v[2], "seqs": v[3], "device_s": v[4]}
+                                 for k, v in paths.items()},
             "throughput_step_log": step_log}
 
 

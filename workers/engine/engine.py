@@ -105,6 +105,9 @@ class LLMEngine:
         self._pending_finished: list[FinishedRequest] = []
         self._steps = 0
         self._step_seconds = 0.0  # wall time spent in step(), all steps
+        # the steps' time on the device (CUDA events, summed as each step is read back; 0 on a CPU):
+        # against step_seconds, how much of the loop the device was busy
+        self._device_seconds = 0.0
         self.async_scheduling = (
             c.async_scheduling if c.async_scheduling is not None else self.runner.device.type == "cuda"
         )
@@ -226,6 +229,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending_finished)
+
+    @property
+    def device_seconds(self) -> float:
+        """The steps' time on the device so far (CUDA events, as each step is read back; 0 on a CPU)."""
+        return self._device_seconds
 
     @property
     def num_unfinished(self) -> int:
@@ -434,6 +442,8 @@ class LLMEngine:
         sec = step.sampled.device_seconds()
         if sec is None:
             sec = now - max(step.launched_at, self._last_done)
+        else:
+            self._device_seconds += sec
         self._last_done = now
         if self.slo is not None:
             self.slo.model.observe_shape(step.shape, sec)  # type: ignore[union-attr,arg-type]
@@ -606,6 +616,7 @@ class LLMEngine:
             generation_tokens_per_s=gt,
             steps=self._steps,
             step_seconds=self._step_seconds,
+            device_seconds=self._device_seconds,
             kernel_backend=self.runner.ops.name,
             cuda_graphs=self.runner.graphs is not None,
             async_scheduling=self.async_scheduling,

@@ -111,3 +111,5 @@ class EngineStats:
     # wall time spent inside step(), all steps so far: with `steps`, the mean step time over any
     # interval (the rest of a core's time goes to its loop: commands, outputs, waiting for work)
     step_seconds: float = 0.0
+    # the steps' time on the device (CUDA events) read back so far; 0 on a CPU
+    device_seconds: float = 0.0
