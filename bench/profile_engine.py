@@ -214,8 +214,11 @@ def main() -> None:
     ap.add_argument("--trace", default="", help="a folder: each case's profile as a gzipped Chrome trace there")
     ap.add_argument("--host", default="", help="comma-separated TTFT cases to break down on the host "
                     "(HostClock spans and cProfile; e.g. 'ttft 2048c+128')")
+    ap.add_argument("--max-num-seqs", type=int, default=512, help="the engine's (and its decode graphs') batch bound")
+    ap.add_argument("--max-model-len", type=int, default=33024)
     args = ap.parse_args()
-    eng = LLMEngine("llama3-8b", EngineConfig(max_model_len=33024, max_num_batched_tokens=32768,
+    eng = LLMEngine("llama3-8b", EngineConfig(max_model_len=args.max_model_len, max_num_batched_tokens=32768,
+                                               max_num_seqs=args.max_num_seqs,
                                                gpu_memory_utilization=0.9, quantization=args.quantization,
                                                kv_cache_dtype=args.kv_cache_dtype))
     print(f"quantization {args.quantization}, kv cache {args.kv_cache_dtype}", flush=True)
@@ -258,18 +261,24 @@ def main() -> None:
                 prof.export_chrome_trace(tmp.name)
                 with open(tmp.name, "rb") as src, gzip.open(Path(args.trace, f"{name.replace(' ', '_')}.json.gz"), "wb") as dst:
                     shutil.copyfileobj(src, dst)
-    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for b in (int(x) for x in args.decode_batches.split(",") if x):  # "": no decode case
+        # long enough that the first prompts still decode when the last one's prefill is done
+        sp = SamplingParams(max_tokens=40 + b * args.decode_prompt_len // 8192, temperature=0.0, ignore_eos=True)
         for i in range(b):
             eng.add_request(f"d{b}-{i}", prompt_token_ids=ids(args.decode_prompt_len), sampling=sp)
-        for _ in range(30):
+        for _ in range(3):
+            eng.step()
+        while (eng.scheduler.waiting or len(eng.scheduler.running) < b
+               or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running)):
+            eng.step()  # until every sequence decodes: a profiled step is a decode step
+        for _ in range(3):
             eng.step()
         with (profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
               torch.profiler.record_function("case")):
             for _ in range(5):
                 eng.step()
             torch.cuda.synchronize()
-        show(prof, f"decode b{b} at {args.decode_prompt_len}+30 tokens, 5 steps, graphs on", args.rows)
+        show(prof, f"decode b{b} at {args.decode_prompt_len}+ tokens, 5 steps, graphs on (path {eng.runner.last_path})", args.rows)
         print(timeline(prof, "case"), flush=True)
         while eng.has_unfinished():
             eng.step()
