@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -80,14 +79,9 @@ def _decode_partial_kernel(
     WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
     PREFETCH: tl.constexpr,  # load the next key tile's block-table entries one iteration ahead
     ROPE: tl.constexpr,  # q (and the new k) arrive unrotated: rotate them here and write k, v to the cache
-    HEADS_FIRST: tl.constexpr,  # grid axis 0 runs over the kv heads (x chunks), axis 1 over the sequences
 ):
-    if HEADS_FIRST:  # grid (kv heads x chunks, B, splits): one sequence's heads run side by side
-        pid_h = tl.program_id(0)
-        b = tl.program_id(1).to(tl.int64)
-    else:  # grid (B, kv heads x chunks, splits)
-        b = tl.program_id(0).to(tl.int64)
-        pid_h = tl.program_id(1)
+    b = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
     split = tl.program_id(2)
     kvh = pid_h // HEAD_CHUNKS
     chunk = pid_h % HEAD_CHUNKS
@@ -239,12 +233,6 @@ def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: 
     return max(1, min(want, cdiv(max_context, 128), 64))
 
 
-# the decode grid's order: False runs axis 0 over the sequences (B, kv heads x chunks, splits), True
-# over the kv heads (kv heads x chunks, B, splits), so that the programs running together read all
-# heads of the same cache blocks rather than one head's rows of many blocks (bench/bench_decode_order.py)
-# FIRSTTOKEN_DECODE_HEADS_FIRST=1 / =0 sets it for a process (an engine A/B in one session)
-DECODE_HEADS_FIRST = os.environ.get("FIRSTTOKEN_DECODE_HEADS_FIRST", "0") == "1"
-
 # launch plans: static checks per (shapes but B, strides, dtypes, devices); tiles per (B, table width)
 _STATIC: dict = {}
 _TILES: dict = {}
@@ -267,9 +255,7 @@ def _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window) ->
 def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits) of the partial launch."""
     hq, hk, d, bs, on_gpu, fp32, has_window, fp8_cache = static
-    num_splits, block_n, num_warps, num_stages, widen, prefetch, heads_first = over
-    if heads_first is None:
-        heads_first = DECODE_HEADS_FIRST
+    num_splits, block_n, num_warps, num_stages, widen, prefetch = over
     check(widen in (None, "q", "fp16"), "decode_attention: widen must be 'q' or 'fp16', not {!r}", widen)
     group = hq // hk
     g_pack = min(group, 64)
@@ -291,10 +277,9 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
         "GROUP": group, "G_PACK": g_pack, "HEAD_CHUNKS": head_chunks, "BLOCK_H": max(16, next_pow2(g_pack)),
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
-        "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch, "ROPE": False, "HEADS_FIRST": heads_first,
+        "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch, "ROPE": False,
     }
-    grid = (hk * head_chunks, b, num_splits) if heads_first else (b, hk * head_chunks, num_splits)
-    return grid, consts, num_warps, num_stages or 3, num_splits
+    return (b, hk * head_chunks, num_splits), consts, num_warps, num_stages or 3, num_splits
 
 
 def decode_attention_triton(
@@ -313,7 +298,6 @@ def decode_attention_triton(
     widen: str | None = None,
     prefetch: bool = False,
     rope: tuple[torch.Tensor, ...] | None = None,
-    heads_first: bool | None = None,
 ) -> torch.Tensor:
     """Triton `decode_attention_ref` (flash-decoding): q [B, Hq, D] -> [B, Hq, D].
 
@@ -325,8 +309,7 @@ def decode_attention_triton(
     widen: what an fp8 cache's tiles are widened to before the dots: "q" (q's dtype) or "fp16"
     (q, pre-scaled, and the probabilities cast to fp16 too); None: "fp16" for an fp8 cache on
     the GPU with a 16-bit q, else "q". prefetch: load each key tile's block-table entries in the
-    iteration before (off by default: 2% at B=640 on the H200, noise-level). heads_first: the grid's
-    axis 0 over the kv heads instead of the sequences (default DECODE_HEADS_FIRST).
+    iteration before (off by default: 2% at B=640 on the H200, noise-level).
 
     rope = (k, v, positions, cos_sin, slot_mapping): `rope_and_cache` fused in (a pure decode step):
     q and k [B, Hk, D] arrive unrotated (strided views of the fused qkv output are fine), the kernel
@@ -349,7 +332,7 @@ def decode_attention_triton(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch, heads_first)
+    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch)
     tkey = (skey, b, block_tables.shape[1], over, rope is None)
     plan = _TILES.get(tkey)
     if plan is None:

@@ -160,17 +160,15 @@ DECODE_CASES = [
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits", "block_n"), DECODE_CASES)
-@pytest.mark.parametrize(("prefetch", "heads_first"), [(False, False), (True, False), (False, True)])
-def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n, prefetch, heads_first) -> None:
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n, prefetch) -> None:
     """prefetch: the next key tile's block ids loaded an iteration ahead; the block tables are a
-    random permutation of the pool, so a stale or shifted id reads another sequence's block.
-    heads_first: the grid's axes swapped (kv heads, sequences, splits), so a program that took
-    one axis for the other would read another sequence's q, blocks or output rows."""
+    random permutation of the pool, so a stale or shifted id reads another sequence's block."""
     kc, vc, bt = make_paged_kv(ctx, hk, d, 16, dtype)
     q = torch.randn(len(ctx), hq + 2 * hk, d).to(dtype)[:, :hq]  # strided view of a fused qkv
     sl = torch.tensor(ctx, dtype=torch.int32)
     out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n,
-                                  prefetch=prefetch, heads_first=heads_first)
+                                  prefetch=prefetch)
     assert not out.isnan().any(), "unwritten (or NaN-polluted) output rows"
     torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, window), **TOL[dtype])
 
@@ -262,7 +260,7 @@ def test_decode_fp8_cache(dtype, widen, ctx, hq, hk, d, window, splits, block_n)
     q = torch.randn(len(ctx), hq + 2 * hk, d).to(dtype)[:, :hq]
     sl = torch.tensor(ctx, dtype=torch.int32)
     out = decode_attention_triton(q, kc8, vc8, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n,
-                                  widen=widen, heads_first=widen == "fp16")
+                                  widen=widen)
     assert not out.isnan().any()
     torch.testing.assert_close(out, decode_attention_ref(q, kc8, vc8, bt, sl, d**-0.5, window), **TOL[dtype])
 

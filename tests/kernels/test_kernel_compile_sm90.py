@@ -103,7 +103,7 @@ out = []
 for rope, split, window in json.loads(sys.argv[1]):
     consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": 64, "HEAD_DIM": 128,
               "BLOCK_D": 128, "BLOCK_SIZE": 16, "SPLIT": split, "HAS_WINDOW": window, "PRECISION": None,
-              "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope, "HEADS_FIRST": split}
+              "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope}
     sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
     c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 3})

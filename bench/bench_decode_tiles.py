@@ -1,0 +1,129 @@
+"""Decode attention over an fp8 cache at large batches: its tile variants and the cache's layout
+against the device's copy rate, in one run.
+
+    python3 bench/bench_decode_tiles.py            # Llama-3.1-8B heads (32 q, 8 kv, D 128), block 16
+    python3 bench/bench_decode_tiles.py --variants '{"s2": {"num_stages": 2}}'
+
+At batch 1000 and context ~1100 a decode step's attention ran at ~3.0 TB/s on the H200 (the profile
+in bench/results/2026-12-04-profile-fp8-decode-b1000-ctx1100-h200-32f8889.txt), 64% of the step.
+Measured there (bench/results/2026-12-04-session7-h200.md): the grid's order (the kv heads of one
+sequence side by side instead of one head of many sequences; an option of the kernel then, removed
+as no faster), a head-major cache layout and a dozen tile variants all within a few percent of the
+defaults at batch 1000.
+
+Block tables: "prefill" gives each sequence consecutive blocks (a prompt prefilled in one chunk),
+"shuffled" a random permutation of the pool (decode blocks allocated one at a time across many
+sequences); "hnd" is shuffled over a cache laid out [blocks, Hk, block_size, D] in memory (the
+kernels see it through strides as [blocks, block_size, Hk, D]): one head's rows of a block are
+one run of block_size x D bytes instead of block_size rows Hk x D bytes apart.
+Prints JSON and a markdown table; writes them under $OUT when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import header, md_table, write_report
+from kernels.decode_attention import decode_attention_triton
+
+FP8 = torch.float8_e4m3fn
+
+
+def copy_gbps(nbytes: int = 1 << 30) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * nbytes / time_ms(lambda: b.copy_(a)) / 1e6
+
+
+def time_ms(fn, reps: int = 20) -> float:
+    """Median of reps CUDA-event timings, after two warm calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return sorted(ts)[len(ts) // 2]
+
+
+# tile variants beside the defaults (fp8: 64 keys, 2 warps, 3 stages, tuned at B = 224)
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "stages2": {"num_stages": 2},
+    "n128_w2": {"block_n": 128, "num_warps": 2},
+    "splits2": {"num_splits": 2},
+}
+
+
+def case(b: int, ctx: int, layout: str, hq: int = 32, hk: int = 8, d: int = 128, bs: int = 16) -> dict:
+    per_seq = -(-ctx // bs)
+    n_blocks = b * per_seq + 1
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if layout == "hnd":  # [blocks, Hk, block_size, D] in memory: one head's block is one run of bytes
+        kc = torch.randn((n_blocks, hk, bs, d), device="cuda", generator=g, dtype=torch.bfloat16).to(FP8)
+        vc = torch.randn((n_blocks, hk, bs, d), device="cuda", generator=g, dtype=torch.bfloat16).to(FP8)
+        kc, vc = kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)  # seen as [blocks, block_size, Hk, D]
+    else:
+        kc = torch.randn((n_blocks, bs, hk, d), device="cuda", generator=g, dtype=torch.bfloat16).to(FP8)
+        vc = torch.randn((n_blocks, bs, hk, d), device="cuda", generator=g, dtype=torch.bfloat16).to(FP8)
+    ids = torch.arange(1, n_blocks, device="cuda", dtype=torch.int32)
+    if layout in ("shuffled", "hnd"):
+        ids = ids[torch.randperm(n_blocks - 1, device="cuda", generator=g)]
+    bt = ids.view(b, per_seq).contiguous()
+    sl = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn((b, hq, d), device="cuda", generator=g, dtype=torch.bfloat16)
+    scale = d ** -0.5
+    outs, row = {}, {"B": b, "context": ctx, "blocks": layout}
+    kv_bytes = 2 * b * ctx * hk * d  # K and V, one byte each
+    for name, kw in VARIANTS.items():
+        outs[name] = decode_attention_triton(q, kc, vc, bt, sl, scale, **kw)
+        ms = time_ms(lambda kw=kw: decode_attention_triton(q, kc, vc, bt, sl, scale, **kw))
+        row[f"{name} us"] = ms * 1e3
+        row[f"{name} GB/s"] = kv_bytes / ms / 1e6
+    row["max diff"] = max(float((outs[n].float() - outs["default"].float()).abs().max()) for n in outs)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="1x2048,64x1500,256x1100,640x1530,1000x1100,1000x1500,1000x1900",
+                    help="comma-separated BxCONTEXT")
+    ap.add_argument("--layouts", default="prefill,shuffled,hnd",
+                    help="block tables and cache layout: prefill, shuffled, hnd (shuffled, head-major blocks)")
+    ap.add_argument("--variants", default="",
+                    help="JSON {name: decode_attention_triton keywords} replacing the variants beside the default")
+    args = ap.parse_args()
+    if args.variants:
+        extra = json.loads(args.variants)
+        for k in [k for k in VARIANTS if k != "default"]:
+            del VARIANTS[k]
+        VARIANTS.update(extra)
+    bw = copy_gbps()
+    rows = []
+    for c in args.cases.split(","):
+        b, ctx = (int(x) for x in c.split("x"))
+        for layout in args.layouts.split(","):
+            rows.append(case(b, ctx, layout))
+            torch.cuda.empty_cache()
+            print(f"# {rows[-1]}", flush=True)
+    data = {"header": header(), "copy_gbps": bw, "rows": rows}
+    cols = ["B", "context", "blocks", *(f"{n} GB/s" for n in VARIANTS), "default us", "max diff"]
+    md = (f"### decode attention tiles, fp8 cache, {data['header']['machine']}, commit "
+          f"{data['header']['commit']}; copy {bw:.0f} GB/s\n\n" + md_table(rows, cols))
+    write_report("decode_tiles", data, md)
+
+
+if __name__ == "__main__":
+    main()
