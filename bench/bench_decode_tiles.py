@@ -67,6 +67,9 @@ VARIANTS: dict[str, dict] = {
 }
 
 
+OLD = None  # --old's module
+
+
 def case(b: int, ctx: int, layout: str, hq: int = 32, hk: int = 8, d: int = 128, bs: int = 16) -> dict:
     per_seq = -(-ctx // bs)
     n_blocks = b * per_seq + 1
@@ -88,8 +91,9 @@ def case(b: int, ctx: int, layout: str, hq: int = 32, hk: int = 8, d: int = 128,
     outs, row = {}, {"B": b, "context": ctx, "blocks": layout}
     kv_bytes = 2 * b * ctx * hk * d  # K and V, one byte each
     for name, kw in VARIANTS.items():
-        outs[name] = decode_attention_triton(q, kc, vc, bt, sl, scale, **kw)
-        ms = time_ms(lambda kw=kw: decode_attention_triton(q, kc, vc, bt, sl, scale, **kw))
+        fn = OLD.decode_attention_triton if name == "old" else decode_attention_triton
+        outs[name] = fn(q, kc, vc, bt, sl, scale, **kw)
+        ms = time_ms(lambda kw=kw, fn=fn: fn(q, kc, vc, bt, sl, scale, **kw))
         row[f"{name} us"] = ms * 1e3
         row[f"{name} GB/s"] = kv_bytes / ms / 1e6
     row["max diff"] = max(float((outs[n].float() - outs["default"].float()).abs().max()) for n in outs)
@@ -104,12 +108,21 @@ def main() -> None:
                     help="block tables and cache layout: prefill, shuffled, hnd (shuffled, head-major blocks)")
     ap.add_argument("--variants", default="",
                     help="JSON {name: decode_attention_triton keywords} replacing the variants beside the default")
+    ap.add_argument("--old", default="", help="a previous kernels/decode_attention.py: timed too, as variant 'old'")
     args = ap.parse_args()
     if args.variants:
         extra = json.loads(args.variants)
         for k in [k for k in VARIANTS if k != "default"]:
             del VARIANTS[k]
         VARIANTS.update(extra)
+    if args.old:
+        import importlib.util
+
+        global OLD
+        spec = importlib.util.spec_from_file_location("old_decode_attention", args.old)
+        OLD = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(OLD)
+        VARIANTS["old"] = {}
     bw = copy_gbps()
     rows = []
     for c in args.cases.split(","):

@@ -154,6 +154,7 @@ DECODE_CASES = [
     ([40, 123, 16], 4, 4, 64, None, 3, 16),
     ([300], 8, 1, 128, 50, 5, 64),
     ([1, 64, 65], 32, 4, 64, None, 1, None),
+    ([50, 96, 129], 4, 2, 80, None, 2, 32),  # head_dim below its power of two: the masked columns
 ]
 
 
