@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import bounded_put, cdiv, check, lazy_helper, lazy_jit, next_pow2, num_sms
+from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
 from kernels.prefill_attention import check_paged_inputs, combine_splits, paged_attention_ref, split_partials
 
 
@@ -148,32 +148,44 @@ def _decode_partial_kernel(
     k_end = k_stop
     if ROPE:  # the new key (at ctx - 1) is not read from its slot: it joins after the loop, from registers
         k_end = tl.minimum(k_stop, ctx - 1)
-    # the tiles that lie whole inside [k_start, k_end) take no key mask (per-element predicates and
-    # selects were the integer pipe's load: ncu on the H200, B = 1000); the last, partial one does
-    k_full = k_start + (k_end - k_start) // BLOCK_N * BLOCK_N
     if PREFETCH:  # the K/V addresses of a tile then hang on no load of their own iteration
         kpos0 = k_start + tl.arange(0, BLOCK_N)
         blk_next = tl.load(bt_row + kpos0 // BLOCK_SIZE, mask=kpos0 < k_end, other=0)
-    for start in range(k_start, k_full, BLOCK_N):
+    for start in range(k_start, k_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < k_end
         if PREFETCH:
             blk = blk_next.to(tl.int64)
             kpos_n = kpos + BLOCK_N
             blk_next = tl.load(bt_row + kpos_n // BLOCK_SIZE, mask=kpos_n < k_end, other=0)
         else:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
-        acc, m_i, l_i = _decode_tile(q, acc, m_i, l_i, kpos, blk, k_end, q_ptr, k_cache_ptr, v_cache_ptr, stride_cb,
-                                     stride_cs, kv_head_off, qk_scale, False, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
-                                     DOT_FP32, WIDEN_F16)
-    if k_full < k_end:
-        kpos = k_full + tl.arange(0, BLOCK_N)
-        if PREFETCH:
-            blk = blk_next.to(tl.int64)
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
+        kv_mask = k_ok[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if WIDEN_F16:
+            k = k.to(tl.float16)  # e4m3 -> fp16 is exact
+            v = v.to(tl.float16)
         else:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kpos < k_end, other=0).to(tl.int64)
-        acc, m_i, l_i = _decode_tile(q, acc, m_i, l_i, kpos, blk, k_end, q_ptr, k_cache_ptr, v_cache_ptr, stride_cb,
-                                     stride_cs, kv_head_off, qk_scale, True, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
-                                     DOT_FP32, WIDEN_F16)
+            k = k.to(q_ptr.dtype.element_ty)  # an fp8 cache widens exactly to q's dtype (else a no-op)
+            v = v.to(q_ptr.dtype.element_ty)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+        if not WIDEN_F16:
+            s = s * qk_scale
+        s = tl.where(k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     if ROPE:  # the new key and value, in the split whose range holds ctx - 1, as the loop would add them
         new_pos = r * 0 + ctx - 1  # [BLOCK_H]: a block, as the interpreter wants a mask
         owns = (new_pos >= k_start) & (new_pos < k_stop) & row_ok
@@ -205,54 +217,6 @@ def _decode_partial_kernel(
         tl.store(l_ptr + part, l_i, mask=row_ok)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=(row_ok & (l_i > 0.0))[:, None] & dmask[None, :])
-
-
-@lazy_helper
-def _decode_tile(q, acc, m_i, l_i, kpos, blk, k_end, q_ptr, k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, kv_head_off,
-                 qk_scale, MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, WIDEN_F16: tl.constexpr):
-    """One key tile of the online softmax: (acc, m_i, l_i) updated with the keys at kpos (their cache
-    blocks blk). MASKED: keys at or past k_end are out (the last tile); else every key is in. Columns
-    past HEAD_DIM are masked only when BLOCK_D is wider."""
-    d = tl.arange(0, BLOCK_D)
-    c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
-    ptr_off = c_off[:, None] + d[None, :]
-    if MASKED:
-        k_ok = kpos < k_end
-        if HEAD_DIM == BLOCK_D:
-            kv_mask = k_ok[:, None]
-        else:
-            kv_mask = k_ok[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + ptr_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + ptr_off, mask=kv_mask, other=0.0)
-    elif HEAD_DIM == BLOCK_D:
-        k = tl.load(k_cache_ptr + ptr_off)
-        v = tl.load(v_cache_ptr + ptr_off)
-    else:
-        k = tl.load(k_cache_ptr + ptr_off, mask=(d < HEAD_DIM)[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + ptr_off, mask=(d < HEAD_DIM)[None, :], other=0.0)
-    if WIDEN_F16:
-        k = k.to(tl.float16)  # e4m3 -> fp16 is exact
-        v = v.to(tl.float16)
-    else:
-        k = k.to(q_ptr.dtype.element_ty)  # an fp8 cache widens exactly to q's dtype (else a no-op)
-        v = v.to(q_ptr.dtype.element_ty)
-    if DOT_FP32:
-        k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
-    if not WIDEN_F16:
-        s = s * qk_scale
-    if MASKED:
-        s = tl.where((kpos < k_end)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_FP32:
-        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
-    else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return acc * alpha[:, None] + pv, m_new, l_i
 
 
 def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: int) -> int:
