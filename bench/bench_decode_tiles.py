@@ -64,6 +64,9 @@ VARIANTS: dict[str, dict] = {
     "stages2": {"num_stages": 2},
     "n128_w2": {"block_n": 128, "num_warps": 2},
     "splits2": {"num_splits": 2},
+    # register caps: 167 registers held the SM to 6 programs of 2 warps at B = 1000 (ncu, session 7)
+    "maxnreg128": {"maxnreg": 128},
+    "maxnreg96": {"maxnreg": 96},
 }
 
 

@@ -298,6 +298,7 @@ def decode_attention_triton(
     widen: str | None = None,
     prefetch: bool = False,
     rope: tuple[torch.Tensor, ...] | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Triton `decode_attention_ref` (flash-decoding): q [B, Hq, D] -> [B, Hq, D].
 
@@ -309,7 +310,9 @@ def decode_attention_triton(
     widen: what an fp8 cache's tiles are widened to before the dots: "q" (q's dtype) or "fp16"
     (q, pre-scaled, and the probabilities cast to fp16 too); None: "fp16" for an fp8 cache on
     the GPU with a 16-bit q, else "q". prefetch: load each key tile's block-table entries in the
-    iteration before (off by default: 2% at B=640 on the H200, noise-level).
+    iteration before (off by default: 2% at B=640 on the H200, noise-level). maxnreg: a register cap
+    per thread for the partial launch on a GPU (None: Triton's choice; at B = 1000 on the H200 ncu found
+    167 registers holding the SM to 12 resident warps, bench/results/2026-12-04-session7-h200.md).
 
     rope = (k, v, positions, cos_sin, slot_mapping): `rope_and_cache` fused in (a pure decode step):
     q and k [B, Hk, D] arrive unrotated (strided views of the fused qkv output are fine), the kernel
@@ -359,7 +362,7 @@ def decode_attention_triton(
         hq,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-    ), consts, warps, stages, on_gpu)
+    ), consts, warps, stages, on_gpu, maxnreg if on_gpu else None)
     if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out

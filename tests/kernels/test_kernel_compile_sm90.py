@@ -100,14 +100,16 @@ PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", 
         "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
         "qk_scale": "fp32"}
 out = []
-for rope, split, window in json.loads(sys.argv[1]):
+for rope, split, window, maxnreg in json.loads(sys.argv[1]):
     consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": 64, "HEAD_DIM": 128,
               "BLOCK_D": 128, "BLOCK_SIZE": 16, "SPLIT": split, "HAS_WINDOW": window, "PRECISION": None,
               "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope}
     sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
     c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 3})
-    out.append({"cubin": len(c.asm["cubin"]), "mma": "mma" in c.asm["ptx"]})
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 2, "num_stages": 3, **({"maxnreg": maxnreg} if maxnreg else {})})
+    out.append({"cubin": len(c.asm["cubin"]), "mma": "mma" in c.asm["ptx"],
+                "maxnreg": f".maxnreg {maxnreg}" in c.asm["ptx"] if maxnreg else None})
 for k, cst in ((argmax._chunk_argmax_kernel, {"CHUNK_": 2048}), (argmax._rows_argmax_kernel, {"BLOCK_C": 64})):
     j = k.jitted()
     types = {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "out_ptr": "*i64"}
@@ -121,8 +123,9 @@ print(json.dumps(out))
 
 def test_decode_attention_and_argmax_compile_for_sm90():
     """Decode attention over an fp8 cache with rope_and_cache fused in (or not), split or not, with a
-    window or not, and the two argmax kernels: Triton's sm90 passes and ptxas, no device."""
-    cases = [(True, True, False), (True, False, True), (False, True, False)]
+    window or not, one under a register cap (the launcher's maxnreg, which must reach ptxas), and the
+    two argmax kernels: Triton's sm90 passes and ptxas, no device."""
+    cases = [(True, True, False, 0), (True, False, True, 0), (False, True, False, 0), (False, False, False, 128)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", DECODE_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
@@ -130,6 +133,7 @@ def test_decode_attention_and_argmax_compile_for_sm90():
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert [g["cubin"] > 0 for g in got] == [True] * (len(cases) + 2)
     assert all(g["mma"] for g in got[: len(cases)])  # the score and value products on the tensor cores
+    assert got[3]["maxnreg"] is True, "the register cap did not reach the PTX"
 
 
 PREFILL_SCRIPT = r'''
