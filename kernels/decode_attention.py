@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -233,6 +234,10 @@ def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: 
     return max(1, min(want, cdiv(max_context, 128), 64))
 
 
+# the partial launch's register cap when the caller names none (None: Triton's choice);
+# FIRSTTOKEN_DECODE_MAXNREG=N sets it for a process (an engine A/B in one session)
+DECODE_MAXNREG = int(os.environ.get("FIRSTTOKEN_DECODE_MAXNREG", "0")) or None
+
 # launch plans: static checks per (shapes but B, strides, dtypes, devices); tiles per (B, table width)
 _STATIC: dict = {}
 _TILES: dict = {}
@@ -311,7 +316,7 @@ def decode_attention_triton(
     (q, pre-scaled, and the probabilities cast to fp16 too); None: "fp16" for an fp8 cache on
     the GPU with a 16-bit q, else "q". prefetch: load each key tile's block-table entries in the
     iteration before (off by default: 2% at B=640 on the H200, noise-level). maxnreg: a register cap
-    per thread for the partial launch on a GPU (None: Triton's choice; at B = 1000 on the H200 ncu found
+    per thread for the partial launch on a GPU (None: DECODE_MAXNREG, by default Triton's choice; at B = 1000 on the H200 ncu found
     167 registers holding the SM to 12 resident warps, bench/results/2026-12-04-session7-h200.md).
 
     rope = (k, v, positions, cos_sin, slot_mapping): `rope_and_cache` fused in (a pure decode step):
@@ -362,7 +367,7 @@ def decode_attention_triton(
         hq,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-    ), consts, warps, stages, on_gpu, maxnreg if on_gpu else None)
+    ), consts, warps, stages, on_gpu, (maxnreg or DECODE_MAXNREG) if on_gpu else None)
     if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
