@@ -117,10 +117,11 @@ class ModelRunner:
             self._warm_dense_attention()
         if config.cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton":
             max_bs = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
-            ctx = self.graph_context()
+            prefill_seqs = min(config.prefill_graph_max_seqs, config.max_num_seqs)
+            ctx = self.graph_context(max(max_bs, prefill_seqs))  # the most rows a graph samples
             self.graphs = DecodeGraphs(ctx, max_bs)
             max_t = min(config.prefill_graph_max_tokens, config.max_num_batched_tokens)
-            self.prefill_graphs = PrefillGraphs(ctx, max_t, min(config.prefill_graph_max_seqs, config.max_num_seqs))
+            self.prefill_graphs = PrefillGraphs(ctx, max_t, prefill_seqs)
             mixed_t = min(config.mixed_graph_max_tokens, config.max_num_batched_tokens)
             if mixed_t > 0 and max_bs > 1:
                 self.mixed_graphs = MixedGraphs(ctx, max_bs, mixed_t, min(config.mixed_graph_max_prefills,
@@ -394,9 +395,10 @@ class ModelRunner:
                                         targets[i : i + PROMPT_LOGPROB_ROWS], k))
         return tuple(torch.cat(p) for p in zip(*parts)), [(req, s, n) for req, s, _, n in plan]
 
-    def graph_context(self) -> GraphContext:
+    def graph_context(self, logit_rows: int) -> GraphContext:
         """What the CUDA graphs capture and replay: the model's forward over this runner's KV
-        cache, its logits, the cache layout, and the attention kernels' split choices."""
+        cache, its logits (rows of one fp32 buffer of `logit_rows` rows: the most any graph
+        samples), the cache layout, and the attention kernels' split choices."""
         mc = self.model_config
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor,
@@ -408,12 +410,12 @@ class ModelRunner:
             return self.ops.prefill_splits(self.dtype, mc.num_heads, self.kv_caches[0][0], batch, tokens, tokens,
                                            ctx_bound, None)
 
-        # the graphs' logits: rows of one buffer as tall as the largest graph's sampling rows (GraphContext)
-        c = self.config
-        rows = max(min(c.cuda_graph_max_batch or c.max_num_seqs, c.max_num_seqs), c.prefill_graph_max_seqs)
-        logits_buf = torch.empty((rows, mc.vocab_size), dtype=torch.float32, device=self.device)
+        logits_buf = torch.empty((logit_rows, mc.vocab_size), dtype=torch.float32, device=self.device)
 
         def logits(hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            # (runs as a graph is captured, not at replay)
+            if hidden.shape[0] > logit_rows:
+                raise ValueError(f"a graph samples {hidden.shape[0]} rows; its logits buffer holds {logit_rows}")
             return self.model.compute_logits(hidden, residual, logits_buf[: hidden.shape[0]])
 
         return GraphContext(self.layout, forward, logits, self.decode_num_splits, prefill_splits)

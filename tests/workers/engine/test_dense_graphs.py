@@ -48,7 +48,7 @@ def test_a_dense_graphs_forward_equals_the_eager_step(n):
     eng.add_request("p", prompt_token_ids=_prompt(n, n), sampling=SP)
     out = eng.scheduler.schedule()
     r = eng.runner
-    dg = DenseGraphs(r.graph_context(), 64, 256)
+    dg = DenseGraphs(r.graph_context(1), 64, 256)
     assert dg.buckets == [128, 256] and dg.fits(out)
     with torch.inference_mode():
         ids, pos, meta, logit_rows = r.prepare(out)  # the CPU's eager step: paged attention
@@ -82,7 +82,7 @@ def _first_step(eng: LLMEngine, *prompts: list[int]):
 
 def test_what_the_dense_graphs_do_not_hold():
     eng = _engine()
-    ctx = eng.runner.graph_context()
+    ctx = eng.runner.graph_context(1)
     dg = DenseGraphs(ctx, 64, 256)
     assert dg.fits(_first_step(eng, _prompt(96, 2)))  # alone, uncached, within the buckets
     assert not dg.fits(_first_step(eng, _prompt(40, 1)))  # under the dense minimum
@@ -113,7 +113,7 @@ def test_the_graphs_share_one_logits_buffer():
     out = eng.scheduler.schedule()
     assert out.num_decodes == 3
     r = eng.runner
-    ctx = dataclasses.replace(r.graph_context(), decode_splits=lambda bs: None)  # (the GPU's split count reads its SMs; the torch op takes none)
+    ctx = dataclasses.replace(r.graph_context(8), decode_splits=lambda bs: None)  # (the GPU's split count reads its SMs; the torch op takes none)
     dg = DecodeGraphs(ctx, max_bs=8)
     _ids, _pos, _slots, tables, _qsl, seq_lens, _rows = r.host_inputs(out)
     with torch.inference_mode():
@@ -128,6 +128,8 @@ def test_the_graphs_share_one_logits_buffer():
         got4 = dg._forward(4)
         got8 = dg._forward(8)
         decoded = got8[:3].clone()  # the next graph's forward writes the same rows
+        with pytest.raises(ValueError, match="logits buffer holds 8"):
+            DecodeGraphs(ctx, max_bs=16)._forward(16)  # more rows than the context's buffer
         dense = DenseGraphs(ctx, 64, 256)
         one = dense._forward(128)
     assert got4.untyped_storage().data_ptr() == got8.untyped_storage().data_ptr() == one.untyped_storage().data_ptr()

@@ -59,7 +59,7 @@ def test_a_mixed_graphs_forward_equals_the_eager_step(backend, monkeypatch):
         hidden, residual = r.model(ids, pos, r.cos_sin, r.kv_caches, meta)
         want = r.model.compute_logits(hidden[torch.from_numpy(logit_rows)], residual[torch.from_numpy(logit_rows)])
         # buckets the step does not fill: 11 decodes in 16 rows, 58 prompt tokens in 64
-        mg = MixedGraphs(r.graph_context(), max_decodes=32, max_tokens=128, max_prefills=4)
+        mg = MixedGraphs(r.graph_context(1), max_decodes=32, max_tokens=128, max_prefills=4)
         assert mg.fits(out)
         db, t, _splits, n = mg.load(out)
         assert (db, t, n) == (16, 64, 13)  # 11 decodes and the last row of each prompt sample
@@ -73,7 +73,7 @@ def test_a_mixed_graphs_forward_equals_the_eager_step(backend, monkeypatch):
 def test_what_the_mixed_graphs_do_not_hold():
     eng = _decoding_engine("torch", n_decodes=11)
     out = eng.scheduler.schedule()
-    ctx = eng.runner.graph_context()
+    ctx = eng.runner.graph_context(1)
     assert not MixedGraphs(ctx, max_decodes=8, max_tokens=128, max_prefills=4).fits(out)  # 11 decodes > 8
     assert not MixedGraphs(ctx, max_decodes=32, max_tokens=32, max_prefills=4).fits(out)  # 58 prompt tokens > 32
     assert not MixedGraphs(ctx, max_decodes=32, max_tokens=128, max_prefills=1).fits(out)  # 2 chunks > 1
@@ -83,4 +83,4 @@ def test_what_the_mixed_graphs_do_not_hold():
     step = decode_only.scheduler.schedule()
     assert step.num_decodes == len(step.scheduled) == 5
     # no prompt chunk: the decode graphs' step
-    assert not MixedGraphs(decode_only.runner.graph_context(), 32, 128, 4).fits(step)
+    assert not MixedGraphs(decode_only.runner.graph_context(1), 32, 128, 4).fits(step)
