@@ -19,8 +19,8 @@
 #   gemv_sweep  the one-row GEMV's tiles (bench_fp8_gemv --rows 1), then
 #               decode b1/b8 with the sweep's picks (FIRSTTOKEN_FP8_GEMV_CONFIG) against the defaults    ~3 min
 #   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens (TensorRT-LLM's shape): FP8, bf16  ~6 min
-#   decode_regs  decode attention's tiles and register caps at B = 1-1000 (bench_decode_tiles), then offline
-#               throughput, FP8 + fp8 KV at util 0.95, without and with a 128-register cap               ~8 min
+#   decode_bt   decode attention's tiles at B = 1-1000 (bench_decode_tiles, shuffled blocks), then offline
+#               throughput, FP8 + fp8 KV at util 0.95, without and with tiles of whole blocks (bt_tiles) ~8 min
 #   throughput_mem  the same shape, FP8 + fp8 KV alone, at gpu_memory_utilization 0.90 then 0.95 (fewer
 #               preemptions; the stats give peak memory against the device's total)                  ~4.5 min
 #   ttft_probe  where TTFT 2048 and 2048 cached + 128 spend the time outside their kernels (FP8 + fp8 KV:
@@ -131,15 +131,15 @@ for stage in "${STAGES[@]}"; do
     throughput)
       run throughput 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
         --engines fp8+kv8,bf16+kv8 "${TPUT_ARGS[@]}" ;;
-    decode_regs)  # decode attention under register caps: the kernel alone, then the engine's throughput
-      [ "${SMOKE:-0}" = 1 ] || run decode_tiles 120 $PY bench/bench_decode_tiles.py  # CUDA only
-      for cap in 0 128; do
-        export FIRSTTOKEN_DECODE_MAXNREG=$cap
-        run "throughput_maxnreg$cap" 220 $PY bench/bench_engine.py "${DEV[@]}" \
+    decode_bt)  # decode attention's tiles of whole blocks: the kernel alone, then the engine's throughput
+      [ "${SMOKE:-0}" = 1 ] || run decode_tiles 150 $PY bench/bench_decode_tiles.py --layouts shuffled  # CUDA only
+      for bt in 0 1; do
+        export FIRSTTOKEN_DECODE_BT_TILES=$bt
+        run "throughput_bt$bt" 220 $PY bench/bench_engine.py "${DEV[@]}" \
           --preset $PRESET --sections throughput --engines fp8+kv8 --no-hf --gpu-memory-utilization 0.95 \
           "${TPUT_ARGS[@]}"
       done
-      unset FIRSTTOKEN_DECODE_MAXNREG ;;
+      unset FIRSTTOKEN_DECODE_BT_TILES ;;
     throughput_mem)
       for mem in 0.9 0.95; do
         run "throughput_mem$mem" 270 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \

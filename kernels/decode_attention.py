@@ -79,6 +79,7 @@ def _decode_partial_kernel(
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
     WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
     PREFETCH: tl.constexpr,  # load the next key tile's block-table entries one iteration ahead
+    BT_TILES: tl.constexpr,  # tiles of whole cache blocks: one block-table entry per block, not per key
     ROPE: tl.constexpr,  # q (and the new k) arrive unrotated: rotate them here and write k, v to the cache
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -155,13 +156,19 @@ def _decode_partial_kernel(
     for start in range(k_start, k_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < k_end
-        if PREFETCH:
-            blk = blk_next.to(tl.int64)
-            kpos_n = kpos + BLOCK_N
-            blk_next = tl.load(bt_row + kpos_n // BLOCK_SIZE, mask=kpos_n < k_end, other=0)
+        if BT_TILES:  # start is a multiple of BLOCK_N, so of BLOCK_SIZE: the tile is BLOCK_N // BLOCK_SIZE blocks
+            bidx = start // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
+            bblk = tl.load(bt_row + bidx, mask=bidx * BLOCK_SIZE < k_end, other=0).to(tl.int64)
+            slot_off = tl.arange(0, BLOCK_SIZE).to(tl.int64) * stride_cs
+            c_off = tl.reshape(bblk[:, None] * stride_cb + slot_off[None, :], (BLOCK_N,)) + kv_head_off
         else:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
+            if PREFETCH:
+                blk = blk_next.to(tl.int64)
+                kpos_n = kpos + BLOCK_N
+                blk_next = tl.load(bt_row + kpos_n // BLOCK_SIZE, mask=kpos_n < k_end, other=0)
+            else:
+                blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -234,9 +241,6 @@ def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: 
     return max(1, min(want, cdiv(max_context, 128), 64))
 
 
-# the partial launch's register cap when the caller names none (None: Triton's choice);
-# FIRSTTOKEN_DECODE_MAXNREG=N sets it for a process (an engine A/B in one session)
-DECODE_MAXNREG = int(os.environ.get("FIRSTTOKEN_DECODE_MAXNREG", "0")) or None
 
 # launch plans: static checks per (shapes but B, strides, dtypes, devices); tiles per (B, table width)
 _STATIC: dict = {}
@@ -260,7 +264,7 @@ def _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window) ->
 def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits) of the partial launch."""
     hq, hk, d, bs, on_gpu, fp32, has_window, fp8_cache = static
-    num_splits, block_n, num_warps, num_stages, widen, prefetch = over
+    num_splits, block_n, num_warps, num_stages, widen, prefetch, bt_tiles = over
     check(widen in (None, "q", "fp16"), "decode_attention: widen must be 'q' or 'fp16', not {!r}", widen)
     group = hq // hk
     g_pack = min(group, 64)
@@ -278,13 +282,24 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
     bn = block_n or (32 if fp32 else 64 if fp8_gpu else 128 if on_gpu else 64)
     num_warps = num_warps or (2 if fp8_gpu else 4)
     check(bn >= 16 and bn & (bn - 1) == 0, "decode_attention: block_n must be a power of two >= 16")
+    # a tile of whole blocks needs tiles that start on a block (no window: a split starts on a tile)
+    tiles_ok = bn % bs == 0 and not has_window and not prefetch
+    if bt_tiles == "auto":  # the process default: wherever the tiles allow it
+        bt_tiles = tiles_ok
+    check(not bt_tiles or tiles_ok, "decode_attention: bt_tiles needs block_n a multiple of the block size {}, no "
+          "sliding window and no prefetch", bs)
     consts = {
         "GROUP": group, "G_PACK": g_pack, "HEAD_CHUNKS": head_chunks, "BLOCK_H": max(16, next_pow2(g_pack)),
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
         "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch, "ROPE": False,
+        "BT_TILES": bool(bt_tiles),
     }
     return (b, hk * head_chunks, num_splits), consts, num_warps, num_stages or 3, num_splits
+
+
+# bt_tiles when the caller names none (FIRSTTOKEN_DECODE_BT_TILES=1 / 0 sets it for a process: an engine A/B)
+DECODE_BT_TILES = os.environ.get("FIRSTTOKEN_DECODE_BT_TILES", "0") == "1"
 
 
 def decode_attention_triton(
@@ -303,7 +318,7 @@ def decode_attention_triton(
     widen: str | None = None,
     prefetch: bool = False,
     rope: tuple[torch.Tensor, ...] | None = None,
-    maxnreg: int | None = None,
+    bt_tiles: bool | None = None,
 ) -> torch.Tensor:
     """Triton `decode_attention_ref` (flash-decoding): q [B, Hq, D] -> [B, Hq, D].
 
@@ -315,9 +330,11 @@ def decode_attention_triton(
     widen: what an fp8 cache's tiles are widened to before the dots: "q" (q's dtype) or "fp16"
     (q, pre-scaled, and the probabilities cast to fp16 too); None: "fp16" for an fp8 cache on
     the GPU with a 16-bit q, else "q". prefetch: load each key tile's block-table entries in the
-    iteration before (off by default: 2% at B=640 on the H200, noise-level). maxnreg: a register cap
-    per thread for the partial launch on a GPU (None: DECODE_MAXNREG, by default Triton's choice; at B = 1000 on the H200 ncu found
-    167 registers holding the SM to 12 resident warps, bench/results/2026-12-04-session7-h200.md).
+    iteration before (off by default: 2% at B=640 on the H200, noise-level). bt_tiles: each key tile
+    is whole cache blocks (block_n a multiple of the block size, no sliding window, no prefetch), so a
+    tile loads one block-table entry per block and addresses each block's slots as one run, instead
+    of an entry and an address per key (None: DECODE_BT_TILES where the tiles allow it). (A register cap on this launch, 128 or 96 against Triton's
+    167, ran 13% and 45% slower at B = 1000 on the H200: bench/results/2026-12-04-session8-h200.md.)
 
     rope = (k, v, positions, cos_sin, slot_mapping): `rope_and_cache` fused in (a pure decode step):
     q and k [B, Hk, D] arrive unrotated (strided views of the fused qkv output are fine), the kernel
@@ -340,7 +357,9 @@ def decode_attention_triton(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch)
+    if bt_tiles is None:  # resolved before the plan cache's key: a changed default is a new plan
+        bt_tiles = "auto" if DECODE_BT_TILES and not prefetch else False
+    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch, bt_tiles)
     tkey = (skey, b, block_tables.shape[1], over, rope is None)
     plan = _TILES.get(tkey)
     if plan is None:
@@ -367,7 +386,7 @@ def decode_attention_triton(
         hq,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-    ), consts, warps, stages, on_gpu, (maxnreg or DECODE_MAXNREG) if on_gpu else None)
+    ), consts, warps, stages, on_gpu)
     if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out

@@ -161,15 +161,19 @@ DECODE_CASES = [
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits", "block_n"), DECODE_CASES)
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n, prefetch) -> None:
-    """prefetch: the next key tile's block ids loaded an iteration ahead; the block tables are a
-    random permutation of the pool, so a stale or shifted id reads another sequence's block."""
+@pytest.mark.parametrize("mode", [{}, {"prefetch": True}, {"bt_tiles": True}], ids=["plain", "prefetch", "bt_tiles"])
+def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n, mode) -> None:
+    """prefetch: the next key tile's block ids loaded an iteration ahead; bt_tiles: one block id per
+    cache block of a tile (a tile of 16-64 keys is 1-4 blocks of 16); the block tables are a random
+    permutation of the pool, so a stale or shifted id reads another sequence's block."""
     kc, vc, bt = make_paged_kv(ctx, hk, d, 16, dtype)
     q = torch.randn(len(ctx), hq + 2 * hk, d).to(dtype)[:, :hq]  # strided view of a fused qkv
     sl = torch.tensor(ctx, dtype=torch.int32)
-    out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n,
-                                  prefetch=prefetch)
+    if mode.get("bt_tiles") and window is not None:  # a window's first tile starts mid-block
+        with pytest.raises(ValueError, match="bt_tiles"):
+            decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n, **mode)
+        return
+    out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n, **mode)
     assert not out.isnan().any(), "unwritten (or NaN-polluted) output rows"
     torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, window), **TOL[dtype])
 

@@ -100,10 +100,10 @@ PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", 
         "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
         "qk_scale": "fp32"}
 out = []
-for rope, split, window, maxnreg in json.loads(sys.argv[1]):
+for rope, split, window, bt, maxnreg in json.loads(sys.argv[1]):
     consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": 64, "HEAD_DIM": 128,
               "BLOCK_D": 128, "BLOCK_SIZE": 16, "SPLIT": split, "HAS_WINDOW": window, "PRECISION": None,
-              "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope}
+              "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope, "BT_TILES": bt}
     sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
     c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32),
@@ -123,9 +123,11 @@ print(json.dumps(out))
 
 def test_decode_attention_and_argmax_compile_for_sm90():
     """Decode attention over an fp8 cache with rope_and_cache fused in (or not), split or not, with a
-    window or not, one under a register cap (the launcher's maxnreg, which must reach ptxas), and the
-    two argmax kernels: Triton's sm90 passes and ptxas, no device."""
-    cases = [(True, True, False, 0), (True, False, True, 0), (False, True, False, 0), (False, False, False, 128)]
+    window or not, one in tiles of whole blocks (bt_tiles: the block-table entries reshaped into the
+    tile's addresses), one under a register cap (the launcher's maxnreg, which must reach ptxas), and
+    the two argmax kernels: Triton's sm90 passes and ptxas, no device."""
+    cases = [(True, True, False, False, 0), (True, False, True, False, 0), (False, True, False, True, 0),
+             (False, False, False, False, 128)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", DECODE_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)

@@ -7,6 +7,7 @@ import torch
 from kernel_testutil import TOL, make_paged_kv
 from test_kernel_rope_cache import cos_sin_table
 
+from kernels import decode_attention
 from kernels.decode_attention import decode_rope_attention_ref, decode_rope_attention_triton
 
 F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn
@@ -55,7 +56,12 @@ def run_both(q, k, v, pos, kc, vc, bt, sl, slots, d, window, splits):
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits"), CASES)
-def test_decode_rope_matches_rope_then_decode(dtype, ctx, hq, hk, d, window, splits) -> None:
+@pytest.mark.parametrize("bt_tiles", [False, True], ids=["per_key", "bt_tiles"])
+def test_decode_rope_matches_rope_then_decode(dtype, ctx, hq, hk, d, window, splits, bt_tiles,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """bt_tiles: the process default FIRSTTOKEN_DECODE_BT_TILES on (tiles of whole blocks wherever
+    there is no window), the new key still joining from registers in the split that owns it."""
+    monkeypatch.setattr(decode_attention, "DECODE_BT_TILES", bt_tiles)
     q, k, v, pos, kc, vc, bt, sl, slots = make_step(ctx, hq, hk, d, dtype)
     got, want, kc_ref, vc_ref = run_both(q, k, v, pos, kc, vc, bt, sl, slots, d, window, splits)
     assert not got.isnan().any(), "the new token's slot was read before it was written (or not substituted)"
