@@ -21,6 +21,10 @@
 #   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens (TensorRT-LLM's shape): FP8, bf16  ~6 min
 #   decode_bt   decode attention's tiles at B = 1-1000 (bench_decode_tiles, shuffled blocks), then offline
 #               throughput, FP8 + fp8 KV at util 0.95, without and with tiles of whole blocks (bt_tiles) ~8 min
+#   vt_check    the V cache keys innermost (kernels/kv_layout.py): bench_decode_tiles over both V layouts, then
+#               the GPU tests                                                                         ~7 min
+#   vt_engine   TTFT and decode: FP8 + fp8 KV with V keys inner (the default) and in rows, bf16      ~6 min
+#   vt_throughput  offline throughput, FP8 + fp8 KV at util 0.95, V keys inner then in rows       ~8 min
 #   throughput_mem  the same shape, FP8 + fp8 KV alone, at gpu_memory_utilization 0.90 then 0.95 (fewer
 #               preemptions; the stats give peak memory against the device's total)                  ~4.5 min
 #   ttft_probe  where TTFT 2048 and 2048 cached + 128 spend the time outside their kernels (FP8 + fp8 KV:
@@ -140,6 +144,19 @@ for stage in "${STAGES[@]}"; do
           "${TPUT_ARGS[@]}"
       done
       unset FIRSTTOKEN_DECODE_BT_TILES ;;
+    vt_check)  # the V cache keys innermost (kernels/kv_layout.py): decode attention's tiles over both layouts, then the GPU tests
+      [ "${SMOKE:-0}" = 1 ] && continue
+      run decode_tiles 200 $PY bench/bench_decode_tiles.py --layouts shuffled
+      FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 330 \
+        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
+    vt_engine)  # TTFT and decode, FP8 + fp8 KV with V keys inner (the default) and in rows, bf16 beside them
+      run vt_engine 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
+        --engines fp8+kv8,fp8-vrows+kv8,bf16 --no-hf "${ENGINE_ARGS[@]}" ;;
+    vt_throughput)  # offline throughput (TensorRT-LLM's shape), FP8 + fp8 KV at util 0.95, V keys inner then rows
+      for e in fp8+kv8 fp8-vrows+kv8; do
+        run "throughput_${e%%+*}" 270 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
+          --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
+      done ;;
     throughput_mem)
       for mem in 0.9 0.95; do
         run "throughput_mem$mem" 270 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \

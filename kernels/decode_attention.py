@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
+from kernels.kv_layout import v_keys_inner, v_max
 from kernels.prefill_attention import check_paged_inputs, combine_splits, paged_attention_ref, split_partials
 
 
@@ -39,7 +40,7 @@ tl: Any = None  # triton.language, bound at the first launch by kernels._triton.
 def _decode_partial_kernel(
     q_ptr,  # q: [B, Hq, D], last dim contiguous
     k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous; q's dtype or fp8 e4m3
-    v_cache_ptr,  # v_cache: same shape, strides and dtype as k_cache
+    v_cache_ptr,  # v_cache: k_cache's shape and dtype; k_cache's strides, or V_T's (keys innermost)
     bt_ptr,  # block_tables: [B, max_blocks] int32
     seq_lens_ptr,  # seq_lens: [B] int32; the query sits at position seq_lens[b] - 1
     m_ptr,  # partial row max: [B * Hq, num_splits] fp32 (exp2 domain); unused unless SPLIT
@@ -64,6 +65,8 @@ def _decode_partial_kernel(
     stride_cb,  # cache block stride (k and v caches share strides)
     stride_cs,  # cache slot-in-block stride
     stride_ch,  # cache kv-head stride
+    stride_vcb,  # v_cache block stride (stride_cb unless V_T)
+    stride_vch,  # v_cache kv-head stride (stride_ch unless V_T)
     stride_bt,  # block_tables row stride
     GROUP: tl.constexpr,  # q heads per kv head
     G_PACK: tl.constexpr,  # q heads per program (rows of the score tile that are real)
@@ -80,6 +83,8 @@ def _decode_partial_kernel(
     WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
     PREFETCH: tl.constexpr,  # load the next key tile's block-table entries one iteration ahead
     BT_TILES: tl.constexpr,  # tiles of whole cache blocks: one block-table entry per block, not per key
+    V_T: tl.constexpr,  # v_cache holds each block's keys innermost ([blocks, Hk, D, block_size]); needs BT_TILES
+    V_MAX: tl.constexpr,  # V_T and ROPE: the new v is written finite, clamped to +-V_MAX (kernels/kv_layout.py)
     ROPE: tl.constexpr,  # q (and the new k) arrive unrotated: rotate them here and write k, v to the cache
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -93,8 +98,11 @@ def _decode_partial_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)  # the query at ctx - 1 sees keys > ctx - 1 - W
-    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
-    k_start = lo + split * per_split
+    lo_t = lo
+    if BT_TILES:  # tiles of whole blocks start on a block: keys before lo (a window's) are masked
+        lo_t = (lo // BLOCK_SIZE) * BLOCK_SIZE
+    per_split = tl.cdiv(tl.cdiv(ctx - lo_t, num_splits), BLOCK_N) * BLOCK_N
+    k_start = lo_t + split * per_split
     k_stop = tl.minimum(k_start + per_split, ctx)
 
     r = tl.arange(0, BLOCK_H)
@@ -127,8 +135,11 @@ def _decode_partial_kernel(
         kn = tl.load(kn_row + d, mask=dmask, other=0.0)
         knp = tl.load(kn_row + pd, mask=dmask, other=0.0)
         k_new = (kn.to(tl.float32) * cos + knp.to(tl.float32) * sin).to(kn.dtype).to(k_cache_ptr.dtype.element_ty)
-        v_new = tl.load(vn_ptr + b * stride_vt + kvh.to(tl.int64) * stride_vh + d, mask=dmask,
-                        other=0.0).to(v_cache_ptr.dtype.element_ty)
+        v_new = tl.load(vn_ptr + b * stride_vt + kvh.to(tl.int64) * stride_vh + d, mask=dmask, other=0.0)
+        if V_T:  # as rope_cache.finite_v: the stale slots a keys-inner tile reads must be finite
+            v_new = v_new.to(tl.float32)
+            v_new = tl.where(v_new == v_new, tl.minimum(tl.maximum(v_new, -V_MAX), V_MAX), 0.0)
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + b)
         if (split == 0) & (chunk == 0):
             s_blk = (slot // BLOCK_SIZE).to(tl.int64)
@@ -136,6 +147,8 @@ def _decode_partial_kernel(
             w_off = s_blk * stride_cb + s_off * stride_cs + kvh.to(tl.int64) * stride_ch + d
             w_ok = dmask & ((d * 0 + slot) >= 0)  # as a block: the interpreter rejects a scalar mask term
             tl.store(k_cache_ptr + w_off, k_new, mask=w_ok)
+            if V_T:
+                w_off = s_blk * stride_vcb + kvh.to(tl.int64) * stride_vch + d * BLOCK_SIZE + s_off
             tl.store(v_cache_ptr + w_off, v_new, mask=w_ok)
     if WIDEN_F16:
         q = (q.to(tl.float32) * qk_scale).to(tl.float16)  # pre-scaled: far from fp16's range limit
@@ -147,6 +160,7 @@ def _decode_partial_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + b * stride_bt
     kv_head_off = kvh.to(tl.int64) * stride_ch
+    v_head_off = kvh.to(tl.int64) * stride_vch
     k_end = k_stop
     if ROPE:  # the new key (at ctx - 1) is not read from its slot: it joins after the loop, from registers
         k_end = tl.minimum(k_stop, ctx - 1)
@@ -156,9 +170,12 @@ def _decode_partial_kernel(
     for start in range(k_start, k_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < k_end
-        if BT_TILES:  # start is a multiple of BLOCK_N, so of BLOCK_SIZE: the tile is BLOCK_N // BLOCK_SIZE blocks
+        if BT_TILES:  # start is a multiple of BLOCK_SIZE: the tile is BLOCK_N // BLOCK_SIZE whole blocks
+            if HAS_WINDOW:
+                k_ok = k_ok & (kpos >= lo)
             bidx = start // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
-            bblk = tl.load(bt_row + bidx, mask=bidx * BLOCK_SIZE < k_end, other=0).to(tl.int64)
+            blk_ok = bidx * BLOCK_SIZE < k_end
+            bblk = tl.load(bt_row + bidx, mask=blk_ok, other=0).to(tl.int64)
             slot_off = tl.arange(0, BLOCK_SIZE).to(tl.int64) * stride_cs
             c_off = tl.reshape(bblk[:, None] * stride_cb + slot_off[None, :], (BLOCK_N,)) + kv_head_off
         else:
@@ -171,7 +188,14 @@ def _decode_partial_kernel(
             c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if V_T:  # a block's keys of one (head, dim) are contiguous: [blocks, D, keys] -> [BLOCK_N, BLOCK_D];
+            # whole blocks: the slots past the context's end hold finite values (kernels/kv_layout.py), p = 0
+            sl = tl.arange(0, BLOCK_SIZE)
+            v_off = (bblk * stride_vcb + v_head_off)[:, None, None] + (d * BLOCK_SIZE)[None, :, None] + sl[None, None, :]
+            v = tl.load(v_cache_ptr + v_off, mask=(blk_ok[:, None] & dmask[None, :])[:, :, None], other=0.0)
+            v = tl.reshape(tl.permute(v, (0, 2, 1)), (BLOCK_N, BLOCK_D))
+        else:
+            v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if WIDEN_F16:
             k = k.to(tl.float16)  # e4m3 -> fp16 is exact
             v = v.to(tl.float16)
@@ -250,7 +274,7 @@ _TILES: dict = {}
 def _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window) -> tuple:
     """All argument checks but the batch size (run once per key).
 
-    Returns (Hq, Hk, D, block_size, on_gpu, fp32, has_window, fp8_cache).
+    Returns (Hq, Hk, D, block_size, on_gpu, fp32, has_window, fp8_cache, v_t).
     """
     hq, hk, d, bs = check_paged_inputs("decode_attention", q, k_cache, v_cache, block_tables)
     check(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
@@ -258,12 +282,12 @@ def _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window) ->
     check(seq_lens.device == q.device, "decode_attention: seq_lens on another device than q")
     check(sliding_window is None or sliding_window >= 1, "decode_attention: bad sliding_window {}", sliding_window)
     return (hq, hk, d, bs, q.device.type == "cuda", q.dtype == torch.float32, sliding_window is not None,
-            k_cache.dtype == torch.float8_e4m3fn)
+            k_cache.dtype == torch.float8_e4m3fn, v_keys_inner(v_cache))
 
 
 def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits) of the partial launch."""
-    hq, hk, d, bs, on_gpu, fp32, has_window, fp8_cache = static
+    hq, hk, d, bs, on_gpu, fp32, has_window, fp8_cache, v_t = static
     num_splits, block_n, num_warps, num_stages, widen, prefetch, bt_tiles = over
     check(widen in (None, "q", "fp16"), "decode_attention: widen must be 'q' or 'fp16', not {!r}", widen)
     group = hq // hk
@@ -282,18 +306,22 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
     bn = block_n or (32 if fp32 else 64 if fp8_gpu else 128 if on_gpu else 64)
     num_warps = num_warps or (2 if fp8_gpu else 4)
     check(bn >= 16 and bn & (bn - 1) == 0, "decode_attention: block_n must be a power of two >= 16")
-    # a tile of whole blocks needs tiles that start on a block (no window: a split starts on a tile)
-    tiles_ok = bn % bs == 0 and not has_window and not prefetch
+    # a tile of whole blocks needs block_n a multiple of the block size (a window's first tile starts on
+    # its block, the keys before the window masked); a V cache with its keys innermost reads in such tiles
+    if v_t and block_n is None:
+        bn = max(bn, bs)
+    tiles_ok = bn % bs == 0 and not prefetch
     if bt_tiles == "auto":  # the process default: wherever the tiles allow it
         bt_tiles = tiles_ok
-    check(not bt_tiles or tiles_ok, "decode_attention: bt_tiles needs block_n a multiple of the block size {}, no "
-          "sliding window and no prefetch", bs)
+    bt_tiles = bool(bt_tiles) or v_t
+    check(not bt_tiles or tiles_ok, "decode_attention: bt_tiles{} needs block_n a multiple of the block size {} "
+          "and no prefetch", " (a V cache with its keys innermost)" if v_t else "", bs)
     consts = {
         "GROUP": group, "G_PACK": g_pack, "HEAD_CHUNKS": head_chunks, "BLOCK_H": max(16, next_pow2(g_pack)),
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
         "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch, "ROPE": False,
-        "BT_TILES": bool(bt_tiles),
+        "BT_TILES": bool(bt_tiles), "V_T": v_t, "V_MAX": 0.0,
     }
     return (b, hk * head_chunks, num_splits), consts, num_warps, num_stages or 3, num_splits
 
@@ -331,9 +359,10 @@ def decode_attention_triton(
     (q, pre-scaled, and the probabilities cast to fp16 too); None: "fp16" for an fp8 cache on
     the GPU with a 16-bit q, else "q". prefetch: load each key tile's block-table entries in the
     iteration before (off by default: 2% at B=640 on the H200, noise-level). bt_tiles: each key tile
-    is whole cache blocks (block_n a multiple of the block size, no sliding window, no prefetch), so a
-    tile loads one block-table entry per block and addresses each block's slots as one run, instead
-    of an entry and an address per key (None: DECODE_BT_TILES where the tiles allow it). (A register cap on this launch, 128 or 96 against Triton's
+    is whole cache blocks (block_n a multiple of the block size, no prefetch), so a tile loads one
+    block-table entry per block and addresses each block's slots as one run, instead of an entry and
+    an address per key (None: DECODE_BT_TILES where the tiles allow it; always, for a V cache with its
+    keys innermost, `kernels.kv_layout`). (A register cap on this launch, 128 or 96 against Triton's
     167, ran 13% and 45% slower at B = 1000 on the H200: bench/results/2026-12-04-session8-h200.md.)
 
     rope = (k, v, positions, cos_sin, slot_mapping): `rope_and_cache` fused in (a pure decode step):
@@ -365,7 +394,8 @@ def decode_attention_triton(
     if plan is None:
         plan = _tile_plan(static, b, block_tables.shape[1] * bs, num_sms(q.device), over)
         if rope is not None:
-            plan = (plan[0], {**plan[1], "ROPE": True}, *plan[2:])
+            plan = (plan[0], {**plan[1], "ROPE": True, "V_MAX": v_max(v_cache.dtype) if static[8] else 0.0},
+                    *plan[2:])
         bounded_put(_TILES, tkey, plan)
     grid, consts, warps, stages, splits = plan
     if splits > 1:
@@ -385,7 +415,8 @@ def decode_attention_triton(
         splits,
         hq,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
+        block_tables.stride(0),
     ), consts, warps, stages, on_gpu)
     if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)

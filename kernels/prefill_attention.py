@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
+from kernels.kv_layout import check_v_layout, v_keys_inner
 
 
 def paged_attention_ref(
@@ -68,7 +69,7 @@ tl: Any = None  # triton.language, bound at the first launch by kernels._triton.
 def _paged_attention_kernel(
     q_ptr,  # q: [T, Hq, D], last dim contiguous
     k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous; q's dtype or fp8 e4m3
-    v_cache_ptr,  # v_cache: same shape, strides and dtype as k_cache
+    v_cache_ptr,  # v_cache: k_cache's shape and dtype; k_cache's strides, or V_T's (keys innermost)
     out_ptr,  # out: [T, Hq, D], last dim contiguous (written when not SPLIT)
     m_ptr,  # SPLIT: partial row max [T, Hq, num_splits] fp32 (exp2 domain); else unused
     l_ptr,  # SPLIT: partial row sum [T, Hq, num_splits] fp32; else unused
@@ -88,6 +89,8 @@ def _paged_attention_kernel(
     stride_cb,  # cache block stride (k and v caches share strides)
     stride_cs,  # cache slot-in-block stride
     stride_ch,  # cache kv-head stride
+    stride_vcb,  # v_cache block stride (stride_cb unless V_T)
+    stride_vch,  # v_cache kv-head stride (stride_ch unless V_T)
     stride_bt,  # block_tables row stride
     GROUP: tl.constexpr,  # q heads per kv head (Hq // Hk)
     G_PACK: tl.constexpr,  # q heads of the group packed into one program's M rows
@@ -103,6 +106,7 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no tf32) and the interpreter, None (default) for 16 bit
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
     WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
+    V_T: tl.constexpr,  # v_cache holds each block's keys innermost: read in whole blocks (BLOCK_N % BLOCK_SIZE == 0)
 ):
     pid0 = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -160,7 +164,8 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kv_head_off = kvh.to(tl.int64) * stride_ch
-    for start in range(k_begin, k_stop, BLOCK_N):
+    v_head_off = kvh.to(tl.int64) * stride_vch
+    for start in range(k_begin, k_stop, BLOCK_N):  # start: a multiple of BLOCK_N
         kpos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         k_ok = kpos < k_end
         blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
@@ -187,7 +192,17 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if V_T:  # whole blocks, [blocks, D, keys] -> [BLOCK_N, BLOCK_D]; slots past k_end hold finite values
+            # (kernels/kv_layout.py) and their p is 0: the last tile is on the causal diagonal, masked
+            bidx = start // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
+            blk_ok = bidx * BLOCK_SIZE < k_end
+            vblk = tl.load(bt_row + bidx, mask=blk_ok, other=0).to(tl.int64)
+            sl = tl.arange(0, BLOCK_SIZE)
+            v_off = (vblk * stride_vcb + v_head_off)[:, None, None] + (d * BLOCK_SIZE)[None, :, None] + sl[None, None, :]
+            v = tl.load(v_cache_ptr + v_off, mask=(blk_ok[:, None] & dmask[None, :])[:, :, None], other=0.0)
+            v = tl.reshape(tl.permute(v, (0, 2, 1)), (BLOCK_N, BLOCK_D))
+        else:
+            v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = v.to(tl.float16) if WIDEN_F16 else v.to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
@@ -308,8 +323,7 @@ def check_paged_inputs(
     _, bs, hk, dk = k_cache.shape
     check(dk == d, "{}: head_dim of q ({}) != cache ({})", name, d, dk)
     check(hq % hk == 0, "{}: Hq={} is not a multiple of Hk={}", name, hq, hk)
-    check(v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
-          "{}: v_cache must have k_cache's shape and strides", name)
+    check_v_layout(name, k_cache, v_cache)
     check(q.stride(2) == 1 and k_cache.stride(3) == 1, "{}: q and the caches need a contiguous last dim", name)
     check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn),
           "{}: the caches must both be q's dtype or float8_e4m3fn: q {}, k_cache {}, v_cache {}",
@@ -356,7 +370,7 @@ def default_widen(q_dtype: torch.dtype, fp8_cache: bool, on_gpu: bool) -> str:
 
 
 def _static_plan(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sliding_window) -> tuple:
-    """All argument checks (run once per key); returns (Hq, Hk, D, block_size, B, on_gpu, fp8 cache)."""
+    """All argument checks (run once per key); returns (Hq, Hk, D, block_size, B, on_gpu, fp8 cache, v_t)."""
     hq, hk, d, bs = check_paged_inputs("paged_attention", q, k_cache, v_cache, block_tables)
     b = block_tables.shape[0]
     check(query_start_loc.shape == (b + 1,) and query_start_loc.dtype == torch.int32,
@@ -367,7 +381,7 @@ def _static_plan(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, s
     check(query_start_loc.device == q.device and seq_lens.device == q.device,
           "paged_attention: metadata on another device than q")
     check(sliding_window is None or sliding_window >= 1, "paged_attention: bad sliding_window {}", sliding_window)
-    return hq, hk, d, bs, b, q.device.type == "cuda", k_cache.dtype == torch.float8_e4m3fn
+    return hq, hk, d, bs, b, q.device.type == "cuda", k_cache.dtype == torch.float8_e4m3fn, v_keys_inner(v_cache)
 
 
 # 16-bit tiles on the GPU (block_m, block_n, num_warps, num_stages): large grids, and grids too
@@ -379,7 +393,7 @@ GPU_TILES_SMALL = (64, 64, 4, 2)
 def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound: int, has_window: bool,
                sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits, num_m_tiles) of one launch."""
-    hq, hk, d, bs, b, on_gpu, fp8_cache = static
+    hq, hk, d, bs, b, on_gpu, fp8_cache, v_t = static
     block_m, block_n, num_warps, num_stages, num_splits, widen = over
     check(widen in (None, "q", "fp16"), "paged_attention: widen must be 'q' or 'fp16', not {!r}", widen)
     if widen is None:
@@ -405,7 +419,9 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
         if progs < 2 * sms:
             bm, bn, warps, stages = GPU_TILES_SMALL
     bm = block_m or bm
-    bn = block_n or bn
+    bn = block_n or (max(bn, bs) if v_t else bn)
+    check(not v_t or bn % bs == 0, "paged_attention: a V cache with its keys innermost reads whole blocks: "
+          "block_n {} must be a multiple of the block size {}", bn, bs)
     warps = num_warps or warps
     stages = num_stages or stages
     check(bm >= 16 and bm & (bm - 1) == 0 and bn >= 16 and bn & (bn - 1) == 0,
@@ -427,6 +443,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
         "HAS_WINDOW": has_window, "SPLIT": num_splits > 1,
         "PRECISION": "ieee" if dtype == torch.float32 or not on_gpu else None,
         "DOT_FP32": not on_gpu, "WIDEN_F16": fp8_cache and widen == "fp16" and dtype != torch.float32,
+        "V_T": v_t,
     }
     return grid, consts, warps, stages, num_splits, num_m_tiles
 
@@ -439,7 +456,8 @@ def plan_prefill_splits(q_dtype: torch.dtype, num_heads: int, k_cache: torch.Ten
     step with the real, shorter context would pick, and replay an unsplit capture when it is 1.
     """
     _, bs, hk, d = k_cache.shape
-    static = (num_heads, hk, d, bs, batch, k_cache.device.type == "cuda", k_cache.dtype == torch.float8_e4m3fn)
+    static = (num_heads, hk, d, bs, batch, k_cache.device.type == "cuda", k_cache.dtype == torch.float8_e4m3fn,
+              False)  # the V layout changes no split count
     plan = _tile_plan(static, q_dtype, num_tokens, min(max_query_len, num_tokens), ctx_bound,
                       sliding_window is not None, num_sms(k_cache.device), (None,) * 6)
     return plan[4]
@@ -487,7 +505,7 @@ def paged_attention_triton(
     if static is None:
         static = bounded_put(_STATIC, skey, _static_plan(q, k_cache, v_cache, block_tables, query_start_loc,
                                                          seq_lens, sliding_window))
-    hq, _hk, d, bs, b, on_gpu, _fp8 = static
+    hq, _hk, d, bs, b, on_gpu = static[:6]
     t = q.shape[0]
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     max_q = t if max_query_len is None else min(max_query_len, t)
@@ -514,7 +532,8 @@ def paged_attention_triton(
         sliding_window or 0,
         num_m_tiles, splits, hq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
+        block_tables.stride(0),
     ), consts, warps, stages, on_gpu)
     if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from kernels._triton import check, lazy_jit, next_pow2
+from kernels._triton import check, lazy_helper, lazy_jit, next_pow2
+from kernels.kv_layout import check_v_layout, finite_v_ref, v_max
 
 
 def rope_and_cache_ref(
@@ -41,7 +42,7 @@ def rope_and_cache_ref(
     bs = k_cache.shape[1]
     blk, off = slot_mapping // bs, slot_mapping % bs
     k_cache[blk, off] = k_rot.to(k_cache.dtype)
-    v_cache[blk, off] = v.to(v_cache.dtype)
+    v_cache[blk, off] = finite_v_ref(v, v_cache).to(v_cache.dtype)
     return q_rot, k_rot
 
 
@@ -52,6 +53,13 @@ def rope_and_cache_ref(
 tl: Any = None  # triton.language, bound at the first launch by kernels._triton.lazy_jit
 
 
+@lazy_helper
+def finite_v(v, V_MAX: tl.constexpr):
+    """v as a V cache with its keys innermost stores it (`finite_v_ref`): NaN -> 0, clamped to +-V_MAX, fp32."""
+    vf = v.to(tl.float32)
+    return tl.where(vf == vf, tl.minimum(tl.maximum(vf, -V_MAX), V_MAX), 0.0)
+
+
 @lazy_jit
 def _rope_and_cache_kernel(
     q_ptr,  # q: [T, Hq, D], last dim contiguous; rotated in place
@@ -60,7 +68,7 @@ def _rope_and_cache_kernel(
     pos_ptr,  # positions: [T] int64
     cs_ptr,  # cos_sin: [max_pos, D] fp32, contiguous = cat(cos[:, :D/2], sin[:, :D/2])
     kc_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous
-    vc_ptr,  # v_cache: [num_blocks, block_size, Hk, D], last dim contiguous
+    vc_ptr,  # v_cache: k_cache's shape; k_cache's strides, or (V_T) each block's keys innermost
     slot_ptr,  # slot_mapping: [T] int64; a negative slot (padding) writes nothing
     stride_qt,  # q token stride (elements)
     stride_qh,  # q head stride
@@ -71,6 +79,8 @@ def _rope_and_cache_kernel(
     stride_cb,  # cache block stride (k_cache and v_cache share strides)
     stride_cs,  # cache slot-in-block stride
     stride_ch,  # cache head stride
+    stride_vcb,  # v_cache block stride (stride_cb unless V_T)
+    stride_vch,  # v_cache head stride (stride_ch unless V_T)
     HQ: tl.constexpr,  # number of q heads
     HK: tl.constexpr,  # number of kv heads
     HALF: tl.constexpr,  # head_dim / 2
@@ -78,6 +88,8 @@ def _rope_and_cache_kernel(
     BLOCK_HK: tl.constexpr,  # power of two >= HK
     BLOCK_HALF: tl.constexpr,  # power of two >= HALF
     BLOCK_SIZE: tl.constexpr,  # KV cache block size (tokens per block)
+    V_T: tl.constexpr,  # v_cache [blocks, Hk, D, block_size] in memory; v written finite (kernels/kv_layout.py)
+    V_MAX: tl.constexpr,  # V_T: the largest finite value of the cache's dtype (v is clamped to it, NaN -> 0)
 ):
     # one program rotates every head of one token and writes its k/v slot
     t = tl.program_id(0).to(tl.int64)
@@ -121,8 +133,13 @@ def _rope_and_cache_kernel(
     vp = v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
     v1 = tl.load(vp, mask=km, other=0.0)
     v2 = tl.load(vp + HALF, mask=km, other=0.0)
-    tl.store(vc_ptr + c_off, v1.to(vc_ptr.dtype.element_ty), mask=cm)
-    tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=cm)
+    if V_T:
+        v_off = blk * stride_vcb + hk[:, None] * stride_vch + d[None, :] * BLOCK_SIZE + off
+        tl.store(vc_ptr + v_off, finite_v(v1, V_MAX).to(vc_ptr.dtype.element_ty), mask=cm)
+        tl.store(vc_ptr + v_off + HALF * BLOCK_SIZE, finite_v(v2, V_MAX).to(vc_ptr.dtype.element_ty), mask=cm)
+    else:
+        tl.store(vc_ptr + c_off, v1.to(vc_ptr.dtype.element_ty), mask=cm)
+        tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=cm)
 
 
 def rope_and_cache_triton(
@@ -152,8 +169,7 @@ def rope_and_cache_triton(
     check(q.dtype == k.dtype == v.dtype, "rope_and_cache: dtypes differ: q {} k {} v {}", q.dtype, k.dtype, v.dtype)
     check(k_cache.dim() == 4 and k_cache.shape[2:] == (hk, d),
           "rope_and_cache: k_cache must be [num_blocks, block_size, {}, {}], got {}", hk, d, tuple(k_cache.shape))
-    check(v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
-          "rope_and_cache: v_cache must have k_cache's shape and strides")
+    v_t = check_v_layout("rope_and_cache", k_cache, v_cache)
     check(k_cache.stride(3) == 1, "rope_and_cache: the cache's last dim must be contiguous")
     check(cos_sin.dim() == 2 and cos_sin.shape[1] == d and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous(),
           "rope_and_cache: cos_sin must be contiguous fp32 [max_pos, {}]", d)
@@ -171,10 +187,10 @@ def rope_and_cache_triton(
     _rope_and_cache_kernel.launch((t,), (
         q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
     ), {
         "HQ": hq, "HK": hk, "HALF": half,
         "BLOCK_HQ": next_pow2(hq), "BLOCK_HK": next_pow2(hk), "BLOCK_HALF": next_pow2(half),
-        "BLOCK_SIZE": k_cache.shape[1],
+        "BLOCK_SIZE": k_cache.shape[1], "V_T": v_t, "V_MAX": v_max(v_cache.dtype) if v_t else 0.0,
     }, 4, 3, q.device.type == "cuda")
     return q, k

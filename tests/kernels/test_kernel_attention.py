@@ -8,6 +8,7 @@ from kernel_testutil import TOL, dense_attention, make_paged_kv
 
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from kernels.prefill_attention import paged_attention_ref, paged_attention_triton, prefill_splits
+from kernels.kv_layout import to_v_layout, v_keys_inner
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -39,8 +40,12 @@ PREFILL_CASES = [
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize(("prefix", "new", "hq", "hk", "d", "window", "tiles"), PREFILL_CASES)
-def test_paged_prefill(dtype, prefix, new, hq, hk, d, window, tiles) -> None:
+@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
+def test_paged_prefill(dtype, prefix, new, hq, hk, d, window, tiles, v_layout) -> None:
+    """keys_inner: the V cache with each block's keys innermost, read in whole blocks (the unwritten
+    slots past a context, finite as the layout needs, must get no weight)."""
     q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, d, 16, dtype)
+    vc = to_v_layout(vc, v_layout, stale=300.0)
     scale = d**-0.5
     out = paged_attention_triton(q, kc, vc, bt, qsl, sl, scale, window, max_query_len=max(new), **tiles)
     assert not out.isnan().any(), "unwritten (or NaN-polluted) output rows"
@@ -93,8 +98,10 @@ SPLIT_CASES = [
 
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize(("prefix", "new", "hq", "hk", "window", "splits", "dtype"), SPLIT_CASES)
-def test_paged_prefill_split(prefix, new, hq, hk, window, splits, dtype) -> None:
+@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
+def test_paged_prefill_split(prefix, new, hq, hk, window, splits, dtype, v_layout) -> None:
     q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, 64, 16, dtype)
+    vc = to_v_layout(vc, v_layout, stale=300.0)
     out = paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, window, max_query_len=max(new),
                                  block_m=32, block_n=16, num_splits=splits)
     assert not out.isnan().any(), "unwritten (or NaN-polluted) output rows"
@@ -161,18 +168,22 @@ DECODE_CASES = [
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits", "block_n"), DECODE_CASES)
-@pytest.mark.parametrize("mode", [{}, {"prefetch": True}, {"bt_tiles": True}], ids=["plain", "prefetch", "bt_tiles"])
+@pytest.mark.parametrize("mode", [{}, {"prefetch": True}, {"bt_tiles": True}, {"v_layout": "keys_inner"}],
+                         ids=["plain", "prefetch", "bt_tiles", "v_keys_inner"])
 def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n, mode) -> None:
     """prefetch: the next key tile's block ids loaded an iteration ahead; bt_tiles: one block id per
-    cache block of a tile (a tile of 16-64 keys is 1-4 blocks of 16); the block tables are a random
-    permutation of the pool, so a stale or shifted id reads another sequence's block."""
+    cache block of a tile (a tile of 16-64 keys is 1-4 blocks of 16; a window's first tile starts on
+    its block, the keys before the window masked); v_keys_inner: the V cache with each block's keys
+    innermost (kernels/kv_layout.py), read in such tiles, the NaN-poisoned slots past a context in
+    its last block zeroed; the block tables are a random permutation of the pool, so a stale or
+    shifted id reads another sequence's block."""
     kc, vc, bt = make_paged_kv(ctx, hk, d, 16, dtype)
+    mode = dict(mode)
+    if "v_layout" in mode:
+        vc = to_v_layout(vc, mode.pop("v_layout"), stale=300.0)  # unwritten slots: finite, large
+        assert v_keys_inner(vc)
     q = torch.randn(len(ctx), hq + 2 * hk, d).to(dtype)[:, :hq]  # strided view of a fused qkv
     sl = torch.tensor(ctx, dtype=torch.int32)
-    if mode.get("bt_tiles") and window is not None:  # a window's first tile starts mid-block
-        with pytest.raises(ValueError, match="bt_tiles"):
-            decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n, **mode)
-        return
     out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n, **mode)
     assert not out.isnan().any(), "unwritten (or NaN-polluted) output rows"
     torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, window), **TOL[dtype])
@@ -237,13 +248,14 @@ FP8 = torch.float8_e4m3fn
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize(("dtype", "widen"), [(F32, None), (BF16, None), (BF16, "fp16")])
 @pytest.mark.parametrize(("prefix", "new", "hq", "hk", "d", "window", "tiles"), PREFILL_CASES[:4])
-def test_paged_prefill_fp8_cache(dtype, widen, prefix, new, hq, hk, d, window, tiles) -> None:
+@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
+def test_paged_prefill_fp8_cache(dtype, widen, prefix, new, hq, hk, d, window, tiles, v_layout) -> None:
     """An fp8 (e4m3) KV cache: the kernel widens each loaded tile to q's dtype, or (widen="fp16",
     the GPU's default for 16-bit q) with q pre-scaled and the probabilities in fp16; same answer as
     the reference reading the same fp8 cache (NaN poison survives the cast, so unowned slots
-    still fail the test if read)."""
+    still fail the test if read; keys_inner: V's unowned slots hold 448, finite as that layout needs)."""
     q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, d, 16, dtype)
-    kc8, vc8 = kc.to(FP8), vc.to(FP8)
+    kc8, vc8 = kc.to(FP8), to_v_layout(vc.to(FP8), v_layout, stale=448.0)
     assert kc8.float().isnan().any(), "the poison must survive the fp8 cast"
     out = paged_attention_triton(q, kc8, vc8, bt, qsl, sl, d**-0.5, window, max_query_len=max(new), widen=widen,
                                  **tiles)
@@ -258,10 +270,11 @@ def test_paged_prefill_fp8_cache(dtype, widen, prefix, new, hq, hk, d, window, t
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize(("dtype", "widen"), [(F32, None), (BF16, None), (BF16, "fp16")])
 @pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits", "block_n"), DECODE_CASES[:4])
-def test_decode_fp8_cache(dtype, widen, ctx, hq, hk, d, window, splits, block_n) -> None:
+@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
+def test_decode_fp8_cache(dtype, widen, ctx, hq, hk, d, window, splits, block_n, v_layout) -> None:
     """fp8 tiles widened to q's dtype, or (widen="fp16") with q and the probabilities in fp16."""
     kc, vc, bt = make_paged_kv(ctx, hk, d, 16, dtype)
-    kc8, vc8 = kc.to(FP8), vc.to(FP8)
+    kc8, vc8 = kc.to(FP8), to_v_layout(vc.to(FP8), v_layout, stale=448.0)
     q = torch.randn(len(ctx), hq + 2 * hk, d).to(dtype)[:, :hq]
     sl = torch.tensor(ctx, dtype=torch.int32)
     out = decode_attention_triton(q, kc8, vc8, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n,

@@ -99,17 +99,26 @@ PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", 
         "seq_lens_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
         "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
         "qk_scale": "fp32"}
+# what the launcher's specialisation tells Triton of these (16-divisible pointers and strides): it lets the
+# cache tiles load as 16-byte runs, as on the device
+DIV16 = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "m_ptr", "l_ptr", "acc_ptr", "out_ptr", "kn_ptr", "vn_ptr", "cs_ptr",
+         "stride_kt", "stride_kh", "stride_vt", "stride_vh", "num_q_heads", "stride_qb", "stride_qh", "stride_cb",
+         "stride_cs", "stride_ch", "stride_vcb", "stride_vch"}
 out = []
-for rope, split, window, bt, maxnreg in json.loads(sys.argv[1]):
+for rope, split, window, bt, maxnreg, v_t in json.loads(sys.argv[1]):
     consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": 64, "HEAD_DIM": 128,
               "BLOCK_D": 128, "BLOCK_SIZE": 16, "SPLIT": split, "HAS_WINDOW": window, "PRECISION": None,
-              "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope, "BT_TILES": bt}
+              "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope, "BT_TILES": bt or v_t,
+              "V_T": v_t, "V_MAX": 448.0}
     sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
-    c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names) if n in DIV16}
+    c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 2, "num_stages": 3, **({"maxnreg": maxnreg} if maxnreg else {})})
-    out.append({"cubin": len(c.asm["cubin"]), "mma": "mma" in c.asm["ptx"],
-                "maxnreg": f".maxnreg {maxnreg}" in c.asm["ptx"] if maxnreg else None})
+    ptx = c.asm["ptx"]
+    out.append({"cubin": len(c.asm["cubin"]), "mma": "mma" in ptx,
+                "maxnreg": f".maxnreg {maxnreg}" in ptx if maxnreg else None,
+                "byte_lds": ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8")})
 for k, cst in ((argmax._chunk_argmax_kernel, {"CHUNK_": 2048}), (argmax._rows_argmax_kernel, {"BLOCK_C": 64})):
     j = k.jitted()
     types = {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "out_ptr": "*i64"}
@@ -125,9 +134,14 @@ def test_decode_attention_and_argmax_compile_for_sm90():
     """Decode attention over an fp8 cache with rope_and_cache fused in (or not), split or not, with a
     window or not, one in tiles of whole blocks (bt_tiles: the block-table entries reshaped into the
     tile's addresses), one under a register cap (the launcher's maxnreg, which must reach ptxas), and
-    the two argmax kernels: Triton's sm90 passes and ptxas, no device."""
-    cases = [(True, True, False, False, 0), (True, False, True, False, 0), (False, True, False, True, 0),
-             (False, False, False, False, 128)]
+    the two argmax kernels: Triton's sm90 passes and ptxas, no device. The V cache in rows (as K) has
+    the fp8 V tile read from shared memory a byte at a time (each tensor-core operand register holds
+    two consecutive keys, Hk x D bytes apart there): 128 byte loads a thread a tile, a quarter of
+    the loop's instructions in Triton's SASS; with its keys innermost (kernels/kv_layout.py), none
+    in the loop."""
+    cases = [(True, True, False, False, 0, False), (True, False, True, False, 0, False),
+             (False, True, False, True, 0, False), (False, False, False, False, 128, False),
+             (True, False, False, False, 0, True), (True, True, True, False, 0, True), (False, False, False, False, 0, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", DECODE_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
@@ -136,6 +150,9 @@ def test_decode_attention_and_argmax_compile_for_sm90():
     assert [g["cubin"] > 0 for g in got] == [True] * (len(cases) + 2)
     assert all(g["mma"] for g in got[: len(cases)])  # the score and value products on the tensor cores
     assert got[3]["maxnreg"] is True, "the register cap did not reach the PTX"
+    rows = [g["byte_lds"] for c, g in zip(cases, got) if not c[5]]
+    inner = [g["byte_lds"] for c, g in zip(cases, got) if c[5]]
+    assert min(rows) >= 128 and max(inner) <= 8, (rows, inner)  # (8 elsewhere in the split + rope variant)
 
 
 PREFILL_SCRIPT = r'''
@@ -151,7 +168,7 @@ out = []
 for widen, bm, bn, warps, stages in json.loads(sys.argv[1]):
     consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_Q": bm // 4, "BLOCK_M": bm, "BLOCK_N": bn,
               "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "HAS_WINDOW": False, "SPLIT": True,
-              "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": widen}
+              "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": widen, "V_T": False}
     sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
     c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})

@@ -9,6 +9,7 @@ from test_kernel_rope_cache import cos_sin_table
 
 from kernels import decode_attention
 from kernels.decode_attention import decode_rope_attention_ref, decode_rope_attention_triton
+from kernels.kv_layout import to_v_layout, v_keys_inner
 
 F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn
 
@@ -23,9 +24,11 @@ CASES = [
 ]
 
 
-def make_step(ctx: list[int], hq: int, hk: int, d: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
+def make_step(ctx: list[int], hq: int, hk: int, d: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None,
+              v_layout: str = "rows"):
     """Caches holding each sequence's first ctx - 1 tokens (the new token's slot poisoned with NaN),
-    the step's q / k / v as views of one fused qkv output, positions and slots."""
+    the V cache in `v_layout` (kernels/kv_layout.py), the step's q / k / v as views of one fused qkv
+    output, positions and slots."""
     kc, vc, bt = make_paged_kv(ctx, hk, d, 16, dtype)
     b = len(ctx)
     slots = torch.tensor([int(bt[i, (c - 1) // 16]) * 16 + (c - 1) % 16 for i, c in enumerate(ctx)], dtype=torch.int64)
@@ -34,6 +37,7 @@ def make_step(ctx: list[int], hq: int, hk: int, d: int, dtype: torch.dtype, cach
     vc[blk, off] = float("nan")
     if cache_dtype is not None:
         kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
+    vc = to_v_layout(vc, v_layout, stale=300.0)  # unwritten slots: finite (the layout needs it), large
     qkv = torch.randn(b, (hq + 2 * hk) * d).to(dtype)
     q = qkv[:, : hq * d].view(b, hq, d)
     k = qkv[:, hq * d : (hq + hk) * d].view(b, hk, d)
@@ -56,13 +60,16 @@ def run_both(q, k, v, pos, kc, vc, bt, sl, slots, d, window, splits):
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits"), CASES)
-@pytest.mark.parametrize("bt_tiles", [False, True], ids=["per_key", "bt_tiles"])
-def test_decode_rope_matches_rope_then_decode(dtype, ctx, hq, hk, d, window, splits, bt_tiles,
+@pytest.mark.parametrize(("bt_tiles", "v_layout"), [(False, "rows"), (True, "rows"), (False, "keys_inner")],
+                         ids=["per_key", "bt_tiles", "v_keys_inner"])
+def test_decode_rope_matches_rope_then_decode(dtype, ctx, hq, hk, d, window, splits, bt_tiles, v_layout,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """bt_tiles: the process default FIRSTTOKEN_DECODE_BT_TILES on (tiles of whole blocks wherever
-    there is no window), the new key still joining from registers in the split that owns it."""
+    """bt_tiles: the process default FIRSTTOKEN_DECODE_BT_TILES on (tiles of whole blocks), the new
+    key still joining from registers in the split that owns it; v_keys_inner: the V cache with each
+    block's keys innermost, the new v written to its place there."""
     monkeypatch.setattr(decode_attention, "DECODE_BT_TILES", bt_tiles)
-    q, k, v, pos, kc, vc, bt, sl, slots = make_step(ctx, hq, hk, d, dtype)
+    q, k, v, pos, kc, vc, bt, sl, slots = make_step(ctx, hq, hk, d, dtype, v_layout=v_layout)
+    assert v_keys_inner(vc) == (v_layout == "keys_inner")
     got, want, kc_ref, vc_ref = run_both(q, k, v, pos, kc, vc, bt, sl, slots, d, window, splits)
     assert not got.isnan().any(), "the new token's slot was read before it was written (or not substituted)"
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -76,12 +83,13 @@ def test_decode_rope_matches_rope_then_decode(dtype, ctx, hq, hk, d, window, spl
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits"), CASES[:4])
-def test_decode_rope_fp8_cache(dtype, ctx, hq, hk, d, window, splits) -> None:
+@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
+def test_decode_rope_fp8_cache(dtype, ctx, hq, hk, d, window, splits, v_layout) -> None:
     """An fp8 cache: the new k and v written as e4m3 and attended as the cache holds them. The CPU
     interpreter's fp8 rounding is wrong where a carry crosses a power of two (the GPU converts in
     hardware, to nearest even; test_kernel_rope_cache.py), so, as there, the new k and v are fp8
     values already and the position is 0 (no rotation to round); the other tests rotate."""
-    q, k, v, pos, kc, vc, bt, sl, slots = make_step(ctx, hq, hk, d, dtype, FP8)
+    q, k, v, pos, kc, vc, bt, sl, slots = make_step(ctx, hq, hk, d, dtype, FP8, v_layout)
     k.copy_(k.to(FP8).to(dtype))
     v.copy_(v.to(FP8).to(dtype))
     pos.zero_()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from kernel_testutil import TOL
 
+from kernels.kv_layout import to_v_layout, v_keys_inner
 from kernels.rope_cache import rope_and_cache_ref, rope_and_cache_triton
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -105,3 +106,30 @@ def test_rope_and_cache_fp8_cache(dtype: torch.dtype) -> None:
         torch.testing.assert_close(g[slots], src.float(), atol=0, rtol=0)
         torch.testing.assert_close(g[slots], want.view(-1, hk, d)[slots].float(), atol=0, rtol=0)
         assert g[~written].isnan().all()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_rope_and_cache_v_keys_inner(cache_dtype: torch.dtype) -> None:
+    """A V cache with each block's keys innermost (kernels/kv_layout.py): each token's v lands at its
+    slot of the view (memory [blocks, Hk, D, block_size]), the other slots untouched; and v is stored
+    finite, NaN as 0 and +-inf (or, fp8, beyond +-448) clamped, as the reference stores it: the
+    attention kernels read whole blocks, stale slots with weight 0, and 0 * NaN would be NaN."""
+    t, hq, hk, d, bs = 29, 4, 2, 64, 16
+    _qkv, q, k, v, pos, slots, kc, vc = make_inputs(t, hq, hk, d, bs, torch.float32)
+    pos.zero_()
+    v.copy_(v.to(torch.float8_e4m3fn).float())  # exact in fp8 (the interpreter's fp8 rounding is off)
+    v[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1000.0])
+    kc, vc = kc.to(cache_dtype), to_v_layout(vc.to(cache_dtype), "keys_inner", stale=float("nan"))
+    assert v_keys_inner(vc) and vc.float().isnan().all()
+    cs = cos_sin_table(64, d)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    rope_and_cache_ref(q.clone(), k.clone(), v.clone(), pos, cs, kc_ref, vc_ref, slots)
+    rope_and_cache_triton(q, k, v, pos, cs, kc, vc, slots)
+    got, want = vc.float().reshape(-1, hk, d), vc_ref.float().reshape(-1, hk, d)
+    torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+    lim = torch.finfo(cache_dtype).max
+    assert got[slots[0], 0, :4].tolist() == [0.0, lim, -lim, min(1000.0, lim)]
+    assert torch.equal(got[slots[1:]], v[1:].to(cache_dtype).float())
+    written = torch.zeros(got.shape[0], dtype=torch.bool)
+    written[slots] = True
+    assert got[~written].isnan().all() and not got[written].isnan().any()

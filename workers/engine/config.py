@@ -208,6 +208,11 @@ class EngineConfig:
     # models sit well inside its +-448 range): half the bytes, so twice the tokens in the same
     # memory and half the KV reading per decode; greedy tokens may then differ from transformers'
     kv_cache_dtype: str = "auto"
+    # how the V cache lies in memory (kernels/kv_layout.py): "rows" (as K: a key's head_dim values
+    # together) or "keys_inner" (each block's keys together for each head and dim: the Triton
+    # attention then loads an fp8 V tile as it loads K, not a byte at a time). "auto": keys_inner for
+    # an fp8 cache under the Triton kernels on CUDA, rows otherwise
+    kv_cache_v_layout: str = "auto"
     # None: the checkpoint's weights as they are. "fp8": W8A8, e4m3 weights (one scale per output
     # channel, made at load) and activations quantized per token at run time, in every projection
     # of the decoder layers (workers/engine/quantization.py); greedy tokens may then differ
@@ -235,6 +240,8 @@ class EngineConfig:
             raise ValueError("kernel_backend must be 'torch' or 'triton'")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError("kv_cache_dtype must be 'auto' or 'fp8'")
+        if self.kv_cache_v_layout not in ("auto", "rows", "keys_inner"):
+            raise ValueError("kv_cache_v_layout must be 'auto', 'rows' or 'keys_inner'")
         if self.tpot_target_ms is not None and self.tpot_target_ms <= 0:
             raise ValueError("tpot_target_ms must be positive")
         if self.dense_graph_max_tokens < 0:

@@ -1,4 +1,4 @@
-"""How many KV-cache blocks fit: what a block holds, and what the device has left for them."""
+"""How many KV-cache blocks fit: what a block holds, how it lies, and what the device has left for them."""
 
 from __future__ import annotations
 
@@ -35,3 +35,13 @@ def auto_num_blocks(c: EngineConfig, mc: ModelConfig, device: torch.device, byte
             "raise gpu_memory_utilization"
         )
     return n
+
+
+def resolve_v_layout(v_layout: str, kv_dtype: torch.dtype, ops: str, device: torch.device) -> str:
+    """EngineConfig.kv_cache_v_layout's "auto": keys_inner (kernels/kv_layout.py) for an fp8 cache under
+    the Triton kernels on CUDA, where the decode attention read V a byte at a time from shared memory
+    in rows; rows otherwise (a 16-bit cache's V tiles transpose in ldmatrix)."""
+    if v_layout != "auto":
+        return v_layout
+    fp8_triton_gpu = kv_dtype == torch.float8_e4m3fn and ops == "triton" and device.type == "cuda"
+    return "keys_inner" if fp8_triton_gpu else "rows"

@@ -36,3 +36,26 @@ def test_triton_kernels_greedy_matches_transformers(llama_dir, monkeypatch):
     assert done[5].usage.cached_prompt_tokens > 0  # a prefix hit went through the Triton prefill path
     # pure decode steps ran rope_and_cache inside the decode attention (a call a layer)
     assert fused_calls and max(fused_calls) <= 16
+
+
+@pytest.mark.slow
+def test_fp8_cache_v_layouts_give_the_same_tokens(llama_dir, monkeypatch):
+    """An fp8 cache with its V keys innermost (kernels/kv_layout.py: what "auto" picks on a GPU) gives
+    the tokens the same cache in rows gives, through the Triton prefill (a prefix hit included), the
+    fused rope + decode and chunked prefill; and the V cache really is laid out keys-inner."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.kv_layout import v_keys_inner
+
+    prompts = prompt_set(4, seed=5, min_len=3, max_len=40)
+    prompts.append(prompts[-1][:30] + [11, 12])  # a prefix hit of 7 blocks
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    got = {}
+    for layout in ("rows", "keys_inner"):
+        eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="float32", kernel_backend="triton",
+                                                     block_size=4, max_num_batched_tokens=32, kv_cache_dtype="fp8",
+                                                     kv_cache_v_layout=layout))
+        assert v_keys_inner(eng.runner.kv_caches[0][1]) == (layout == "keys_inner")
+        done = run_prompts(eng, prompts, sp)
+        assert done[4].usage.cached_prompt_tokens > 0
+        got[layout] = [f.output_token_ids for f in done]
+    assert got["rows"] == got["keys_inner"]
