@@ -7,8 +7,8 @@ import torch
 from kernel_testutil import TOL, dense_attention, make_paged_kv
 
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from kernels.prefill_attention import paged_attention_ref, paged_attention_triton, prefill_splits
 from kernels.kv_layout import to_v_layout, v_keys_inner
+from kernels.prefill_attention import paged_attention_ref, paged_attention_triton, prefill_splits
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
