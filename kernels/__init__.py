@@ -6,7 +6,8 @@ tests. `kernels.ops.get_ops(backend)` returns the set the engine binds once at c
 
 Shared conventions:
 - KV cache of one layer: `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim];
-  a token's slot is `block_id * block_size + offset_in_block`.
+  a token's slot is `block_id * block_size + offset_in_block`. V may lie in memory with each block's
+  keys innermost, seen through a permuted view of that shape (`kernels/kv_layout.py`).
 - A varlen batch is flattened to T tokens; `query_start_loc` [B + 1] (int32) marks where each
   sequence's new tokens start, `seq_lens` [B] (int32) is each sequence's total context length
   including its new tokens, `block_tables` [B, max_blocks_per_seq] (int32) maps logical to

@@ -38,3 +38,31 @@ def test_kv_cache_dtype_is_checked():
 
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4")
+
+
+def test_v_layout_choice():
+    """"auto" lays V keys-inner only where the Triton kernels read an fp8 cache on CUDA."""
+    import pytest
+
+    from workers.engine.kv_sizing import resolve_v_layout
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    assert resolve_v_layout("auto", fp8, "triton", cuda) == "keys_inner"
+    assert resolve_v_layout("auto", bf16, "triton", cuda) == "rows"
+    assert resolve_v_layout("auto", fp8, "torch", cuda) == "rows"
+    assert resolve_v_layout("auto", fp8, "triton", cpu) == "rows"
+    assert resolve_v_layout("keys_inner", bf16, "torch", cpu) == "keys_inner"
+    assert resolve_v_layout("rows", fp8, "triton", cuda) == "rows"
+    with pytest.raises(ValueError, match="kv_cache_v_layout"):
+        EngineConfig(kv_cache_v_layout="columns")
+
+
+def test_torch_ops_read_a_keys_inner_v_cache(llama_dir):
+    """The PyTorch ops index the cache's view, so a keys-inner V gives the rows layout's tokens
+    exactly (fp32 cache, the CPU's kernels)."""
+    prompts = prompt_set(3, seed=4, min_len=5, max_len=30)
+    _, rows = run(llama_dir, prompts, num_blocks=64)
+    eng, inner = run(llama_dir, prompts, num_blocks=64, kv_cache_v_layout="keys_inner")
+    assert eng.runner.v_layout == "keys_inner" and eng.runner.kv_caches[0][1].stride(1) == 1
+    assert inner == rows
