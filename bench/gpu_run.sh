@@ -23,6 +23,7 @@
 #               throughput, FP8 + fp8 KV at util 0.95, without and with tiles of whole blocks (bt_tiles) ~8 min
 #   vt_check    the V cache keys innermost (kernels/kv_layout.py): bench_decode_tiles over both V layouts, then
 #               the GPU tests                                                                         ~7 min
+#   vt_first    bench_decode_tiles, then vt_throughput's two runs, in one call                       ~9 min
 #   vt_engine   TTFT and decode: FP8 + fp8 KV with V keys inner (the default) and in rows, bf16      ~6 min
 #   vt_throughput  offline throughput, FP8 + fp8 KV at util 0.95, V keys inner then in rows       ~8 min
 #   throughput_mem  the same shape, FP8 + fp8 KV alone, at gpu_memory_utilization 0.90 then 0.95 (fewer
@@ -149,6 +150,12 @@ for stage in "${STAGES[@]}"; do
       run decode_tiles 200 $PY bench/bench_decode_tiles.py --layouts shuffled
       FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 330 \
         $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
+    vt_first)  # one call's worth: the tiles over both V layouts, then throughput keys inner and rows
+      [ "${SMOKE:-0}" = 1 ] || run decode_tiles 150 $PY bench/bench_decode_tiles.py --layouts shuffled
+      for e in fp8+kv8 fp8-vrows+kv8; do
+        run "throughput_${e%%+*}" 210 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
+          --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
+      done ;;
     vt_engine)  # TTFT and decode, FP8 + fp8 KV with V keys inner (the default) and in rows, bf16 beside them
       run vt_engine 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines fp8+kv8,fp8-vrows+kv8,bf16 --no-hf "${ENGINE_ARGS[@]}" ;;
