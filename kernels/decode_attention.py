@@ -188,12 +188,14 @@ def _decode_partial_kernel(
             c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if V_T:  # a block's keys of one (head, dim) are contiguous: [blocks, D, keys] -> [BLOCK_N, BLOCK_D];
-            # whole blocks: the slots past the context's end hold finite values (kernels/kv_layout.py), p = 0
-            sl = tl.arange(0, BLOCK_SIZE)
-            v_off = (bblk * stride_vcb + v_head_off)[:, None, None] + (d * BLOCK_SIZE)[None, :, None] + sl[None, None, :]
-            v = tl.load(v_cache_ptr + v_off, mask=(blk_ok[:, None] & dmask[None, :])[:, :, None], other=0.0)
-            v = tl.reshape(tl.permute(v, (0, 2, 1)), (BLOCK_N, BLOCK_D))
+        if V_T:  # V^T [BLOCK_D, BLOCK_N] in whole blocks, each block's keys of a dim one aligned run (as the
+            # prefill kernel); the slots past the context's end hold finite values (kernels/kv_layout.py), p = 0
+            vk = tl.reshape(bblk[:, None] * stride_vcb + tl.arange(0, BLOCK_SIZE)[None, :], (BLOCK_N,)) + v_head_off
+            vk = tl.max_contiguous(tl.multiple_of(vk, BLOCK_SIZE), BLOCK_SIZE)  # runs of a block's keys
+            vk_ok = tl.max_constancy(kpos - kpos % BLOCK_SIZE < k_end, BLOCK_SIZE)
+            vt = tl.load(v_cache_ptr + (d * BLOCK_SIZE)[:, None] + vk[None, :],
+                         mask=dmask[:, None] & vk_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+            v = tl.trans(vt)
         else:
             v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if WIDEN_F16:

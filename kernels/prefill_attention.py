@@ -192,15 +192,16 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_T:  # whole blocks, [blocks, D, keys] -> [BLOCK_N, BLOCK_D]; slots past k_end hold finite values
-            # (kernels/kv_layout.py) and their p is 0: the last tile is on the causal diagonal, masked
-            bidx = start // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
-            blk_ok = bidx * BLOCK_SIZE < k_end
-            vblk = tl.load(bt_row + bidx, mask=blk_ok, other=0).to(tl.int64)
-            sl = tl.arange(0, BLOCK_SIZE)
-            v_off = (vblk * stride_vcb + v_head_off)[:, None, None] + (d * BLOCK_SIZE)[None, :, None] + sl[None, None, :]
-            v = tl.load(v_cache_ptr + v_off, mask=(blk_ok[:, None] & dmask[None, :])[:, :, None], other=0.0)
-            v = tl.reshape(tl.permute(v, (0, 2, 1)), (BLOCK_N, BLOCK_D))
+        if V_T:  # V^T [BLOCK_D, BLOCK_N] in whole blocks: each block's BLOCK_SIZE keys of a dim are one aligned
+            # run (the hints let the load take 16 bytes at a time; a 3D [blocks, D, keys] load permuted into
+            # [keys, D] cost the wgmma path 64 2-byte shared stores a thread a tile, Triton 3.9's sm90 SASS).
+            # Slots past k_end hold finite values (kernels/kv_layout.py) and get p = 0 on the causal diagonal
+            vk = blk * stride_vcb + v_head_off + (kpos % BLOCK_SIZE).to(tl.int64)  # [BLOCK_N]
+            vk = tl.max_contiguous(tl.multiple_of(vk, BLOCK_SIZE), BLOCK_SIZE)
+            blk_ok = tl.max_constancy(kpos - kpos % BLOCK_SIZE < k_end, BLOCK_SIZE)
+            vt = tl.load(v_cache_ptr + (d * BLOCK_SIZE)[:, None] + vk[None, :],
+                         mask=dmask[:, None] & blk_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+            v = tl.trans(vt)
         else:
             v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = v.to(tl.float16) if WIDEN_F16 else v.to(q_ptr.dtype.element_ty)
