@@ -166,6 +166,27 @@ def test_cuda_fp8_kv_cache_kernels_match_reference(llama_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_fp8_kv_v_layouts_agree(llama_dir):
+    """bf16 with an fp8 KV cache as served (Triton, graphs, fp16-widened tiles): V keys-inner (the
+    default there) and V in rows compute the same tiles in the same order, so the greedy tokens are
+    the same, prefix hits and decode graphs included."""
+    prompts = prompt_set(8, seed=3, min_len=5, max_len=200)
+    prompts.append(prompts[-1][:150] + [5, 6, 7])
+    outs = {}
+    for layout in ("rows", "keys_inner"):
+        eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton",
+                                                     num_blocks=256, max_model_len=512, kv_cache_dtype="fp8",
+                                                     kv_cache_v_layout=layout))
+        assert eng.runner.v_layout == layout
+        sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        done = run_prompts(eng, prompts, sp)
+        assert done[-1].usage.cached_prompt_tokens > 0
+        outs[layout] = [f.output_token_ids for f in done]
+        eng.close()
+    assert outs["rows"] == outs["keys_inner"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_prefill_graph_splits_only_long_contexts(llama_dir):
     """A prefill graph replays its split-attention capture only when the step's context needs it
     (a long cached prefix); short contexts replay the unsplit capture. Tokens stay exact."""
