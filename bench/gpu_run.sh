@@ -24,6 +24,7 @@
 #   vt_check    the V cache keys innermost (kernels/kv_layout.py): bench_decode_tiles over both V layouts, then
 #               the GPU tests                                                                         ~7 min
 #   vt_first    bench_decode_tiles, then vt_throughput's two runs, in one call                       ~9 min
+#   vt_tests    the GPU tests, then TTFT 2048 (and cached + 128) and decode b1/64/256, V keys inner and rows  ~9 min
 #   vt_engine   TTFT and decode: FP8 + fp8 KV with V keys inner (the default) and in rows, bf16      ~6 min
 #   vt_throughput  offline throughput, FP8 + fp8 KV at util 0.95, V keys inner then in rows       ~8 min
 #   throughput_mem  the same shape, FP8 + fp8 KV alone, at gpu_memory_utilization 0.90 then 0.95 (fewer
@@ -156,6 +157,11 @@ for stage in "${STAGES[@]}"; do
         run "throughput_${e%%+*}" 210 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
           --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
       done ;;
+    vt_tests)  # the GPU tests, then decode and cached-prefix TTFT with V keys inner and in rows (a short engine A/B)
+      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 300 \
+        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA
+      run vt_decode 250 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
+        --decode-batches 1,64,256 --engines fp8+kv8,fp8-vrows+kv8 --no-hf ;;
     vt_engine)  # TTFT and decode, FP8 + fp8 KV with V keys inner (the default) and in rows, bf16 beside them
       run vt_engine 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines fp8+kv8,fp8-vrows+kv8,bf16 --no-hf "${ENGINE_ARGS[@]}" ;;
