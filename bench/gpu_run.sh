@@ -162,6 +162,13 @@ for stage in "${STAGES[@]}"; do
         $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA
       run vt_decode 250 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
         --decode-batches 1,64,256 --engines fp8+kv8,fp8-vrows+kv8 --no-hf ;;
+    vt_h100)  # what fits one call on a 80 GB card: the tiles over both V layouts, the short engine A/B, the GPU tests
+      [ "${SMOKE:-0}" = 1 ] && continue
+      run decode_tiles 140 $PY bench/bench_decode_tiles.py --layouts shuffled
+      run vt_decode 190 $PY bench/bench_engine.py --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
+        --decode-batches 1,64,256 --engines fp8+kv8,fp8-vrows+kv8 --no-hf
+      FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 230 \
+        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
     vt_engine)  # TTFT and decode, FP8 + fp8 KV with V keys inner (the default) and in rows, bf16 beside them
       run vt_engine 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines fp8+kv8,fp8-vrows+kv8,bf16 --no-hf "${ENGINE_ARGS[@]}" ;;
