@@ -173,12 +173,12 @@ for stage in "${STAGES[@]}"; do
     vt_all)  # one H200 call: the tiles over both V layouts, the fp8-cache GPU tests, throughput keys inner then rows
       [ "${SMOKE:-0}" = 1 ] || run decode_tiles 110 $PY bench/bench_decode_tiles.py --layouts shuffled \
         --cases 1x2048,64x1500,256x1100,1000x1100,1000x1900
-      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_fp8kv 150 $PY -m pytest -q -s -m gpu \
-        tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "fp8_kv or fp8_engine_matches or logprobs_under"
       for e in fp8+kv8 fp8-vrows+kv8; do
         run "throughput_${e%%+*}" 160 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
           --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
-      done ;;
+      done
+      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_fp8kv 150 $PY -m pytest -q -s -m gpu \
+        tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "fp8_kv or fp8_engine_matches or logprobs_under" ;;
     vt_engine)  # TTFT and decode, FP8 + fp8 KV with V keys inner (the default) and in rows, bf16 beside them
       run vt_engine 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines fp8+kv8,fp8-vrows+kv8,bf16 --no-hf "${ENGINE_ARGS[@]}" ;;
