@@ -54,6 +54,18 @@ def test_paged_prefill(dtype, prefix, new, hq, hk, d, window, tiles, v_layout) -
 
 
 @pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
+def test_paged_prefill_head_dim_below_its_power_of_two(v_layout) -> None:
+    """D = 80 (tiles of 128 columns, 48 masked): a keys-inner V's rows are D x block_size apart, so a
+    column past D would read the next head's (or past the pool's end)."""
+    q, kc, vc, bt, qsl, sl = make_prefill([19, 0], [5, 37], 4, 2, 80, 16, BF16)
+    vc = to_v_layout(vc, v_layout, stale=300.0)
+    out = paged_attention_triton(q, kc, vc, bt, qsl, sl, 80**-0.5, None, max_query_len=37, block_m=32, block_n=32)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, 80**-0.5), **TOL[BF16])
+
+
+@pytest.mark.usefixtures("poison_empty")
 def test_paged_prefill_without_max_query_len() -> None:
     # grid sized by T: programs past each sequence's tokens must exit without writing
     q, kc, vc, bt, qsl, sl = make_prefill([5, 0, 20], [3, 17, 1], 8, 2, 64, 16, F32)
