@@ -68,8 +68,6 @@ VARIANTS: dict[str, dict] = {
     "bt": {"bt_tiles": True},
     "vt": {"v_layout": "keys_inner"},
     "vt_s2": {"v_layout": "keys_inner", "num_stages": 2},
-    "vt_s4": {"v_layout": "keys_inner", "num_stages": 4},
-    "vt_n32": {"v_layout": "keys_inner", "block_n": 32},
     "vt_w4": {"v_layout": "keys_inner", "num_warps": 4},
     "vt_n128_w4": {"v_layout": "keys_inner", "block_n": 128, "num_warps": 4},
 }
