@@ -165,11 +165,11 @@ for stage in "${STAGES[@]}"; do
         --decode-batches 1,64,256 --engines fp8+kv8,fp8-vrows+kv8 --no-hf ;;
     vt_h100)  # what fits one call on a 80 GB card: the tiles over both V layouts, the short engine A/B, the GPU tests
       [ "${SMOKE:-0}" = 1 ] && continue
-      run decode_tiles 140 $PY bench/bench_decode_tiles.py --layouts shuffled
-      run vt_decode 190 $PY bench/bench_engine.py --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
+      run decode_tiles 75 $PY bench/bench_decode_tiles.py --layouts shuffled --cases 1x2048,256x1100,1000x1500
+      run vt_decode 160 $PY bench/bench_engine.py --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
         --decode-batches 1,64,256 --engines fp8+kv8,fp8-vrows+kv8 --no-hf
-      FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 230 \
-        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
+      FIRSTTOKEN_GPU_TESTS=1 run tests_fp8kv 110 $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py \
+        -p no:cacheprovider -rA -k "fp8_kv" ;;
     vt_all)  # one H200 call: the tiles over both V layouts, the fp8-cache GPU tests, throughput keys inner then rows
       [ "${SMOKE:-0}" = 1 ] || run decode_tiles 75 $PY bench/bench_decode_tiles.py --layouts shuffled \
         --cases 1x2048,256x1100,1000x1500
