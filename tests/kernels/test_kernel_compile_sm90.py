@@ -108,7 +108,7 @@ out = []
 for rope, split, window, bt, maxnreg, v_t in json.loads(sys.argv[1]):
     consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": 64, "HEAD_DIM": 128,
               "BLOCK_D": 128, "BLOCK_SIZE": 16, "SPLIT": split, "HAS_WINDOW": window, "PRECISION": None,
-              "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope, "BT_TILES": bt or v_t,
+              "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope, "BT_TILES": bt,
               "V_T": v_t, "V_MAX": 448.0}
     sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names) if n in DIV16}
