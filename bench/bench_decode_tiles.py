@@ -64,8 +64,6 @@ def time_ms(fn, reps: int = 20) -> float:
 # (kernels/kv_layout.py: V then loads as K does, not a byte at a time from shared memory)
 VARIANTS: dict[str, dict] = {
     "default": {},
-    # one block-table entry per cache block of a tile, not per key (the integer pipe was the busiest, ncu)
-    "bt": {"bt_tiles": True},
     "vt": {"v_layout": "keys_inner"},
     "vt_s2": {"v_layout": "keys_inner", "num_stages": 2},
     "vt_w4": {"v_layout": "keys_inner", "num_warps": 4},

@@ -19,15 +19,10 @@
 #   gemv_sweep  the one-row GEMV's tiles (bench_fp8_gemv --rows 1), then
 #               decode b1/b8 with the sweep's picks (FIRSTTOKEN_FP8_GEMV_CONFIG) against the defaults    ~3 min
 #   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens (TensorRT-LLM's shape): FP8, bf16  ~6 min
-#   decode_bt   decode attention's tiles at B = 1-1000 (bench_decode_tiles, shuffled blocks), then offline
-#               throughput, FP8 + fp8 KV at util 0.95, without and with tiles of whole blocks (bt_tiles) ~8 min
-#   vt_check    the V cache keys innermost (kernels/kv_layout.py): bench_decode_tiles over both V layouts, then
-#               the GPU tests                                                                         ~7 min
-#   vt_first    bench_decode_tiles, then vt_throughput's two runs, in one call                       ~9 min
-#   vt_tests    the GPU tests, then TTFT 2048 (and cached + 128) and decode b1/64/256, V keys inner and rows  ~9 min
+#   vt_h100     the V cache's layouts (kernels/kv_layout.py): the decode tiles over both, decode and TTFT 2048
+#               (and cached + 128) with each, the fp8-KV GPU tests; fits an H100                      ~2.5 min
+#   ncu_layouts ncu of one decode-attention launch per V layout                                        ~2 min
 #   vt_all      one H200 call: decode tiles (3 cases), throughput with each V layout, the fp8-cache GPU tests  ~8 min
-#   vt_engine   TTFT and decode: FP8 + fp8 KV with V keys inner (the default) and in rows, bf16      ~6 min
-#   vt_throughput  offline throughput, FP8 + fp8 KV at util 0.95, V keys inner then in rows       ~8 min
 #   throughput_mem  the same shape, FP8 + fp8 KV alone, at gpu_memory_utilization 0.90 then 0.95 (fewer
 #               preemptions; the stats give peak memory against the device's total)                  ~4.5 min
 #   ttft_probe  where TTFT 2048 and 2048 cached + 128 spend the time outside their kernels (FP8 + fp8 KV:
@@ -138,55 +133,29 @@ for stage in "${STAGES[@]}"; do
     throughput)
       run throughput 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
         --engines fp8+kv8,bf16+kv8 "${TPUT_ARGS[@]}" ;;
-    decode_bt)  # decode attention's tiles of whole blocks: the kernel alone, then the engine's throughput
-      [ "${SMOKE:-0}" = 1 ] || run decode_tiles 150 $PY bench/bench_decode_tiles.py --layouts shuffled  # CUDA only
-      for bt in 0 1; do
-        export FIRSTTOKEN_DECODE_BT_TILES=$bt
-        run "throughput_bt$bt" 220 $PY bench/bench_engine.py "${DEV[@]}" \
-          --preset $PRESET --sections throughput --engines fp8+kv8 --no-hf --gpu-memory-utilization 0.95 \
-          "${TPUT_ARGS[@]}"
-      done
-      unset FIRSTTOKEN_DECODE_BT_TILES ;;
-    vt_check)  # the V cache keys innermost (kernels/kv_layout.py): decode attention's tiles over both layouts, then the GPU tests
+    ncu_layouts)  # ncu of one decode-attention launch per V layout (B = 1000, context 1500): why keys-inner, with
+      # 41% fewer instructions a tile, ran no faster (bench/results/2026-12-06-v-layout-h100.md)
       [ "${SMOKE:-0}" = 1 ] && continue
-      run decode_tiles 200 $PY bench/bench_decode_tiles.py --layouts shuffled
-      FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 330 \
-        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
-    vt_first)  # one call's worth: the tiles over both V layouts, then throughput keys inner and rows
-      [ "${SMOKE:-0}" = 1 ] || run decode_tiles 150 $PY bench/bench_decode_tiles.py --layouts shuffled
-      for e in fp8+kv8 fp8-vrows+kv8; do
-        run "throughput_${e%%+*}" 210 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
-          --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
-      done ;;
-    vt_tests)  # the GPU tests, then decode and cached-prefix TTFT with V keys inner and in rows (a short engine A/B)
-      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 300 \
-        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA
-      run vt_decode 250 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
-        --decode-batches 1,64,256 --engines fp8+kv8,fp8-vrows+kv8 --no-hf ;;
+      NCU=$(ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      run ncu_layouts 220 "${NCU:-ncu}" --clock-control none -k regex:_decode_partial --launch-skip 2 --launch-count 4 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+        --section Occupancy --section LaunchStats $PY bench/ncu_decode_layouts.py ;;
     vt_h100)  # what fits one call on a 80 GB card: the tiles over both V layouts, the short engine A/B, the GPU tests
       [ "${SMOKE:-0}" = 1 ] && continue
       run decode_tiles 75 $PY bench/bench_decode_tiles.py --layouts shuffled --cases 1x2048,256x1100,1000x1500
       run vt_decode 160 $PY bench/bench_engine.py --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
-        --decode-batches 1,64,256 --engines fp8+kv8,fp8-vrows+kv8 --no-hf
+        --decode-batches 1,64,256 --engines fp8+kv8,fp8-vt+kv8 --no-hf
       FIRSTTOKEN_GPU_TESTS=1 run tests_fp8kv 110 $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py \
         -p no:cacheprovider -rA -k "fp8_kv" ;;
     vt_all)  # one H200 call: the tiles over both V layouts, the fp8-cache GPU tests, throughput keys inner then rows
       [ "${SMOKE:-0}" = 1 ] || run decode_tiles 75 $PY bench/bench_decode_tiles.py --layouts shuffled \
         --cases 1x2048,256x1100,1000x1500
-      for e in fp8+kv8 fp8-vrows+kv8; do
+      for e in fp8+kv8 fp8-vt+kv8; do
         run "throughput_${e%%+*}" 150 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
           --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
       done
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_fp8kv 110 $PY -m pytest -q -s -m gpu \
         tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "fp8_kv" ;;
-    vt_engine)  # TTFT and decode, FP8 + fp8 KV with V keys inner (the default) and in rows, bf16 beside them
-      run vt_engine 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
-        --engines fp8+kv8,fp8-vrows+kv8,bf16 --no-hf "${ENGINE_ARGS[@]}" ;;
-    vt_throughput)  # offline throughput (TensorRT-LLM's shape), FP8 + fp8 KV at util 0.95, V keys inner then rows
-      for e in fp8+kv8 fp8-vrows+kv8; do
-        run "throughput_${e%%+*}" 270 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
-          --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
-      done ;;
     throughput_mem)
       for mem in 0.9 0.95; do
         run "throughput_mem$mem" 270 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \

@@ -83,6 +83,7 @@ class LazyKernel:
         self._custom_spec = bool(do_not_specialize or do_not_specialize_on_alignment)
         self._jitted: Any = None
         self._compiled: dict = {}  # specialisation key -> (compiled kernel, constexpr values in order)
+        self._orders: set = set()  # constexpr name orders checked against the signature
         self.num_compiles = 0  # specialisations launched through Triton's dispatch (a compile or a cache load)
         _KERNELS.append(self)
 
@@ -117,6 +118,13 @@ class LazyKernel:
         consts must be in the kernel's signature order, after the runtime args.
         """
         global FAST_LAUNCH
+        order = tuple(consts)
+        if order not in self._orders:  # checked on every path, the interpreter's too: CPU tests catch it
+            names = self.fn.__code__.co_varnames[len(args): self.fn.__code__.co_argcount]
+            if names != order:
+                raise ValueError(f"{self.fn.__name__}: constexprs given as {order}, the signature has {names}: "
+                                 "the direct launch passes them by position")
+            self._orders.add(order)
         opts = {"num_warps": num_warps, "num_stages": num_stages}
         if maxnreg is not None:
             opts["maxnreg"] = maxnreg

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -82,10 +81,9 @@ def _decode_partial_kernel(
     DOT_FP32: tl.constexpr,  # upcast dot operands to fp32 (the CPU interpreter's 16-bit dot is wrong)
     WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
     PREFETCH: tl.constexpr,  # load the next key tile's block-table entries one iteration ahead
-    BT_TILES: tl.constexpr,  # tiles of whole cache blocks: one block-table entry per block, not per key
-    V_T: tl.constexpr,  # v_cache holds each block's keys innermost ([blocks, Hk, D, block_size]); needs BT_TILES
-    V_MAX: tl.constexpr,  # V_T and ROPE: the new v is written finite, clamped to +-V_MAX (kernels/kv_layout.py)
     ROPE: tl.constexpr,  # q (and the new k) arrive unrotated: rotate them here and write k, v to the cache
+    V_T: tl.constexpr,  # v_cache holds each block's keys innermost ([blocks, Hk, D, block_size]): tiles of whole blocks
+    V_MAX: tl.constexpr,  # V_T and ROPE: the new v is written finite, clamped to +-V_MAX (kernels/kv_layout.py)
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -99,7 +97,7 @@ def _decode_partial_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)  # the query at ctx - 1 sees keys > ctx - 1 - W
     lo_t = lo
-    if BT_TILES or V_T:  # tiles of whole blocks start on a block: keys before lo (a window's) are masked
+    if V_T:  # tiles of whole blocks start on a block: keys before lo (a window's) are masked
         lo_t = (lo // BLOCK_SIZE) * BLOCK_SIZE
     per_split = tl.cdiv(tl.cdiv(ctx - lo_t, num_splits), BLOCK_N) * BLOCK_N
     k_start = lo_t + split * per_split
@@ -170,31 +168,21 @@ def _decode_partial_kernel(
     for start in range(k_start, k_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < k_end
-        if BT_TILES:  # start is a multiple of BLOCK_SIZE: the tile is BLOCK_N // BLOCK_SIZE whole blocks
-            bidx = start // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
-            blk_ok = bidx * BLOCK_SIZE < k_end
-            bblk = tl.load(bt_row + bidx, mask=blk_ok, other=0).to(tl.int64)
-            slot_off = tl.arange(0, BLOCK_SIZE).to(tl.int64) * stride_cs
-            c_off = tl.reshape(bblk[:, None] * stride_cb + slot_off[None, :], (BLOCK_N,)) + kv_head_off
+        if PREFETCH:
+            blk = blk_next.to(tl.int64)
+            kpos_n = kpos + BLOCK_N
+            blk_next = tl.load(bt_row + kpos_n // BLOCK_SIZE, mask=kpos_n < k_end, other=0)
         else:
-            if PREFETCH:
-                blk = blk_next.to(tl.int64)
-                kpos_n = kpos + BLOCK_N
-                blk_next = tl.load(bt_row + kpos_n // BLOCK_SIZE, mask=kpos_n < k_end, other=0)
-            else:
-                blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-            c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
-        if (BT_TILES or V_T) and HAS_WINDOW:  # after the block ids: a window's first block is read whole
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
+        if V_T and HAS_WINDOW:  # after the block ids: a window's first block is read whole
             k_ok = k_ok & (kpos >= lo)
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         if V_T:  # V^T [BLOCK_D, BLOCK_N] in whole blocks, each block's keys of a dim one aligned run (as the
             # prefill kernel); the slots past the context's end hold finite values (kernels/kv_layout.py), p = 0
-            if BT_TILES:
-                vk = tl.reshape(bblk[:, None] * stride_vcb + tl.arange(0, BLOCK_SIZE)[None, :], (BLOCK_N,))
-            else:  # per-key block ids (tl.reshape of the block ids ran at 300 GB/s on Triton 3.6, H100)
-                vk = blk * stride_vcb + (kpos % BLOCK_SIZE).to(tl.int64)
-            vk = tl.max_contiguous(tl.multiple_of(vk + v_head_off, BLOCK_SIZE), BLOCK_SIZE)  # a block's keys: one run
+            vk = blk * stride_vcb + (kpos % BLOCK_SIZE).to(tl.int64) + v_head_off
+            vk = tl.max_contiguous(tl.multiple_of(vk, BLOCK_SIZE), BLOCK_SIZE)  # a block's keys: one aligned run
             vk_ok = tl.max_constancy(kpos - kpos % BLOCK_SIZE < k_end, BLOCK_SIZE)
             vt = tl.load(v_cache_ptr + (d * BLOCK_SIZE)[:, None] + vk[None, :],
                          mask=dmask[:, None] & vk_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
@@ -293,7 +281,7 @@ def _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window) ->
 def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits) of the partial launch."""
     hq, hk, d, bs, on_gpu, fp32, has_window, fp8_cache, v_t = static
-    num_splits, block_n, num_warps, num_stages, widen, prefetch, bt_tiles = over
+    num_splits, block_n, num_warps, num_stages, widen, prefetch = over
     check(widen in (None, "q", "fp16"), "decode_attention: widen must be 'q' or 'fp16', not {!r}", widen)
     group = hq // hk
     g_pack = min(group, 64)
@@ -311,15 +299,10 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
     bn = block_n or (32 if fp32 else 64 if fp8_gpu else 128 if on_gpu else 64)
     num_warps = num_warps or (2 if fp8_gpu else 4)
     check(bn >= 16 and bn & (bn - 1) == 0, "decode_attention: block_n must be a power of two >= 16")
-    # a tile of whole blocks needs block_n a multiple of the block size (a window's first tile starts on
-    # its block, the keys before the window masked); a V cache with its keys innermost reads in such tiles
+    # a V cache with its keys innermost is read in tiles of whole blocks (a window's first tile starts on
+    # its block, the keys before the window masked): block_n a multiple of the block size
     if v_t and block_n is None:
         bn = max(bn, bs)
-    tiles_ok = bn % bs == 0 and not prefetch
-    if bt_tiles == "auto":  # the process default: wherever the tiles allow it
-        bt_tiles = tiles_ok
-    check(not bt_tiles or tiles_ok, "decode_attention: bt_tiles needs block_n a multiple of the block size {} "
-          "and no prefetch", bs)
     check(not v_t or bn % bs == 0, "decode_attention: a V cache with its keys innermost reads whole blocks: "
           "block_n {} must be a multiple of the block size {}", bn, bs)
     consts = {
@@ -327,13 +310,10 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
         "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch, "ROPE": False,
-        "BT_TILES": bool(bt_tiles), "V_T": v_t, "V_MAX": 0.0,
+        "V_T": v_t, "V_MAX": 0.0,
     }
     return (b, hk * head_chunks, num_splits), consts, num_warps, num_stages or 3, num_splits
 
-
-# bt_tiles when the caller names none (FIRSTTOKEN_DECODE_BT_TILES=1 / 0 sets it for a process: an engine A/B)
-DECODE_BT_TILES = os.environ.get("FIRSTTOKEN_DECODE_BT_TILES", "0") == "1"
 
 
 def decode_attention_triton(
@@ -352,7 +332,6 @@ def decode_attention_triton(
     widen: str | None = None,
     prefetch: bool = False,
     rope: tuple[torch.Tensor, ...] | None = None,
-    bt_tiles: bool | None = None,
 ) -> torch.Tensor:
     """Triton `decode_attention_ref` (flash-decoding): q [B, Hq, D] -> [B, Hq, D].
 
@@ -364,12 +343,12 @@ def decode_attention_triton(
     widen: what an fp8 cache's tiles are widened to before the dots: "q" (q's dtype) or "fp16"
     (q, pre-scaled, and the probabilities cast to fp16 too); None: "fp16" for an fp8 cache on
     the GPU with a 16-bit q, else "q". prefetch: load each key tile's block-table entries in the
-    iteration before (off by default: 2% at B=640 on the H200, noise-level). bt_tiles: each key tile
-    is whole cache blocks (block_n a multiple of the block size, no prefetch), so a tile loads one
-    block-table entry per block and addresses each block's slots as one run, instead of an entry and
-    an address per key (None: DECODE_BT_TILES where the tiles allow it; always, for a V cache with its
-    keys innermost, `kernels.kv_layout`). (A register cap on this launch, 128 or 96 against Triton's
-    167, ran 13% and 45% slower at B = 1000 on the H200: bench/results/2026-12-04-session8-h200.md.)
+    iteration before (off by default: 2% at B=640 on the H200, noise-level). A V cache with its keys
+    innermost (`kernels.kv_layout`) is read as V^T tiles of whole blocks. (Measured and removed: a
+    register cap on this launch, 128 or 96 against Triton's 167, 13% and 45% slower at B = 1000 on the
+    H200, bench/results/2026-12-04-session8-h200.md; tiles addressed by one block-table entry per block
+    through tl.reshape, 305-324 GB/s against 1945-2570 at B = 256-1000 on an H100, Triton 3.6,
+    bench/results/2026-12-06-v-layout-h100.md.)
 
     rope = (k, v, positions, cos_sin, slot_mapping): `rope_and_cache` fused in (a pure decode step):
     q and k [B, Hk, D] arrive unrotated (strided views of the fused qkv output are fine), the kernel
@@ -392,9 +371,7 @@ def decode_attention_triton(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    if bt_tiles is None:  # resolved before the plan cache's key: a changed default is a new plan
-        bt_tiles = "auto" if DECODE_BT_TILES and not prefetch else False
-    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch, bt_tiles)
+    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch)
     tkey = (skey, b, block_tables.shape[1], over, rope is None)
     plan = _TILES.get(tkey)
     if plan is None:

@@ -7,10 +7,11 @@ strides (Hk * D * block_size, 1, D * block_size, block_size) - vLLM's first page
 
 Why keys inner: the attention's P @ V product reduces over keys, and a tensor-core operand holds
 pairs of consecutive reduction elements in one register. With an fp8 cache in rows, the decode
-kernel read V from shared memory one byte at a time (128 LDS.U8 a thread a 64-key tile, a quarter
-of its loop's instructions; Triton's sm90 SASS, bench/results/2026-12-06-decode-vt-*), where 16-bit
-caches have ldmatrix's transpose. Keys inner, a block's 16 keys of one (head, dim) are 16
-contiguous bytes: V loads like K.
+kernel reads V from shared memory one byte at a time (128 LDS.U8 a thread a 64-key tile; Triton
+3.6's sm90 SASS, 1350 instructions a tile against 791 keys-inner), where 16-bit caches have
+ldmatrix's transpose. Keys inner, a block's 16 keys of one (head, dim) are 16 contiguous bytes: V
+loads like K. Measured on an H100 it was not faster (2-6% slower in decode,
+bench/results/2026-12-06-v-layout-h100.md), so the engine's default stays rows.
 
 The PyTorch references index the view and need no change; the Triton kernels read the layout from
 the strides (`v_keys_inner`).

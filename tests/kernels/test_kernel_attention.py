@@ -180,15 +180,14 @@ DECODE_CASES = [
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits", "block_n"), DECODE_CASES)
-@pytest.mark.parametrize("mode", [{}, {"prefetch": True}, {"bt_tiles": True}, {"v_layout": "keys_inner"}],
-                         ids=["plain", "prefetch", "bt_tiles", "v_keys_inner"])
+@pytest.mark.parametrize("mode", [{}, {"prefetch": True}, {"v_layout": "keys_inner"}],
+                         ids=["plain", "prefetch", "v_keys_inner"])
 def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n, mode) -> None:
-    """prefetch: the next key tile's block ids loaded an iteration ahead; bt_tiles: one block id per
-    cache block of a tile (a tile of 16-64 keys is 1-4 blocks of 16; a window's first tile starts on
-    its block, the keys before the window masked); v_keys_inner: the V cache with each block's keys
-    innermost (kernels/kv_layout.py), read in such tiles, the NaN-poisoned slots past a context in
-    its last block zeroed; the block tables are a random permutation of the pool, so a stale or
-    shifted id reads another sequence's block."""
+    """prefetch: the next key tile's block ids loaded an iteration ahead; v_keys_inner: the V cache
+    with each block's keys innermost (kernels/kv_layout.py), read in tiles of whole blocks (a tile of
+    16-64 keys is 1-4 blocks of 16; a window's first tile starts on its block, the keys before the
+    window masked), the unwritten slots past a context in its last block finite and large; the block
+    tables are a random permutation of the pool, so a stale or shifted id reads another sequence's block."""
     kc, vc, bt = make_paged_kv(ctx, hk, d, 16, dtype)
     mode = dict(mode)
     if "v_layout" in mode:

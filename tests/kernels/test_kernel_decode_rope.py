@@ -7,7 +7,6 @@ import torch
 from kernel_testutil import TOL, make_paged_kv
 from test_kernel_rope_cache import cos_sin_table
 
-from kernels import decode_attention
 from kernels.decode_attention import decode_rope_attention_ref, decode_rope_attention_triton
 from kernels.kv_layout import to_v_layout, v_keys_inner
 
@@ -60,14 +59,10 @@ def run_both(q, k, v, pos, kc, vc, bt, sl, slots, d, window, splits):
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits"), CASES)
-@pytest.mark.parametrize(("bt_tiles", "v_layout"), [(False, "rows"), (True, "rows"), (False, "keys_inner")],
-                         ids=["per_key", "bt_tiles", "v_keys_inner"])
-def test_decode_rope_matches_rope_then_decode(dtype, ctx, hq, hk, d, window, splits, bt_tiles, v_layout,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """bt_tiles: the process default FIRSTTOKEN_DECODE_BT_TILES on (tiles of whole blocks), the new
-    key still joining from registers in the split that owns it; v_keys_inner: the V cache with each
-    block's keys innermost, the new v written to its place there."""
-    monkeypatch.setattr(decode_attention, "DECODE_BT_TILES", bt_tiles)
+@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
+def test_decode_rope_matches_rope_then_decode(dtype, ctx, hq, hk, d, window, splits, v_layout) -> None:
+    """keys_inner: the V cache with each block's keys innermost, read in tiles of whole blocks, the new
+    key still joining from registers in the split that owns it and the new v written to its place."""
     q, k, v, pos, kc, vc, bt, sl, slots = make_step(ctx, hq, hk, d, dtype, v_layout=v_layout)
     assert v_keys_inner(vc) == (v_layout == "keys_inner")
     got, want, kc_ref, vc_ref = run_both(q, k, v, pos, kc, vc, bt, sl, slots, d, window, splits)

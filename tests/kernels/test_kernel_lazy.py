@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from kernels.ops import get_ops
@@ -70,7 +71,10 @@ def test_direct_launch_reuses_the_compiled_kernel(monkeypatch) -> None:
 
             return run
 
-    k = kt.LazyKernel(lambda: None)
+    def kernel(x_ptr, n, BLOCK):  # the signature the launch is checked against
+        pass
+
+    k = kt.LazyKernel(kernel)
     k._jitted = Jitted()
     x = torch.zeros(4)
     k.launch((3,), (x, 5), {"BLOCK": 64}, 4, 3, True)
@@ -81,6 +85,22 @@ def test_direct_launch_reuses_the_compiled_kernel(monkeypatch) -> None:
     monkeypatch.setattr(kt, "FAST_LAUNCH", False)
     k.launch((7,), (x, 6), {"BLOCK": 64}, 4, 3, True)
     assert calls[-1][0] == "jit"
+
+
+def test_constexprs_out_of_signature_order_are_refused() -> None:
+    """The direct launch passes constexprs by position: given in another order than the signature's,
+    Triton's slow dispatch served every call (decode's V_T / ROPE once, ~0.2 ms a launch), so the
+    launch refuses them on every path, the interpreter's included."""
+    import kernels._triton as kt
+
+    def kernel(x_ptr, n, A, B):
+        pass
+
+    k = kt.LazyKernel(kernel)
+    with pytest.raises(ValueError, match="signature"):
+        k.launch((1,), (torch.zeros(1), 1), {"B": 1, "A": 2}, 4, 1, False)
+    with pytest.raises(ValueError, match="signature"):
+        k.launch((1,), (torch.zeros(1), 1), {"A": 2}, 4, 1, False)
 
 
 def test_do_not_specialize_keys_ints_by_width_only() -> None:

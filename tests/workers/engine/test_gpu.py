@@ -167,8 +167,8 @@ def test_cuda_fp8_kv_cache_kernels_match_reference(llama_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_fp8_kv_v_layouts_agree(llama_dir):
-    """bf16 with an fp8 KV cache as served (Triton, graphs, fp16-widened tiles): V keys-inner (the
-    default there) and V in rows compute the same tiles in the same order, so the greedy tokens are
+    """bf16 with an fp8 KV cache as served (Triton, graphs, fp16-widened tiles): V keys-inner (opt-in)
+    and V in rows (the default) compute the same tiles in the same order, so the greedy tokens are
     the same, prefix hits and decode graphs included."""
     prompts = prompt_set(8, seed=3, min_len=5, max_len=200)
     prompts.append(prompts[-1][:150] + [5, 6, 7])

@@ -40,7 +40,7 @@ def test_triton_kernels_greedy_matches_transformers(llama_dir, monkeypatch):
 
 @pytest.mark.slow
 def test_fp8_cache_v_layouts_give_the_same_tokens(llama_dir, monkeypatch):
-    """An fp8 cache with its V keys innermost (kernels/kv_layout.py: what "auto" picks on a GPU) gives
+    """An fp8 cache with its V keys innermost (kernels/kv_layout.py, opt-in) gives
     the tokens the same cache in rows gives, through the Triton prefill (a prefix hit included), the
     fused rope + decode and chunked prefill; and the V cache really is laid out keys-inner."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
