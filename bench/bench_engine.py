@@ -323,8 +323,7 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B: no dense prefill graphs (a lone uncached prompt of 1025-2048 tokens runs eagerly, as before)
     "fp8-nodg": {"quantization": "fp8", "dense_graph_max_tokens": 0},
     "bf16-nodg": {"dense_graph_max_tokens": 0},
-    # A/B of the V cache's layout (kernels/kv_layout.py): rows (the default) and keys innermost
-    "fp8-vrows": {"quantization": "fp8", "kv_cache_v_layout": "rows"},
+    # A/B of the V cache's layout (kernels/kv_layout.py): keys innermost against rows (the default)
     "fp8-vt": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner"},
     "bf16-vt": {"kv_cache_v_layout": "keys_inner"},
 }

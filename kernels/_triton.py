@@ -107,6 +107,18 @@ class LazyKernel:
     def __getitem__(self, grid: Any) -> Any:
         return self.jitted()[grid]
 
+    def _check_order(self, n_args: int, consts: dict) -> None:
+        """Refuse constexprs in another order than the signature's (the direct launch passes them by
+        position): since 6f1a740 decode attention's went unnoticed through Triton's slow dispatch."""
+        order = tuple(consts)
+        if order in self._orders:
+            return
+        names = self.fn.__code__.co_varnames[n_args: self.fn.__code__.co_argcount]
+        if names != order:
+            raise ValueError(f"{self.fn.__name__}: constexprs given as {order}, the signature has {names}: "
+                             "the direct launch passes them by position")
+        self._orders.add(order)
+
     def launch(self, grid: tuple, args: tuple, consts: dict, num_warps: int, num_stages: int, fast: bool,
                maxnreg: int | None = None) -> None:
         """`self[grid](*args, **consts, num_warps=..., num_stages=...)`, the runtime args first.
@@ -118,17 +130,11 @@ class LazyKernel:
         consts must be in the kernel's signature order, after the runtime args.
         """
         global FAST_LAUNCH
-        order = tuple(consts)
-        if order not in self._orders:  # checked on every path, the interpreter's too: CPU tests catch it
-            names = self.fn.__code__.co_varnames[len(args): self.fn.__code__.co_argcount]
-            if names != order:
-                raise ValueError(f"{self.fn.__name__}: constexprs given as {order}, the signature has {names}: "
-                                 "the direct launch passes them by position")
-            self._orders.add(order)
         opts = {"num_warps": num_warps, "num_stages": num_stages}
         if maxnreg is not None:
             opts["maxnreg"] = maxnreg
         if not (fast and FAST_LAUNCH):
+            self._check_order(len(args), consts)
             self.jitted()[grid](*args, **consts, **opts)
             return
         if self._custom_spec:
@@ -146,6 +152,7 @@ class LazyKernel:
                 self._compiled.clear()
                 self.jitted()[grid](*args, **consts, **opts)
             return
+        self._check_order(len(args), consts)  # a hit was checked when it was stored
         compiled = self.jitted()[grid](*args, **consts, **opts)
         self.num_compiles += 1
         names = list(self.jitted().arg_names)

@@ -168,12 +168,15 @@ def _decode_partial_kernel(
     for start in range(k_start, k_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < k_end
+        blk_in = k_ok
+        if V_T:  # every key of a block in range gets the block's id: V's runs are whole blocks (the hints below)
+            blk_in = tl.max_constancy(kpos - kpos % BLOCK_SIZE < k_end, BLOCK_SIZE)
         if PREFETCH:
             blk = blk_next.to(tl.int64)
             kpos_n = kpos + BLOCK_N
-            blk_next = tl.load(bt_row + kpos_n // BLOCK_SIZE, mask=kpos_n < k_end, other=0)
+            blk_next = tl.load(bt_row + kpos_n // BLOCK_SIZE, mask=blk_in, other=0)
         else:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=blk_in, other=0).to(tl.int64)
         c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
         if V_T and HAS_WINDOW:  # after the block ids: a window's first block is read whole
             k_ok = k_ok & (kpos >= lo)
@@ -183,9 +186,8 @@ def _decode_partial_kernel(
             # prefill kernel); the slots past the context's end hold finite values (kernels/kv_layout.py), p = 0
             vk = blk * stride_vcb + (kpos % BLOCK_SIZE).to(tl.int64) + v_head_off
             vk = tl.max_contiguous(tl.multiple_of(vk, BLOCK_SIZE), BLOCK_SIZE)  # a block's keys: one aligned run
-            vk_ok = tl.max_constancy(kpos - kpos % BLOCK_SIZE < k_end, BLOCK_SIZE)
             vt = tl.load(v_cache_ptr + (d * BLOCK_SIZE)[:, None] + vk[None, :],
-                         mask=dmask[:, None] & vk_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+                         mask=dmask[:, None] & blk_in[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
             v = tl.trans(vt)
         else:
             v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -364,6 +366,7 @@ def decode_attention_triton(
     if static is None:
         static = bounded_put(_STATIC, skey, _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window))
     hq, _hk, d, bs, on_gpu = static[:5]
+    v_t = static[8]
     b = q.shape[0]
     check(block_tables.shape[0] == b and seq_lens.shape == (b,),
           "decode_attention: block_tables ({} rows) and seq_lens {} must match q's batch {}",
@@ -377,7 +380,7 @@ def decode_attention_triton(
     if plan is None:
         plan = _tile_plan(static, b, block_tables.shape[1] * bs, num_sms(q.device), over)
         if rope is not None:
-            plan = (plan[0], {**plan[1], "ROPE": True, "V_MAX": v_max(v_cache.dtype) if static[8] else 0.0},
+            plan = (plan[0], {**plan[1], "ROPE": True, "V_MAX": v_max(v_cache.dtype) if v_t else 0.0},
                     *plan[2:])
         bounded_put(_TILES, tkey, plan)
     grid, consts, warps, stages, splits = plan

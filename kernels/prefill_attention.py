@@ -168,7 +168,10 @@ def _paged_attention_kernel(
     for start in range(k_begin, k_stop, BLOCK_N):  # start: a multiple of BLOCK_N
         kpos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         k_ok = kpos < k_end
-        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        blk_in = k_ok
+        if V_T:  # every key of a block in range gets the block's id: V's runs are whole blocks (the hints below)
+            blk_in = tl.max_constancy(kpos - kpos % BLOCK_SIZE < k_end, BLOCK_SIZE)
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=blk_in, other=0).to(tl.int64)
         c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -198,9 +201,8 @@ def _paged_attention_kernel(
             # Slots past k_end hold finite values (kernels/kv_layout.py) and get p = 0 on the causal diagonal
             vk = blk * stride_vcb + v_head_off + (kpos % BLOCK_SIZE).to(tl.int64)  # [BLOCK_N]
             vk = tl.max_contiguous(tl.multiple_of(vk, BLOCK_SIZE), BLOCK_SIZE)
-            blk_ok = tl.max_constancy(kpos - kpos % BLOCK_SIZE < k_end, BLOCK_SIZE)
             vt = tl.load(v_cache_ptr + (d * BLOCK_SIZE)[:, None] + vk[None, :],
-                         mask=dmask[:, None] & blk_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+                         mask=dmask[:, None] & blk_in[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
             v = tl.trans(vt)
         else:
             v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]

@@ -210,9 +210,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # how the V cache lies in memory (kernels/kv_layout.py): "rows" (as K: a key's head_dim values
     # together) or "keys_inner" (each block's keys together for each head and dim: the Triton
-    # attention then loads an fp8 V tile as it loads K, not a byte at a time; measured 2-6% slower in
-    # decode on an H100, so opt-in). "auto": rows
-    kv_cache_v_layout: str = "auto"
+    # attention then loads an fp8 V tile as it loads K, not a byte at a time). keys_inner is opt-in:
+    # on an H100 (Triton 3.6) its decode attention ran 2018 / 2468 GB/s against rows' 2107 / 2623 at
+    # B = 256 / 1000, decode b64 5.21 / b256 9.65 ms against 5.16 / 9.43, TTFT equal
+    # (bench/results/2026-12-06-v-layout-h100.md)
+    kv_cache_v_layout: str = "rows"
     # None: the checkpoint's weights as they are. "fp8": W8A8, e4m3 weights (one scale per output
     # channel, made at load) and activations quantized per token at run time, in every projection
     # of the decoder layers (workers/engine/quantization.py); greedy tokens may then differ
@@ -240,8 +242,8 @@ class EngineConfig:
             raise ValueError("kernel_backend must be 'torch' or 'triton'")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError("kv_cache_dtype must be 'auto' or 'fp8'")
-        if self.kv_cache_v_layout not in ("auto", "rows", "keys_inner"):
-            raise ValueError("kv_cache_v_layout must be 'auto', 'rows' or 'keys_inner'")
+        if self.kv_cache_v_layout not in ("rows", "keys_inner"):
+            raise ValueError("kv_cache_v_layout must be 'rows' or 'keys_inner'")
         if self.tpot_target_ms is not None and self.tpot_target_ms <= 0:
             raise ValueError("tpot_target_ms must be positive")
         if self.dense_graph_max_tokens < 0:

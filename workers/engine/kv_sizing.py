@@ -1,4 +1,4 @@
-"""How many KV-cache blocks fit: what a block holds, how it lies, and what the device has left for them."""
+"""How many KV-cache blocks fit: what a block holds, and what the device has left for them."""
 
 from __future__ import annotations
 
@@ -36,14 +36,3 @@ def auto_num_blocks(c: EngineConfig, mc: ModelConfig, device: torch.device, byte
         )
     return n
 
-
-def resolve_v_layout(v_layout: str) -> str:
-    """EngineConfig.kv_cache_v_layout's "auto": rows (kernels/kv_layout.py), for every cache.
-
-    keys_inner was made for an fp8 cache under the Triton kernels on CUDA: there the decode loop reads
-    an fp8 V tile in rows a byte at a time from shared memory (128 byte loads a thread a tile; Triton
-    3.6's sm90 SASS, 1350 instructions a tile, against 791 keys-inner at the same 163-167 registers).
-    Measured on an H100 (Triton 3.6) it was not faster: decode attention 2018 / 2468 GB/s against rows'
-    2107 / 2623 at B = 256 / 1000, the engine's decode b64 5.21 / b256 9.65 ms against 5.16 / 9.43
-    (bench/results/2026-12-06-v-layout-h100.md)."""
-    return "rows" if v_layout == "auto" else v_layout

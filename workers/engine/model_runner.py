@@ -27,7 +27,7 @@ from workers.engine.cuda_graphs import (
 )
 from workers.engine.downloads import resolve_model, unknown_model_message
 from workers.engine.errors import CheckpointError
-from workers.engine.kv_sizing import auto_num_blocks, kv_bytes_per_block, resolve_v_layout
+from workers.engine.kv_sizing import auto_num_blocks, kv_bytes_per_block
 from workers.engine.loader import load_checkpoint, random_model, resolve_dtype
 from workers.engine.models.llama import LlamaForCausalLM
 from workers.engine.models.rope import rope_cos_sin
@@ -91,7 +91,7 @@ class ModelRunner:
         self.num_blocks = config.num_blocks or auto_num_blocks(config, mc, self.device, self.kv_bytes_per_block(),
                                                                self.max_blocks_per_seq)
         # one extra block at index num_blocks: scratch slots for padded (graph) rows
-        self.v_layout = resolve_v_layout(config.kv_cache_v_layout)
+        self.v_layout = config.kv_cache_v_layout
         self.kv_caches = [
             empty_kv_caches(self.num_blocks + 1, self.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype,
                             self.device, self.v_layout)

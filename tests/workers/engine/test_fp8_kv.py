@@ -40,17 +40,15 @@ def test_kv_cache_dtype_is_checked():
         EngineConfig(kv_cache_dtype="int4")
 
 
-def test_v_layout_choice():
-    """"auto" keeps V in rows (keys-inner measured slower on the GPU); an explicit layout is kept."""
+def test_v_layout_is_checked():
+    """V stays in rows unless keys_inner is asked for (it measured slower on the GPU)."""
     import pytest
 
-    from workers.engine.kv_sizing import resolve_v_layout
-
-    assert resolve_v_layout("auto") == "rows"
-    assert resolve_v_layout("keys_inner") == "keys_inner"
-    assert resolve_v_layout("rows") == "rows"
+    assert EngineConfig().kv_cache_v_layout == "rows"
     with pytest.raises(ValueError, match="kv_cache_v_layout"):
         EngineConfig(kv_cache_v_layout="columns")
+    with pytest.raises(ValueError, match="kv_cache_v_layout"):
+        EngineConfig(kv_cache_v_layout="auto")
 
 
 def test_torch_ops_read_a_keys_inner_v_cache(llama_dir):
