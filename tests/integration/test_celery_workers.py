@@ -53,9 +53,13 @@ pytestmark = pytest.mark.integration
 
 CLAIM_KEY = "firsttoken-test-celery-claim"
 DRAIN_TIMEOUT_S = 1.0  # the GPU workers' FIRSTTOKEN_DRAIN_TIMEOUT_S
-# the stop tests' long jobs: as long as the tiny model's 2048 positions allow beside their ~40-token
-# prompts, so that they still run when the short ones have ended however fast the engine gets
+# the stop tests' long jobs, and the cancel test's: LONG_TOKENS steps at STEP_FLOOR_S each at least
+# (FIRSTTOKEN_TEST_STEP_FLOOR_S, every GPU worker here), so at least 19 s, whatever the machine: still
+# running at a signal sent when the first 8-token job has ended, well past the 1 s drain. A token count
+# alone bounded nothing (400 tokens once took seconds here; by 2026-12-03 all 36 jobs of the SIGQUIT
+# test ended within the 1.4 s before the signal)
 LONG_TOKENS = 1900
+STEP_FLOOR_S = 0.01
 
 
 # --- Redis: a database of our own ------------------------------------------------------------------
@@ -151,6 +155,7 @@ class Cluster:
             {
                 "FIRSTTOKEN_REDIS_URL": self.redis_url,
                 "FIRSTTOKEN_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
+                "FIRSTTOKEN_TEST_STEP_FLOOR_S": str(STEP_FLOOR_S),
                 "PYTHONUNBUFFERED": "1",
             }
         )
@@ -370,7 +375,7 @@ def test_engine_stats_reaches_both_workers(cluster: Cluster):
 def test_cancel_running_jobs(cluster: Cluster):
     tag = uuid.uuid4().hex[:8]
     by_batch, by_ids, short = f"cancel-b-{tag}", f"cancel-i-{tag}", f"keep-{tag}"
-    # long jobs: 2000 tokens each take ~20 s on this machine; cancelled ones must end at once
+    # long jobs: 2000 tokens each, at least 20 s at the step floor (STEP_FLOOR_S); cancelled ones must end at once
     doomed_batch = make_jobs(4, by_batch, batch_id=by_batch, max_tokens=2000)
     ids_batch = make_jobs(3, by_ids, batch_id=by_ids, max_tokens=2000)
     ids_batch[2] = ids_batch[2].model_copy(
@@ -466,9 +471,7 @@ def successor_finishes_the_rest(
 def test_sigquit_stops_gpu_worker_at_once_and_another_finishes(cluster: Cluster):
     """Cold shutdown: the GPU worker stops without draining, and leaves its successor in its place."""
     batch = f"quit-{uuid.uuid4().hex[:8]}"
-    # short jobs finish first; the long ones are still running at the SIGQUIT: LONG_TOKENS steps after
-    # the short ones' 8 (400 tokens once took seconds here; by 2026-12-03 all 36 jobs ended within
-    # the 1.4 s before the signal, and the test had nothing left to hand back)
+    # short jobs finish first; the long ones are still running at the SIGQUIT (LONG_TOKENS floored steps)
     jobs = make_jobs(32, batch, batch_id=batch, max_tokens=8)
     jobs += make_jobs(4, f"{batch}-long", batch_id=batch, max_tokens=LONG_TOKENS)
     n = len(jobs)

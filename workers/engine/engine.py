@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 from array import array
@@ -68,6 +69,28 @@ def _token_logprob(token_id: int, row: tuple[float, list[int], list[float]], k: 
     return TokenLogprob(token_id, logprob, tuple(zip(ids[:k], lps[:k])))
 
 
+STEP_FLOOR_ENV = "FIRSTTOKEN_TEST_STEP_FLOOR_S"
+
+
+def step_floor_s() -> float:
+    """A test's lower bound on a step's wall time, in seconds (FIRSTTOKEN_TEST_STEP_FLOOR_S; 0: none).
+
+    The worker-stop tests need long jobs that are still running when a worker is signalled, however
+    fast the engine on the machine has become: a floor per step bounds a job of N tokens below by N
+    floors, where a token count alone bounded it by nothing (1900 tokens once ended within the 1.4 s
+    before the signal). A step that runs nothing does not sleep. Never set in production."""
+    raw = os.environ.get(STEP_FLOOR_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{STEP_FLOOR_ENV} must be a number of seconds, not {raw!r}") from None
+    if not 0.0 <= value <= 10.0:
+        raise ValueError(f"{STEP_FLOOR_ENV} must be between 0 and 10 seconds, not {raw!r}")
+    return value
+
+
 class LLMEngine:
     """Continuous batching over one paged KV cache with prefix reuse.
 
@@ -122,6 +145,7 @@ class LLMEngine:
         self._num_guided = 0
         self._mask_bufs: list[torch.Tensor] = []
         self._mask_turn = 0
+        self._step_floor_s = step_floor_s()
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(
@@ -286,6 +310,8 @@ class LLMEngine:
             self._step_failed(exc, suspects, result)
         if self._isolation:
             self._next_isolation_group()
+        if self._step_floor_s and not (out is None or out.is_empty):
+            time.sleep(max(0.0, self._step_floor_s - (time.perf_counter() - t0)))
         self._step_seconds += time.perf_counter() - t0
         return result
 
