@@ -326,6 +326,11 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B of the V cache's layout (kernels/kv_layout.py): keys innermost against rows (the default)
     "fp8-vt": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner"},
     "bf16-vt": {"kv_cache_v_layout": "keys_inner"},
+    # A/B of decode attention's pipelining: block-table entries a tile ahead and four stages (three K/V
+    # buffers in shared memory where the default's dependent loads get one), in rows and keys inner
+    "fp8-pf4": {"quantization": "fp8", "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true, "num_stages": 4}'}},
+    "fp8-vtpf4": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner",
+                  "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true, "num_stages": 4}'}},
 }
 
 

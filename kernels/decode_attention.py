@@ -442,18 +442,44 @@ def decode_rope_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                  scale: float, sliding_window: int | None = None,
-                                 num_splits: int | None = None) -> torch.Tensor:
+                                 num_splits: int | None = None, **tiles: Any) -> torch.Tensor:
     """`decode_rope_attention_ref` in the decode attention's launches: one kernel a layer fewer in a
-    pure decode step (rope_and_cache took 2.5 us a layer at batch 1 on the H200, b9352b7's profile)."""
+    pure decode step (rope_and_cache took 2.5 us a layer at batch 1 on the H200, b9352b7's profile).
+    tiles: `decode_attention_triton`'s tile keywords (block_n, num_warps, num_stages, prefetch)."""
     return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, num_splits,
-                                   rope=(k, v, positions, cos_sin, slot_mapping))
+                                   rope=(k, v, positions, cos_sin, slot_mapping), **tiles)
+
+
+TILES_ENV = "FIRSTTOKEN_DECODE_TILES"
+TILE_KEYWORDS = {"block_n": int, "num_warps": int, "num_stages": int, "prefetch": bool}
+
+
+def tiles_from_env() -> dict[str, Any]:
+    """FIRSTTOKEN_DECODE_TILES, an A/B switch: a JSON object of `decode_attention_triton` tile keywords
+    (block_n, num_warps, num_stages, prefetch) that every decode launch of an engine built afterwards
+    takes, its warm-up too (read when the engine binds its ops). Empty or unset: the defaults."""
+    import json
+    import os
+
+    raw = os.environ.get(TILES_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        tiles = json.loads(raw)
+    except ValueError:
+        raise ValueError(f"{TILES_ENV} must be a JSON object, not {raw!r}") from None
+    if not isinstance(tiles, dict) or not all(
+            k in TILE_KEYWORDS and type(v) is TILE_KEYWORDS[k] for k, v in tiles.items()):
+        raise ValueError(f"{TILES_ENV}: a JSON object of {sorted(TILE_KEYWORDS)} (ints, prefetch a bool), "
+                         f"not {raw!r}")
+    return tiles
 
 
 def warm_up_decode(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
-                   sliding_window: int | None, q_dtype: torch.dtype) -> None:
+                   sliding_window: int | None, q_dtype: torch.dtype, tiles: dict | None = None) -> None:
     """Compile every variant `decode_attention_triton` can pick here (split or not), and the
     combine kernel for every split count it can use (up to 64), so serving never compiles.
-    Reads block 0 of the caches; writes nothing there."""
+    Reads block 0 of the caches; writes nothing there. tiles: the tile keywords serving passes."""
     if k_cache.device.type != "cuda":
         return
     dev = k_cache.device
@@ -469,7 +495,8 @@ def warm_up_decode(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
     cos_sin = torch.zeros((1, d), dtype=torch.float32, device=dev)
     pos = torch.zeros(2, dtype=torch.int64, device=dev)
     no_slot = torch.full((2,), -1, dtype=torch.int64, device=dev)  # writes nothing
+    tiles = tiles or {}
     for splits in (1, 2, 4, 8, 16, 32, 64):
-        decode_attention_triton(q, k_cache, v_cache, tables, lens, scale, sliding_window, splits)
+        decode_attention_triton(q, k_cache, v_cache, tables, lens, scale, sliding_window, splits, **tiles)
         decode_attention_triton(qv, k_cache, v_cache, tables, lens, scale, sliding_window, splits,
-                                rope=(kn, vn, pos, cos_sin, no_slot))
+                                rope=(kn, vn, pos, cos_sin, no_slot), **tiles)

@@ -58,7 +58,11 @@ def get_ops(backend: str) -> KernelOps:
             decode_attention=decode_attention_torch,
         )
     if backend == "triton":
-        from kernels.decode_attention import decode_attention_triton, decode_rope_attention_triton
+        from kernels.decode_attention import (
+            decode_attention_triton,
+            decode_rope_attention_triton,
+            tiles_from_env,
+        )
         from kernels.fp8_quant import rms_norm_quant_triton, silu_and_mul_quant_triton
         from kernels.prefill_attention import paged_attention_triton, plan_prefill_splits
         from kernels.rmsnorm import rms_norm_triton
@@ -68,6 +72,13 @@ def get_ops(backend: str) -> KernelOps:
         # FIRSTTOKEN_PREFILL_WIDEN=q: the prefill attention widens an fp8 cache to q's dtype (bf16),
         # not to fp16 (kernels.prefill_attention.default_widen; an A/B switch)
         widen = {"widen": "q"} if os.environ.get("FIRSTTOKEN_PREFILL_WIDEN") == "q" else {}
+        # FIRSTTOKEN_DECODE_TILES: decode attention's tile keywords, for every launch and the warm-up (an A/B switch)
+        tiles = tiles_from_env()
+        decode = update_wrapper(partial(decode_attention_triton, **tiles), decode_attention_triton) if tiles \
+            else decode_attention_triton
+        decode_rope = None if os.environ.get("FIRSTTOKEN_FUSED_DECODE_ROPE") == "0" else (
+            update_wrapper(partial(decode_rope_attention_triton, **tiles), decode_rope_attention_triton) if tiles
+            else decode_rope_attention_triton)
         return KernelOps(
             name="triton",
             rms_norm=rms_norm_triton,
@@ -77,20 +88,19 @@ def get_ops(backend: str) -> KernelOps:
             rope_and_cache=rope_and_cache_triton,
             prefill_attention=update_wrapper(partial(paged_attention_triton, **widen), paged_attention_triton)
             if widen else paged_attention_triton,
-            decode_attention=decode_attention_triton,
+            decode_attention=decode,
             # FIRSTTOKEN_FUSED_DECODE_ROPE=0: rope_and_cache's own launch in decode steps too (an A/B switch)
-            decode_rope_attention=None if os.environ.get("FIRSTTOKEN_FUSED_DECODE_ROPE") == "0"
-            else decode_rope_attention_triton,
-            warm_up=partial(_warm_up_triton, **widen),
+            decode_rope_attention=decode_rope,
+            warm_up=partial(_warm_up_triton, **widen, decode_tiles=tiles),
             prefill_splits=plan_prefill_splits,
         )
     raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
 
 
 def _warm_up_triton(k_cache, v_cache, num_heads: int, scale: float, sliding_window: int | None, q_dtype,
-                    widen: str | None = None) -> None:
+                    widen: str | None = None, decode_tiles: dict | None = None) -> None:
     from kernels.decode_attention import warm_up_decode
     from kernels.prefill_attention import warm_up_prefill
 
     warm_up_prefill(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype, widen)
-    warm_up_decode(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype)
+    warm_up_decode(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype, decode_tiles)

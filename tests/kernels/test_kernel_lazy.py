@@ -44,10 +44,48 @@ def test_get_ops_prefill_widen_switch(monkeypatch) -> None:
     monkeypatch.setenv("FIRSTTOKEN_PREFILL_WIDEN", "q")
     ops = get_ops("triton")
     assert ops.prefill_attention.__name__ == "paged_attention_triton"
-    assert ops.prefill_attention.keywords == {"widen": "q"} and ops.warm_up.keywords == {"widen": "q"}
+    assert ops.prefill_attention.keywords == {"widen": "q"}
+    assert ops.warm_up.keywords == {"widen": "q", "decode_tiles": {}}
     monkeypatch.delenv("FIRSTTOKEN_PREFILL_WIDEN")
     ops = get_ops("triton")
-    assert not hasattr(ops.prefill_attention, "keywords") and ops.warm_up.keywords == {}
+    assert not hasattr(ops.prefill_attention, "keywords") and ops.warm_up.keywords == {"decode_tiles": {}}
+
+
+def test_get_ops_decode_tiles_switch(monkeypatch) -> None:
+    """FIRSTTOKEN_DECODE_TILES: decode attention's tile keywords, bound into both decode ops and the
+    warm-up (which compiles what serving launches); the fused op runs with them as the reference does;
+    a malformed value fails when the ops are bound, naming the variable."""
+    from kernels.decode_attention import TILES_ENV, decode_rope_attention_ref
+
+    monkeypatch.setenv(TILES_ENV, '{"prefetch": true, "num_stages": 4, "block_n": 16}')
+    ops = get_ops("triton")
+    want = {"prefetch": True, "num_stages": 4, "block_n": 16}
+    assert ops.decode_attention.keywords == want and ops.decode_rope_attention.keywords == want
+    assert ops.decode_attention.__name__ == "decode_attention_triton"
+    assert ops.warm_up.keywords == {"decode_tiles": want}
+    g = torch.Generator().manual_seed(3)
+    b, hq, hk, d, bs, nblk = 3, 4, 2, 16, 4, 12
+    kc = torch.randn(nblk, bs, hk, d, generator=g)
+    vc = torch.randn(nblk, bs, hk, d, generator=g)
+    tables = torch.arange(nblk, dtype=torch.int32).view(b, nblk // b)
+    lens = torch.tensor([5, 16, 9], dtype=torch.int32)
+    q, k, v = (torch.randn(b, h, d, generator=g) for h in (hq, hk, hk))
+    pos = (lens - 1).long()
+    half = torch.randn(32, d // 2, generator=g)
+    cos_sin = torch.cat([half.cos(), half.sin()], dim=1)
+    slots = tables.long().gather(1, (pos // bs).view(-1, 1)).view(-1) * bs + pos % bs
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = ops.decode_rope_attention(q, k, v, pos, cos_sin, kc, vc, slots, tables, lens, d**-0.5)
+    ref = decode_rope_attention_ref(q, k, v, pos, cos_sin, kc2, vc2, slots, tables, lens, d**-0.5)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(kc, kc2)
+    for bad in ('{"prefetch": 1}', '{"block_m": 64}', "[64]", "fast"):
+        monkeypatch.setenv(TILES_ENV, bad)
+        with pytest.raises(ValueError, match=TILES_ENV):
+            get_ops("triton")
+    monkeypatch.delenv(TILES_ENV)
+    ops = get_ops("triton")
+    assert not hasattr(ops.decode_attention, "keywords") and not hasattr(ops.decode_rope_attention, "keywords")
 
 
 def test_direct_launch_reuses_the_compiled_kernel(monkeypatch) -> None:
