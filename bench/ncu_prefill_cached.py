@@ -1,0 +1,88 @@
+"""The paged prefill attention of TTFT 2048 cached + 128 as the engine's prefill graph launches it, for ncu
+and a timing: 128 new tokens over a 2048-token cached prefix, an fp8 cache, 16 block-table rows (15 of
+them padding) as wide as max_model_len 33024, Llama-3.1-8B heads. Prints the median graph-replayed time of
+each variant (the default split and tiles, then those of --variants); with --ncu it only launches the
+default three times, for a profiler:
+
+    ncu --clock-control none -k regex:_paged_attention --launch-skip 2 --launch-count 1 \\
+        python3 bench/ncu_prefill_cached.py --ncu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.prefill_attention import paged_attention_ref, paged_attention_triton
+
+HQ, HK, D, BS = 32, 8, 128, 16
+
+
+def graph_us(fn, reps: int = 30) -> float:
+    """Median us of fn replayed in a CUDA graph of 20 calls (no host launch in the timing)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(20):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / 20)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prefix", type=int, default=2048)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--variants", default="{}", help="JSON {name: paged_attention_triton keywords}")
+    ap.add_argument("--ncu", action="store_true", help="three launches of the default, no timing")
+    args = ap.parse_args()
+    ctx = args.prefix + args.new
+    g = torch.Generator(device="cuda").manual_seed(0)
+    nblk = -(-ctx // BS)
+    total = nblk + 8
+    kc = torch.randn((total, BS, HK, D), device="cuda", generator=g).to(torch.float8_e4m3fn)
+    vc = torch.randn((total, BS, HK, D), device="cuda", generator=g).to(torch.float8_e4m3fn)
+    rows, width = 16, 33024 // BS
+    bt = torch.full((rows, width), total - 1, dtype=torch.int32, device="cuda")
+    bt[0, :nblk] = torch.randperm(total - 1, device="cuda", generator=g)[:nblk].int()
+    q = torch.randn((args.new, HQ, D), device="cuda", generator=g, dtype=torch.bfloat16)
+    qsl = torch.full((rows + 1,), args.new, dtype=torch.int32, device="cuda")
+    qsl[0] = 0
+    sl = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    sl[0] = ctx
+    scale = D**-0.5
+    ref = paged_attention_ref(q, kc, vc, bt[:1].clone(), qsl[:2].clone(), sl[:1].clone(), scale)
+    flops = 4 * D * HQ * sum(args.prefix + i + 1 for i in range(args.new))
+    if args.ncu:
+        for _ in range(3):
+            paged_attention_triton(q, kc, vc, bt, qsl, sl, scale, None, max_query_len=args.new)
+        torch.cuda.synchronize()
+        return
+    variants = {"default": {}, **json.loads(args.variants)}
+    out = []
+    for name, kw in variants.items():
+        f = partial(paged_attention_triton, q, kc, vc, bt, qsl, sl, scale, None, max_query_len=args.new, **kw)
+        err = float((f().float() - ref.float()).norm() / ref.float().norm())
+        us = graph_us(f)
+        out.append({"variant": name, "us": round(us, 2), "TFLOPs": round(flops / us / 1e6, 1), "rel_err": err, **kw})
+        print(json.dumps(out[-1]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
