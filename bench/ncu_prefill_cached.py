@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--variants", default="{}", help="JSON {name: paged_attention_triton keywords}")
     ap.add_argument("--ncu", action="store_true", help="three launches of the default, no timing")
+    ap.add_argument("--rows", type=int, default=16, help="block-table rows (the prefill graph's 16: 15 of them padding)")
     args = ap.parse_args()
     ctx = args.prefix + args.new
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -58,7 +59,7 @@ def main() -> None:
     total = nblk + 8
     kc = torch.randn((total, BS, HK, D), device="cuda", generator=g).to(torch.float8_e4m3fn)
     vc = torch.randn((total, BS, HK, D), device="cuda", generator=g).to(torch.float8_e4m3fn)
-    rows, width = 16, 33024 // BS
+    rows, width = args.rows, 33024 // BS
     bt = torch.full((rows, width), total - 1, dtype=torch.int32, device="cuda")
     bt[0, :nblk] = torch.randperm(total - 1, device="cuda", generator=g)[:nblk].int()
     q = torch.randn((args.new, HQ, D), device="cuda", generator=g, dtype=torch.bfloat16)
