@@ -16,7 +16,8 @@ Block tables: "prefill" gives each sequence consecutive blocks (a prompt prefill
 sequences); "hnd" is shuffled over a cache laid out [blocks, Hk, block_size, D] in memory (the
 kernels see it through strides as [blocks, block_size, Hk, D]): one head's rows of a block are
 one run of block_size x D bytes instead of block_size rows Hk x D bytes apart.
-Prints JSON and a markdown table; writes them under $OUT when set.
+Prints JSON and a markdown table; writes them under $OUT when set. --hog-sms N times everything with N
+SMs held by spinning programs (bench/sm_hog.py): on an H100, N = 40 leaves an H200's bandwidth per SM.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import header, md_table, write_report
+from bench.sm_hog import SmHog
 from kernels.decode_attention import decode_attention_triton
 from kernels.kv_layout import to_v_layout
 
@@ -38,16 +40,20 @@ FP8 = torch.float8_e4m3fn
 
 
 def copy_gbps(nbytes: int = 1 << 30) -> float:
+    """The copy rate the timed SMs reach (with --hog-sms, the SMs left)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    return 2 * nbytes / time_ms(lambda: b.copy_(a)) / 1e6
+    time_ms(lambda: b.copy_(a), reps=2)
+    torch.cuda.synchronize()
+    with SmHog(HOG_SMS):
+        return 2 * nbytes / time_ms(lambda: b.copy_(a)) / 1e6
 
 
 def time_ms(fn, reps: int = 20) -> float:
-    """Median of reps CUDA-event timings, after two warm calls."""
+    """Median of reps CUDA-event timings, after two warm calls (stream syncs only: see bench/sm_hog.py)."""
     for _ in range(2):
         fn()
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     ts = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -72,6 +78,7 @@ VARIANTS: dict[str, dict] = {
 
 
 OLD = None  # --old's module
+HOG_SMS = 0  # --hog-sms: SMs held by spinning programs while the variants are timed
 
 
 def case(b: int, ctx: int, layout: str, hq: int = 32, hk: int = 8, d: int = 128, bs: int = 16) -> dict:
@@ -95,17 +102,23 @@ def case(b: int, ctx: int, layout: str, hq: int = 32, hk: int = 8, d: int = 128,
     outs, row = {}, {"B": b, "context": ctx, "blocks": layout}
     kv_bytes = 2 * b * ctx * hk * d  # K and V, one byte each
     vc_inner = None
-    for name, kw in VARIANTS.items():
+    calls = {}
+    for name, kw in VARIANTS.items():  # compiled and run once each before any SMs are held
         fn = OLD.decode_attention_triton if name == "old" else decode_attention_triton
         kw = dict(kw)
         v = vc
         if kw.pop("v_layout", "rows") == "keys_inner":
             vc_inner = to_v_layout(vc, "keys_inner") if vc_inner is None else vc_inner
             v = vc_inner
-        outs[name] = fn(q, kc, v, bt, sl, scale, **kw)
-        ms = time_ms(lambda kw=kw, fn=fn, v=v: fn(q, kc, v, bt, sl, scale, **kw))
-        row[f"{name} us"] = ms * 1e3
-        row[f"{name} GB/s"] = kv_bytes / ms / 1e6
+        calls[name] = lambda kw=kw, fn=fn, v=v: fn(q, kc, v, bt, sl, scale, **kw)
+        outs[name] = calls[name]()
+        time_ms(calls[name], reps=2)  # the allocator's blocks for these shapes, cached
+    torch.cuda.synchronize()
+    with SmHog(HOG_SMS):
+        for name, call in calls.items():
+            ms = time_ms(call)
+            row[f"{name} us"] = ms * 1e3
+            row[f"{name} GB/s"] = kv_bytes / ms / 1e6
     row["max diff"] = max(float((outs[n].float() - outs["default"].float()).abs().max()) for n in outs)
     ref = outs["default"].float()
     for n in outs:  # each variant's relative error against the default (fp16 dots over the exact e4m3 values)
@@ -122,7 +135,12 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help="JSON {name: decode_attention_triton keywords} replacing the variants beside the default")
     ap.add_argument("--old", default="", help="a previous kernels/decode_attention.py: timed too, as variant 'old'")
+    ap.add_argument("--hog-sms", type=int, default=0,
+                    help="hold this many SMs while timing (bench/sm_hog.py): an H100 with 40 of 132 held has an "
+                         "H200's memory bandwidth per SM")
     args = ap.parse_args()
+    global HOG_SMS
+    HOG_SMS = args.hog_sms
     if args.variants:
         extra = json.loads(args.variants)
         for k in [k for k in VARIANTS if k != "default"]:
@@ -136,14 +154,16 @@ def main() -> None:
         OLD = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(OLD)
         VARIANTS["old"] = {}
-    bw = copy_gbps()
-    rows = []
-    for c in args.cases.split(","):
-        b, ctx = (int(x) for x in c.split("x"))
-        for layout in args.layouts.split(","):
-            rows.append(case(b, ctx, layout))
-            torch.cuda.empty_cache()
-            print(f"# {rows[-1]}", flush=True)
+    # a non-blocking stream of its own: the legacy default stream would wait for the spinners (--hog-sms)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        bw = copy_gbps()
+        rows = []
+        for c in args.cases.split(","):
+            b, ctx = (int(x) for x in c.split("x"))
+            for layout in args.layouts.split(","):
+                rows.append(case(b, ctx, layout))
+                torch.cuda.empty_cache()
+                print(f"# {rows[-1]}", flush=True)
     data = {"header": header(), "copy_gbps": bw, "rows": rows}
     cols = ["B", "context", "blocks", *(f"{n} GB/s" for n in VARIANTS), "default us", "max diff",
             *(f"{n} rel" for n in VARIANTS if n != "default")]

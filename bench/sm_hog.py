@@ -1,0 +1,68 @@
+"""Hold some SMs of a GPU with spinning programs, so that the kernels timed meanwhile run on the rest:
+an H100 with 92 of its 132 SMs has an H200's memory bandwidth per SM (3.35 against 4.8 TB/s over the
+same SM count and clocks), which tells whether a memory-bound kernel is short of bytes in flight per SM
+on the H200 when no H200 can be had (bench_decode_tiles.py --hog-sms).
+
+Each spinning program takes every register of its SM (512 threads holding 112 live fp32 values each,
+~128 registers a thread: 65536), so nothing else is placed there; it does arithmetic only (no memory
+traffic) until `release` sets its flag.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels._triton import lazy_jit
+
+tl: Any = None  # triton.language, bound at the first launch
+
+
+@lazy_jit
+def _spin_kernel(flag_ptr, out_ptr, max_rounds, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    pid = tl.program_id(0)
+    x = tl.arange(0, A).to(tl.float32) + pid
+    y = tl.arange(0, B).to(tl.float32)
+    z = tl.arange(0, C).to(tl.float32)
+    stop = tl.load(flag_ptr, volatile=True)
+    rounds = 0
+    while (stop == 0) & (rounds < max_rounds):  # the bound: a lost release cannot hang the device
+        for _ in tl.static_range(8):
+            x = x * 0.9990234375 + 0.0009765625
+            y = y * 0.9990234375 + 0.0009765625
+            z = z * 0.9990234375 + 0.0009765625
+        stop = tl.load(flag_ptr, volatile=True)
+        rounds += 1
+    tl.store(out_ptr + pid * A + tl.arange(0, A), x + tl.sum(y, 0) + tl.sum(z, 0))
+
+
+class SmHog:
+    """`with SmHog(n):` n SMs spin (on a stream of their own) until the block ends (at most max_rounds
+    rounds of ~2 us). Inside the block nothing may synchronise the whole device (torch.cuda.synchronize,
+    empty_cache, a cudaMalloc or cudaFree): it would wait for the spinners. Allocate and compile first;
+    time with events and stream syncs."""
+
+    def __init__(self, n: int, device: str = "cuda", max_rounds: int = 10_000_000) -> None:
+        self.n = n
+        self.max_rounds = max_rounds
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self.out = torch.empty((max(n, 1), 32768), dtype=torch.float32, device=device)
+        self.stream = torch.cuda.Stream(device=device)
+        self.release_stream = torch.cuda.Stream(device=device)
+
+    def __enter__(self) -> SmHog:
+        if self.n > 0:
+            self.flag.zero_()
+            torch.cuda.synchronize()
+            with torch.cuda.stream(self.stream):
+                _spin_kernel[(self.n,)](self.flag, self.out, self.max_rounds, A=32768, B=16384, C=8192,
+                                        num_warps=16)
+            torch.cuda._sleep(50_000_000)  # ~25 ms of the current stream: the spinners are resident first
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.n > 0:
+            with torch.cuda.stream(self.release_stream):
+                self.flag.fill_(1)
+            self.stream.synchronize()
