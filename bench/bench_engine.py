@@ -331,6 +331,10 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-pf4": {"quantization": "fp8", "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true, "num_stages": 4}'}},
     "fp8-vtpf4": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner",
                   "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true, "num_stages": 4}'}},
+    # keys inner, block ids a tile ahead, 3 stages: 6-12% over rows on an H100 with the H200's bandwidth
+    # per SM (bench/results/2026-12-06-session11-h100.md)
+    "fp8-vtpf3": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner",
+                  "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true}'}},
 }
 
 

@@ -23,7 +23,8 @@
 #               (and cached + 128) with each, the fp8-KV GPU tests; fits an H100                      ~2.5 min
 #   dec_pipe    one H200 call: the SM clock sampled throughout (clocks.csv), decode attention's pipelining and
 #               V-layout variants (tiles), then throughput with the default, fp8-vt and fp8-vtpf4 (an H100 with
-#               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 4 stages 7% ahead)  ~8.5 min
+#               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
+#   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
 #   ncu_layouts ncu of one decode-attention launch per V layout                                        ~2 min
 #   vt_all      one H200 call: decode tiles (3 cases), throughput with each V layout, the fp8-cache GPU tests  ~8 min
 #   throughput_mem  the same shape, FP8 + fp8 KV alone, at gpu_memory_utilization 0.90 then 0.95 (fewer
@@ -158,11 +159,16 @@ for stage in "${STAGES[@]}"; do
       fi
       [ "${SMOKE:-0}" = 1 ] || run decode_tiles 80 $PY bench/bench_decode_tiles.py --cases 256x1100,1000x1500,1000x1900 \
         --variants '{"pf_s3":{"prefetch":true},"vt":{"v_layout":"keys_inner"},"vt_pf_s3":{"v_layout":"keys_inner","prefetch":true},"vt_pf_s4":{"v_layout":"keys_inner","prefetch":true,"num_stages":4}}'
-      for e in fp8-vtpf4+kv8 fp8+kv8 fp8-vt+kv8; do  # the candidate first: the call may run out of device time
+      for e in fp8-vtpf3+kv8 fp8+kv8 fp8-vtpf4+kv8; do  # the candidate first: the call may run out of device time
         run "throughput_${e%%+*}" 150 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
           --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
       done
       [ -n "${CLOCKS:-}" ] && kill "$CLOCKS" ;;
+    dec_pipe_short)  # the candidate's throughput and the default's, nothing else (~5 min)
+      for e in fp8-vtpf3+kv8 fp8+kv8; do
+        run "throughput_${e%%+*}" 150 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
+          --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
+      done ;;
     vt_all)  # one H200 call: the tiles over both V layouts, the fp8-cache GPU tests, throughput keys inner then rows
       [ "${SMOKE:-0}" = 1 ] || run decode_tiles 75 $PY bench/bench_decode_tiles.py --layouts shuffled \
         --cases 1x2048,256x1100,1000x1500
