@@ -180,10 +180,12 @@ DECODE_CASES = [
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits", "block_n"), DECODE_CASES)
-@pytest.mark.parametrize("mode", [{}, {"prefetch": True}, {"v_layout": "keys_inner"}],
-                         ids=["plain", "prefetch", "v_keys_inner"])
+@pytest.mark.parametrize("mode", [{}, {"prefetch": True}, {"v_layout": "keys_inner"},
+                                  {"v_layout": "keys_inner", "prefetch": True}],
+                         ids=["plain", "prefetch", "v_keys_inner", "v_keys_inner_prefetch"])
 def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n, mode) -> None:
-    """prefetch: the next key tile's block ids loaded an iteration ahead; v_keys_inner: the V cache
+    """prefetch: the next key tile's block ids loaded an iteration ahead (with keys inner, the candidate
+    for the H200: bench/results/2026-12-06-session11-h100.md); v_keys_inner: the V cache
     with each block's keys innermost (kernels/kv_layout.py), read in tiles of whole blocks (a tile of
     16-64 keys is 1-4 blocks of 16; a window's first tile starts on its block, the keys before the
     window masked), the unwritten slots past a context in its last block finite and large; the block
