@@ -46,8 +46,12 @@ class SmHog:
     def __init__(self, n: int, device: str = "cuda", max_rounds: int = 10_000_000) -> None:
         self.n = n
         self.max_rounds = max_rounds
+        if n <= 0:  # holds nothing: a no-op block, on any machine
+            return
+        if not torch.cuda.is_available():
+            raise RuntimeError("SmHog holds SMs of a CUDA device; none is available")
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
-        self.out = torch.empty((max(n, 1), 32768), dtype=torch.float32, device=device)
+        self.out = torch.empty((n, 32768), dtype=torch.float32, device=device)
         self.stream = torch.cuda.Stream(device=device)
         self.release_stream = torch.cuda.Stream(device=device)
 
