@@ -158,7 +158,7 @@ for stage in "${STAGES[@]}"; do
         CLOCKS=$!
       fi
       [ "${SMOKE:-0}" = 1 ] || run decode_tiles 80 $PY bench/bench_decode_tiles.py --cases 256x1100,1000x1500,1000x1900 \
-        --variants '{"pf_s3":{"prefetch":true},"vt":{"v_layout":"keys_inner"},"vt_pf_s3":{"v_layout":"keys_inner","prefetch":true},"vt_pf_s4":{"v_layout":"keys_inner","prefetch":true,"num_stages":4}}'
+        --variants '{"pf_s3":{"prefetch":true},"vt":{"v_layout":"keys_inner"},"vt_pf_s3":{"v_layout":"keys_inner","prefetch":true},"vt_pf_s4":{"v_layout":"keys_inner","prefetch":true,"num_stages":4},"vt_n32_pf_s4":{"v_layout":"keys_inner","prefetch":true,"num_stages":4,"block_n":32}}'
       for e in fp8-vtpf3+kv8 fp8+kv8 fp8-vtpf4+kv8; do  # the candidate first: the call may run out of device time
         run "throughput_${e%%+*}" 150 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
           --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
