@@ -12,7 +12,6 @@ table; writes them under $OUT when set.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,25 +19,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_decode_tiles import time_ms
 from bench.common import header, md_table, write_report
 from workers.engine.attention import dense_causal_attention
 
 HQ, HK, D = 32, 8, 128
-
-
-def time_ms(fn, reps: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def sdpa(q, k, v, backends, gqa: bool):
@@ -80,7 +65,7 @@ def one_length(t: int) -> list[dict]:
             out = fn()
             o = out[0].transpose(0, 1) if out.dim() == 4 else out
             row["rel_err"] = float((o.float() - ref.float()).norm() / ref.float().norm())
-            ms = time_ms(fn)
+            ms = time_ms(fn, reps=10)
             row["ms"] = round(ms, 3)
             row["TFLOPs"] = round(flops / ms / 1e9, 1)
         except Exception as ex:  # a backend that refuses the layout: said, not fatal

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -21,28 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_fp8_decode import chain_us
 from kernels.prefill_attention import paged_attention_ref, paged_attention_triton
 
 HQ, HK, D, BS = 32, 8, 128, 16
-
-
-def graph_us(fn, reps: int = 30) -> float:
-    """Median us of fn replayed in a CUDA graph of 20 calls (no host launch in the timing)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(20):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / 20)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -80,7 +61,7 @@ def main() -> None:
     for name, kw in variants.items():
         f = partial(paged_attention_triton, q, kc, vc, bt, qsl, sl, scale, None, max_query_len=args.new, **kw)
         err = float((f().float() - ref.float()).norm() / ref.float().norm())
-        us = graph_us(f)
+        us = chain_us(f, [()] * 20, reps=30)  # 20 calls replayed in one graph, us a call
         out.append({"variant": name, "us": round(us, 2), "TFLOPs": round(flops / us / 1e6, 1), "rel_err": err, **kw})
         print(json.dumps(out[-1]), flush=True)
 
