@@ -74,11 +74,6 @@ def get_ops(backend: str) -> KernelOps:
         widen = {"widen": "q"} if os.environ.get("FIRSTTOKEN_PREFILL_WIDEN") == "q" else {}
         # FIRSTTOKEN_DECODE_TILES: decode attention's tile keywords, for every launch and the warm-up (an A/B switch)
         tiles = tiles_from_env()
-        decode = update_wrapper(partial(decode_attention_triton, **tiles), decode_attention_triton) if tiles \
-            else decode_attention_triton
-        decode_rope = None if os.environ.get("FIRSTTOKEN_FUSED_DECODE_ROPE") == "0" else (
-            update_wrapper(partial(decode_rope_attention_triton, **tiles), decode_rope_attention_triton) if tiles
-            else decode_rope_attention_triton)
         return KernelOps(
             name="triton",
             rms_norm=rms_norm_triton,
@@ -86,15 +81,20 @@ def get_ops(backend: str) -> KernelOps:
             rms_norm_quant=rms_norm_quant_triton,
             silu_and_mul_quant=silu_and_mul_quant_triton,
             rope_and_cache=rope_and_cache_triton,
-            prefill_attention=update_wrapper(partial(paged_attention_triton, **widen), paged_attention_triton)
-            if widen else paged_attention_triton,
-            decode_attention=decode,
+            prefill_attention=_bind(paged_attention_triton, widen),
+            decode_attention=_bind(decode_attention_triton, tiles),
             # FIRSTTOKEN_FUSED_DECODE_ROPE=0: rope_and_cache's own launch in decode steps too (an A/B switch)
-            decode_rope_attention=decode_rope,
+            decode_rope_attention=None if os.environ.get("FIRSTTOKEN_FUSED_DECODE_ROPE") == "0"
+            else _bind(decode_rope_attention_triton, tiles),
             warm_up=partial(_warm_up_triton, **widen, decode_tiles=tiles),
             prefill_splits=plan_prefill_splits,
         )
     raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
+
+
+def _bind(fn: Callable, keywords: dict) -> Callable:
+    """fn itself without keywords (no wrapper on the hot path), else fn with them bound, keeping its name."""
+    return update_wrapper(partial(fn, **keywords), fn) if keywords else fn
 
 
 def _warm_up_triton(k_cache, v_cache, num_heads: int, scale: float, sliding_window: int | None, q_dtype,
