@@ -5,11 +5,12 @@ on the H200 when no H200 can be had (bench_decode_tiles.py --hog-sms).
 
 Each spinning program takes every register of its SM (512 threads holding 112 live fp32 values each,
 ~128 registers a thread: 65536), so nothing else is placed there; it does arithmetic only (no memory
-traffic) until `release` sets its flag.
+traffic) until the block's end sets its flag; the block starts once every one reports it runs.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -21,7 +22,9 @@ tl: Any = None  # triton.language, bound at the first launch
 
 @lazy_jit
 def _spin_kernel(flag_ptr, out_ptr, max_rounds, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    # flag_ptr[0]: the release (set by the host's stream), flag_ptr[1]: programs running (each adds one)
     pid = tl.program_id(0)
+    tl.atomic_add(flag_ptr + 1, 1, sem="relaxed")
     x = tl.arange(0, A).to(tl.float32) + pid
     y = tl.arange(0, B).to(tl.float32)
     z = tl.arange(0, C).to(tl.float32)
@@ -50,7 +53,7 @@ class SmHog:
             return
         if not torch.cuda.is_available():
             raise RuntimeError("SmHog holds SMs of a CUDA device; none is available")
-        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self.flag = torch.zeros(2, dtype=torch.int32, device=device)  # release, programs running
         self.out = torch.empty((n, 32768), dtype=torch.float32, device=device)
         self.stream = torch.cuda.Stream(device=device)
         self.release_stream = torch.cuda.Stream(device=device)
@@ -62,11 +65,19 @@ class SmHog:
             with torch.cuda.stream(self.stream):
                 _spin_kernel[(self.n,)](self.flag, self.out, self.max_rounds, A=32768, B=16384, C=8192,
                                         num_warps=16)
-            torch.cuda._sleep(50_000_000)  # ~25 ms of the current stream: the spinners are resident first
+            # what the timing needs: every spinner running before the first timed kernel is launched
+            deadline = time.monotonic() + 10.0
+            with torch.cuda.stream(self.release_stream):  # a stream sync of its own, not the device's
+                while int(self.flag[1].item()) < self.n:
+                    if time.monotonic() > deadline:
+                        self.flag[:1].fill_(1)
+                        raise RuntimeError(f"SmHog: {int(self.flag[1].item())} of {self.n} spinners running "
+                                           "after 10 s (too many for the device, or its SMs are taken)")
+                    time.sleep(0.001)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.n > 0:
             with torch.cuda.stream(self.release_stream):
-                self.flag.fill_(1)
+                self.flag[:1].fill_(1)
             self.stream.synchronize()

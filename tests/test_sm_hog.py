@@ -32,7 +32,8 @@ with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
     usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
 ptx = c.asm["ptx"]
 print(json.dumps({"usage": usage, "volatile": "ld.volatile" in ptx,
-                  "global": [l.strip().split()[0] for l in ptx.splitlines() if ".global" in l and ("ld." in l or "st." in l)]}))
+                  "global": [next(w for w in l.split() if not w.startswith("@")) for l in ptx.splitlines()
+                             if ".global" in l and any(op in l for op in ("ld.", "st.", "atom.", "red."))]}))
 '''
 
 
@@ -45,8 +46,9 @@ def test_holding_no_sm_is_a_no_op_on_any_machine():
 
 def test_the_spinner_fills_its_sm_and_touches_no_memory():
     """Compiled for sm90 here (no device): 512 threads x 128 registers = the SM's 65536, no local memory
-    (no spills, which would be memory traffic), one volatile load (the release flag, each round) and
-    one store (its result, once at the end) as its only global accesses."""
+    (no spills, which would be memory traffic), one atomic add (it reports that it runs, once), one volatile
+    load (the release flag, each round) and one store (its result, once at the end) as its only global
+    accesses."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -60,4 +62,6 @@ def test_the_spinner_fills_its_sm_and_touches_no_memory():
     assert got["volatile"]
     loads = {g for g in got["global"] if g.startswith("ld.")}
     stores = [g for g in got["global"] if g.startswith("st.")]
+    atomics = [g for g in got["global"] if g.startswith(("atom.", "red."))]  # red: its result unused
     assert loads == {"ld.volatile.global.b32"} and stores and all(g.startswith("st.global") for g in stores), got
+    assert len(atomics) == 1 and ".add." in atomics[0], got  # each program reports it runs, once
