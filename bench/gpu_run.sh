@@ -25,6 +25,8 @@
 #               V-layout variants (tiles), then throughput with the default, fp8-vt and fp8-vtpf4 (an H100 with
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
+#   fp8attn     cuDNN's FP8 dense prefill attention (bench_fp8_attention), its GPU tests, then TTFT 2048 / 8192 /
+#               32768 with it (fp8+kv8) and without (fp8-bf16attn+kv8)                             ~6 min
 #   ncu_layouts ncu of one decode-attention launch per V layout                                        ~2 min
 #   vt_all      one H200 call: decode tiles (3 cases), throughput with each V layout, the fp8-cache GPU tests  ~8 min
 #   throughput_mem  the same shape, FP8 + fp8 KV alone, at gpu_memory_utilization 0.90 then 0.95 (fewer
@@ -164,6 +166,12 @@ for stage in "${STAGES[@]}"; do
           --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
       done
       [ -n "${CLOCKS:-}" ] && kill "$CLOCKS" ;;
+    fp8attn)  # cuDNN's FP8 dense prefill attention: the kernel beside bf16, its GPU tests, TTFT with and without it
+      [ "${SMOKE:-0}" = 1 ] || run fp8_attention 120 $PY bench/bench_fp8_attention.py
+      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests_fp8attn 150 \
+        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "fp8_attention"
+      run ttft_fp8attn 280 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft \
+        --ttft-lengths 2048,8192,32768 --engines fp8+kv8,fp8-bf16attn+kv8 --no-hf ;;
     dec_pipe_short)  # the candidate's throughput and the default's, nothing else (~5 min)
       for e in fp8-vtpf3+kv8 fp8+kv8; do
         run "throughput_${e%%+*}" 150 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \

@@ -298,3 +298,56 @@ def quantize_triton(x: torch.Tensor, hw_cast: bool | None = None) -> Quantized:
                             {"FP8_MAX_": FP8_MAX, "HW_CAST": _hw_cast(x, hw_cast), "BLOCK": block},
                             _warps(block), 3, x.device.type == "cuda")
     return q, scale
+
+
+@lazy_jit(do_not_specialize=("stride_x", "V_COL"))
+def _cast_e4m3_kernel(
+    x_ptr,  # x: [T, C], last dim contiguous (q | k | v of a fused projection, or one of them)
+    y_ptr,  # out: [T, C] e4m3, contiguous
+    scale_ptr,  # [1] fp32: min over the V columns of FP8_MAX_ / (MARGIN * |v|), atomically
+    stride_x,  # row stride of x (elements)
+    C,  # columns
+    V_COL,  # the first V column (C: none)
+    FP8_MAX_: tl.constexpr,
+    MARGIN: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * BLOCK
+    cols = c0 + tl.arange(0, BLOCK)
+    mask = cols < C
+    y = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    q = _round_e4m3(tl.minimum(tl.maximum(y, -FP8_MAX_), FP8_MAX_), HW_CAST)
+    tl.store(y_ptr + row * C + cols, q.to(y_ptr.dtype.element_ty), mask=mask)
+    if c0 + BLOCK > V_COL:
+        amax = tl.max(tl.where(mask & (cols >= V_COL), tl.abs(q), 0.0), axis=0)
+        tl.atomic_min(scale_ptr, FP8_MAX_ / (MARGIN * tl.maximum(amax, 0.001953125)))
+
+
+def cast_e4m3_ref(x: torch.Tensor, v_col: int, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x cast to e4m3 with scale 1, beyond +-448 clamped, [T, C] contiguous; [1] fp32: FP8_MAX over
+    margin times the largest |cast value| of columns v_col.. (at most 2^-9 below: e4m3's smallest step),
+    or FP8_MAX / (margin * 2^-9) without such columns)."""
+    y = x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    amax = y[:, v_col:].float().abs().amax() if x.shape[0] > 0 and v_col < x.shape[1] else torch.zeros(())
+    return y, (FP8_MAX / (margin * amax.clamp_min(2.0**-9))).reshape(1).to(torch.float32).to(x.device)
+
+
+def cast_e4m3_triton(x: torch.Tensor, v_col: int, margin: float, scale: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None, hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `cast_e4m3_ref` in one launch. scale: a [1] fp32 tensor to take the minimum into (several
+    casts sharing one V scale), else a new one. out: a [>= T, C] contiguous e4m3 buffer for the first T rows."""
+    check(x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] == 1), "cast_e4m3: x must be [T, C], last dim contiguous")
+    t, c = x.shape
+    y = torch.empty((t, c), dtype=FP8, device=x.device) if out is None else out
+    check(y.dtype == FP8 and y.is_contiguous() and y.shape[0] >= t and y.shape[1] == c,
+          "cast_e4m3: out must be a contiguous e4m3 [>= {}, {}]", t, c)
+    if scale is None:
+        scale = torch.full((1,), FP8_MAX / (margin * 2.0**-9), dtype=torch.float32, device=x.device)
+    if t and c:
+        block = min(1024, next_pow2(c))
+        _cast_e4m3_kernel.launch((t, -(-c // block)), (x, y, scale, x.stride(0), c, v_col),
+                                 {"FP8_MAX_": FP8_MAX, "MARGIN": float(margin), "HW_CAST": _hw_cast(x, hw_cast),
+                                  "BLOCK": block}, max(1, min(4, block // 256)), 1, x.device.type == "cuda")
+    return y, scale

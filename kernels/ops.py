@@ -30,6 +30,10 @@ class KernelOps:
     # (q_dtype, num_heads, k_cache, batch, num_tokens, max_query_len, ctx_bound, window) -> int: the
     # key-range splits prefill_attention would pick for these shapes (1 for the references)
     prefill_splits: Callable = lambda *args: 1
+    # (q, k, v, scale) -> (e4m3 [T, Hq * D], descale [T, 1]): one uncached prompt's causal attention on
+    # FP8 tensor cores, its output quantized for an FP8 o_proj (kernels/cudnn_attention.py); None: the
+    # dense path stays bf16. Set by the engine (`with_fp8_attention`), not by get_ops
+    dense_attention_fp8: Callable | None = None
 
 
 def get_ops(backend: str) -> KernelOps:
@@ -90,6 +94,16 @@ def get_ops(backend: str) -> KernelOps:
             prefill_splits=plan_prefill_splits,
         )
     raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
+
+
+def with_fp8_attention(ops: KernelOps) -> KernelOps:
+    """ops whose dense prefill attention runs on FP8 tensor cores: cuDNN's (Triton ops) or its PyTorch
+    emulation (the references, for CPU tests)."""
+    from dataclasses import replace
+
+    from kernels.cudnn_attention import dense_attention_fp8
+
+    return replace(ops, dense_attention_fp8=partial(dense_attention_fp8, reference=ops.name == "torch"))
 
 
 def _bind(fn: Callable, keywords: dict) -> Callable:

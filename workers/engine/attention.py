@@ -53,9 +53,11 @@ class PagedAttention:
         self.sliding_window = sliding_window
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k, v: [T, Hk, D] (rotated); the step's k/v are already in k_cache/v_cache
         if meta.prefill_dense and self.sliding_window is None:
+            if self.ops.dense_attention_fp8 is not None:  # (e4m3 [T, Hq * D], descale [T, 1]) for o_proj
+                return self.ops.dense_attention_fp8(q, k, v, self.scale)
             return dense_causal_attention(q, k, v, self.scale)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:

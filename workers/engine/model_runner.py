@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kernels.kv_layout import empty_kv_caches
-from kernels.ops import KernelOps, get_ops
+from kernels.ops import KernelOps, get_ops, with_fp8_attention
 from workers.engine.attention import AttentionMetadata
 from workers.engine.config import EngineConfig, ModelConfig
 from workers.engine.cuda_graphs import (
@@ -71,6 +71,8 @@ class ModelRunner:
         self.device = pick_device(config.device)
         backend = config.kernel_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.ops: KernelOps = get_ops(backend)
+        if self._fp8_attention(backend):
+            self.ops = with_fp8_attention(self.ops)
         self.model, self.model_config = self._load(model)
         self.dtype = next(self.model.parameters()).dtype
         if config.quantization == "fp8":
@@ -179,6 +181,21 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     # ---- loading and sizing -------------------------------------------------------------
+    def _fp8_attention(self, backend: str) -> bool:
+        """Whether dense prefill attention runs on FP8 tensor cores (EngineConfig.fp8_attention): asked
+        (the PyTorch emulation on the "torch" ops), or left to the engine and cuDNN's FP8 forward runs here."""
+        cfg = self.config
+        if cfg.fp8_attention is False or cfg.quantization != "fp8" or cfg.kv_cache_dtype != "fp8":
+            return False
+        if backend == "torch":
+            return bool(cfg.fp8_attention)
+        from kernels.cudnn_attention import available
+
+        why = available(self.device)
+        if why is not None and cfg.fp8_attention:
+            raise ValueError(f"fp8_attention: {why}")
+        return why is None
+
     def _load(self, model: str) -> tuple[LlamaForCausalLM, ModelConfig]:
         if model in PRESETS:
             cfg = PRESETS[model]

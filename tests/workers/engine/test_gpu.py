@@ -595,6 +595,85 @@ def test_cuda_prompt_logprobs_beside_graph_steps(llama_dir):
     assert max(diffs) < PROMPT_LP_RATIO * hf_diffs.max().item(), (max(diffs), hf_diffs.max())
 
 
+def test_cuda_fp8_attention_matches_its_emulation():
+    """cuDNN's FP8 forward (kernels/cudnn_attention.py) against its PyTorch emulation on the same e4m3
+    inputs: the same math up to accumulation order, so within 1.5% RMS, where exact attention is ~6% away
+    and attention without the causal mask far more; a length padded to its bucket (the length a device
+    tensor) gives the unpadded graph's outputs on the real rows."""
+    from kernels import cudnn_attention as ca
+    from kernels.fp8_quant import cast_e4m3_ref
+
+    why = ca.available("cuda")
+    if why is not None:
+        pytest.skip(why)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, hq, hk, d = 3000, 32, 8, 128
+    qkv = torch.randn((t, (hq + 2 * hk) * d), device="cuda", generator=g).to(torch.bfloat16)
+    qkv[:, : hq * d] *= 2
+    qkv[:, (hq + hk) * d :] *= 0.5
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    assert ca.bucket_tokens(t) == 3072  # padded: 72 rows past the sequence
+    o8, descale = ca.dense_attention_fp8(q, k, v, d**-0.5)
+    got = o8.float() * descale
+    rows = slice(t - 300, t)  # the emulation's [Hq, T, T] scores for the last rows only
+    y, o_scale = cast_e4m3_ref(qkv, (hq + hk) * d, ca.O_MARGIN)
+    q8, k8, v8 = (y[:, a:b].view(t, -1, d) for a, b in ((0, hq * d), (hq * d, (hq + hk) * d), ((hq + hk) * d, None)))
+    emu = ca.causal_attention_fp8_ref(q8, k8, v8, d**-0.5, o_scale).float().view(t, hq * d) / o_scale
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        *(x.float().transpose(0, 1)[None] for x in (q8, k8, v8)), is_causal=True, enable_gqa=True)[0]
+    exact = exact.transpose(0, 1).reshape(t, hq * d)
+    nocausal = torch.nn.functional.scaled_dot_product_attention(
+        *(x.float().transpose(0, 1)[None] for x in (q8, k8, v8)), enable_gqa=True)[0].transpose(0, 1).reshape(t, hq * d)
+
+    def rel(a, b):
+        return float((a[rows] - b[rows]).norm() / b[rows].norm())
+
+    result = {"vs_emulation": rel(got, emu), "vs_exact": rel(got, exact), "emulation_vs_exact": rel(emu, exact),
+              "no_mask_vs_exact": rel(nocausal, exact)}
+    measured("fp8_attention_vs_emulation", result)
+    assert result["vs_emulation"] < 0.015, result
+    assert result["vs_exact"] < 0.1 and result["no_mask_vs_exact"] > 0.3, result
+    o8u, descale_u = ca.dense_attention_fp8(q[:2048], k[:2048], v[:2048], d**-0.5)  # 2048: its own graph
+    o8p, descale_p = ca.dense_attention_fp8(q[:2100], k[:2100], v[:2100], d**-0.5)  # padded to 3072
+    assert ca.bucket_tokens(2100) == 3072
+    assert torch.isfinite(got).all() and torch.isfinite(o8p.float()).all()
+    # the two share rows 0..2047 (causal); each has O's scale from its own V, so e4m3 roundings differ
+    a, b = o8p[:2048].float() * descale_p[:1], o8u.float() * descale_u[:1]
+    assert float((a - b).norm() / b.norm()) < 0.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_fp8_attention_in_the_engine(llama_dir, teacher_forced):
+    """FP8 + fp8 KV, every prompt alone and uncached (the dense path: eager, and replayed as dense graphs),
+    its attention on FP8 tensor cores or in bf16: teacher-forced log-probabilities against fp32 transformers.
+    FP8 attention adds its error to FP8's, measured here; it runs (the op is bound, the dense steps ran)."""
+    from kernels import cudnn_attention as ca
+
+    why = ca.available("cuda")
+    if why is not None:
+        pytest.skip(why)
+    seqs, ref = teacher_forced
+    rows = scored_rows(ref)
+    errs, paths = {}, {}
+    for fp8_attention in (True, False):
+        eng = LLMEngine(str(llama_dir), EngineConfig(
+            device="cuda", kernel_backend="triton", num_blocks=256, max_model_len=512, dtype="bfloat16",
+            quantization="fp8", kv_cache_dtype="fp8", fp8_attention=fp8_attention, dense_prefill_min_tokens=32,
+            max_num_seqs=1))
+        assert (eng.runner.ops.dense_attention_fp8 is not None) == fp8_attention
+        done = run_prompts(eng, seqs, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=20))
+        paths[fp8_attention] = dict(eng.runner.path_steps)
+        eng.close()
+        errs[fp8_attention] = score_error(rows, [lp for f in done for lp in f.prompt_logprobs[1:]])
+    measured("fp8_attention_in_engine", {"fp8_attention": errs[True], "bf16_attention": errs[False],
+                                         "paths": {str(k): v for k, v in paths.items()}})
+    assert sum(v for p, v in paths[True].items() if p.startswith("dense")) == len(seqs), paths
+    assert errs[True]["mean_dlp_top"] < 2 * errs[False]["mean_dlp_top"], errs
+    assert errs[True]["top1_agreement"] >= 0.8, errs
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_close_gives_the_memory_back():
     """An engine sized from free memory (KV cache, CUDA graphs), closed: its device memory goes

@@ -1,0 +1,136 @@
+"""Dense causal prefill attention, one layer of Llama-3.1-8B heads (32 q, 8 kv, D 128): the engine's bf16
+call (cuDNN through PyTorch SDPA) against cuDNN's FP8 forward (`kernels/cudnn_attention.py`), in one run.
+
+    python3 bench/bench_fp8_attention.py [--lengths 2048,8192,32768]
+
+For each length: time (median of CUDA-event timings), TFLOP/s (causal: half the square), and the error of
+each output against an fp32 reference on a sample of query rows (the last and middle 256), relative RMS:
+`vs_exact` against attention of the bf16 q/k/v, `vs_cache` against attention over k/v as an fp8 cache
+holds them (e4m3, scale 1): the error FP8 attention adds beyond the cache's own. Variants:
+- `bf16`: the engine's `dense_causal_attention` (bf16 q/k/v, cuDNN);
+- `fp8 kernel`: cuDNN sdpa_fp8 alone, inputs already e4m3;
+- `fp8 layer op`: what the engine's layer runs (`dense_attention_fp8`: one launch casting the fused
+  projection's q | k | v rows and taking O's scale, cuDNN, O's per-row descale), and the same 100 tokens
+  shorter (padded to its bucket: the sequence's length a device tensor);
+- `fp8 kv expanded`: the kernel with k/v repeated to 32 heads (is GQA costing the kernel anything?).
+Prints JSON lines and a markdown table; writes them under $OUT when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_decode_tiles import time_ms
+from bench.common import header, md_table, write_report
+from kernels import cudnn_attention as ca
+from workers.engine.attention import dense_causal_attention
+
+HQ, HK, D = 32, 8, 128
+SCALE = D**-0.5
+
+
+def reference_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 causal attention of the query rows `rows` ([R] int64) over all keys: [R, HQ, D]."""
+    qf = q[rows].float()  # [R, HQ, D]
+    kf = k.float().repeat_interleave(HQ // HK, dim=1)  # [T, HQ, D]
+    vf = v.float().repeat_interleave(HQ // HK, dim=1)
+    s = torch.einsum("rhd,thd->hrt", qf, kf) * SCALE
+    keys = torch.arange(k.shape[0], device=q.device)
+    s = s.masked_fill(keys[None, None, :] > rows[None, :, None], float("-inf"))
+    return torch.einsum("hrt,thd->rhd", torch.softmax(s, dim=-1), vf)
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+
+def one_length(t: int, reps: int) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = (2.0 * torch.randn((t, HQ, D), device="cuda", generator=g)).to(torch.bfloat16)  # peakier softmax
+    k = torch.randn((t, HK, D), device="cuda", generator=g).to(torch.bfloat16)
+    v = (0.5 * torch.randn((t, HK, D), device="cuda", generator=g)).to(torch.bfloat16)
+    rows = torch.cat([torch.arange(t // 2 - 128, t // 2 + 128), torch.arange(t - 256, t)]).cuda()
+    exact = reference_rows(q, k, v, rows)
+    k8, v8 = ca.saturate_e4m3(k), ca.saturate_e4m3(v)
+    cache = reference_rows(q, k8.to(torch.bfloat16), v8.to(torch.bfloat16), rows)
+    q8 = ca.saturate_e4m3(q)
+    o_scale = ca.o_scale_for(v8.to(torch.bfloat16))
+    flops = 4 * D * HQ * t * (t + 1) / 2
+
+    qkv = torch.cat([x.reshape(t, -1) for x in (q, k, v)], dim=1)  # the layer's fused projection rows
+    qv = qkv[:, : HQ * D].view(t, HQ, D)
+    kv_ = qkv[:, HQ * D : (HQ + HK) * D].view(t, HK, D)
+    vv = qkv[:, (HQ + HK) * D :].view(t, HK, D)
+    short = t - 100  # a length that runs padded to its bucket (kernels.cudnn_attention.bucket_tokens)
+    mid = rows < short
+
+    def layer_op(n: int):
+        o8, descale = ca.dense_attention_fp8(qv[:n], kv_[:n], vv[:n], SCALE)
+        return (o8.float() * descale).view(n, HQ, D)
+
+    k8e, v8e = (x.repeat_interleave(HQ // HK, dim=1) for x in (k8, v8))
+    variants = {
+        "bf16": (lambda: dense_causal_attention(q, k, v, SCALE), None),
+        "fp8 kernel": (lambda: ca.dense_causal_attention_fp8(q8, k8, v8, SCALE, o_scale), o_scale),
+        "fp8 layer op": (lambda: layer_op(t), None),  # the cast's launch, cuDNN, O's descale rows
+        f"fp8 layer op, {short} tokens": (lambda: layer_op(short), None),
+        "fp8 kv expanded": (lambda: ca.dense_causal_attention_fp8(q8, k8e, v8e, SCALE, o_scale), o_scale),
+    }
+    out = []
+    for name, (fn, osc) in variants.items():
+        row = {"tokens": t, "variant": name}
+        try:
+            t0 = time.perf_counter()
+            o = fn()
+            torch.cuda.synchronize()
+            row["first_call_ms"] = round((time.perf_counter() - t0) * 1e3, 1)  # cuDNN's graph build in it
+            of = o.float() if osc is None else o.float() / osc
+            row["ms"] = round(time_ms(fn, reps), 4)
+            row["tflops"] = round(flops / (row["ms"] * 1e-3) / 1e12, 1)
+            sel = mid if of.shape[0] < t else torch.ones_like(mid)
+            row["vs_exact"] = round(rel_rms(of[rows[sel]], exact[sel]), 5)
+            row["vs_cache"] = round(rel_rms(of[rows[sel]], cache[sel]), 5)
+            row["finite"] = bool(torch.isfinite(of).all())
+        except Exception as e:  # a variant the frontend refuses is a result, not a crash
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
+def _run(t: int, reps: int) -> list[dict]:
+    rows = one_length(t, reps)
+    torch.cuda.empty_cache()  # the length's tensors are gone with its closures
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="2048,8192,32768")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    why = ca.available("cuda")
+    info = header()
+    if why is None:
+        import cudnn
+
+        info["cudnn_backend"] = cudnn.backend_version()
+        info["cudnn_frontend"] = getattr(cudnn, "__version__", "?")
+    info["fp8_attention_unavailable"] = why
+    print(info, flush=True)
+    rows = [r for t in (int(x) for x in args.lengths.split(",")) for r in _run(t, args.reps)]
+    md = md_table(rows, ["tokens", "variant", "ms", "tflops", "vs_exact", "vs_cache", "finite", "first_call_ms",
+                        "error"])
+    print(md)
+    write_report("fp8_attention", {**info, "rows": rows}, md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Dense causal attention on FP8 (e4m3) tensor cores through cuDNN's `sdpa_fp8` (the cudnn frontend).
+
+A long uncached prompt's attention is the one part of an FP8 engine's prefill still on bf16 tensor
+cores: PyTorch SDPA's cuDNN kernel runs it at ~560-590 TFLOP/s on the H100/H200 (bench/results), and
+at 32768 tokens it is about half of TTFT. cuDNN's FP8 forward runs Q K^T and P V in e4m3.
+
+What is quantized, and why it is safe:
+- K and V: cast to e4m3 with scale 1, saturating: the values an fp8 KV cache stores (kernels/
+  rope_cache.py writes them so), which decode attends over afterwards. This path is used only for an
+  fp8 cache, so it adds no error the cache does not already carry.
+- Q: the same cast, scale 1 (as K: the elements that fall below e4m3's normal range are the ones that
+  matter least to a dot product).
+- P (softmax probabilities, in [0, 1]): cuDNN scales them by `P_SCALE` into e4m3's range.
+- O: e4m3 (Hopper's FP8 forward writes no 16-bit output), scaled so that max |V| maps under 448:
+  each output row is a convex combination of V's rows, so |O| <= max |V| (times P's rounding,
+  `O_MARGIN`). O is returned with its descale and feeds an FP8 o_proj as it is, already quantized.
+
+The frontend (`nvidia-cudnn-frontend`, optional: `available()` says why not) builds one cuDNN graph
+per shape; each is built once and kept (`_GRAPHS`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+P_SCALE = 448.0  # softmax probabilities in [0, 1] -> [0, 448]
+O_MARGIN = 1.125  # |O| <= max |V| * (1 + P's e4m3 rounding, at most 1/16): room over that
+
+_GRAPHS: dict[tuple, Any] = {}
+_HANDLES: dict[int, Any] = {}
+_CONSTS: dict[torch.device, torch.Tensor] = {}
+_REASON: list[str | None] = []  # available()'s answer, once
+
+
+def available(device: torch.device | str) -> str | None:
+    """None when `dense_causal_attention_fp8` can run on this device, else why not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cuDNN FP8 attention needs a CUDA device"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "cuDNN FP8 attention needs sm90 or newer"
+    if not _REASON:
+        try:
+            torch.backends.cudnn.version()  # torch's libcudnn loaded first: the frontend finds it by name
+            import cudnn  # noqa: F401
+
+            _REASON.append(None)
+        except Exception as e:  # an optional package: any import failure means "not here"
+            _REASON.append(f"the cudnn frontend does not import ({type(e).__name__}: {e})")
+    return _REASON[0]
+
+
+def saturate_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x cast to e4m3 as the fp8 cache stores it: scale 1, beyond +-448 clamped (not NaN)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def _handle(device: torch.device) -> Any:
+    import cudnn
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    h = _HANDLES.get(idx)
+    if h is None:
+        with torch.cuda.device(idx):
+            h = _HANDLES[idx] = cudnn.create_handle()
+    return h
+
+
+def _graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, o: torch.Tensor, padded: bool) -> tuple:
+    """The built graph for these shapes and strides (built once), its tensors and workspace. padded: the
+    sequence is shorter than the tensors (its length a device tensor: one graph serves a bucket of lengths)."""
+    import cudnn
+
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), float(scale), q.device, padded)
+    hit = _GRAPHS.get(key)
+    if hit is not None:
+        return hit
+    handle = _handle(q.device)
+    e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+
+    def bhsd(name: str, x: torch.Tensor):  # [T, H, D] seen as [1, H, T, D]
+        t, h, d = x.shape
+        return graph.tensor(name=name, dim=[1, h, t, d], stride=[t * x.stride(0), x.stride(1), x.stride(0), 1],
+                            data_type=e4m3)
+
+    tq, tk, tv = bhsd("q", q), bhsd("k", k), bhsd("v", v)
+    scalars = [graph.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
+               for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")]
+    lens = {}
+    if padded:  # the real length, for q and kv alike ([1, 1, 1, 1] int32)
+        seq = graph.tensor(name="seq_len", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+        lens = {"use_padding_mask": True, "seq_len_q": seq, "seq_len_kv": seq}
+    out, _stats, amax_s, amax_o = graph.sdpa_fp8(
+        q=tq, k=tk, v=tv, descale_q=scalars[0], descale_k=scalars[1], descale_v=scalars[2],
+        descale_s=scalars[3], scale_s=scalars[4], scale_o=scalars[5], is_inference=True,
+        attn_scale=float(scale), use_causal_mask=True, name="sdpa_fp8", **lens)
+    t, h, d = o.shape
+    out.set_output(True).set_dim([1, h, t, d]).set_stride([t * o.stride(0), o.stride(1), o.stride(0), 1]) \
+        .set_data_type(e4m3)
+    for a in (amax_s, amax_o):
+        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    ws = torch.empty(max(graph.get_workspace_size(), 1), dtype=torch.uint8, device=q.device)
+    hit = _GRAPHS[key] = (graph, handle, (tq, tk, tv), scalars, out, (amax_s, amax_o), ws, lens.get("seq_len_q"))
+    return hit
+
+
+def dense_causal_attention_fp8(
+    q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scale: float, o_scale: torch.Tensor,
+    out: torch.Tensor | None = None, seq_len: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence over itself, all e4m3 with Q/K/V scale 1: q8 [T, Hq, D],
+    k8/v8 [T, Hk, D] (last dims contiguous); o_scale: a one-element fp32 device tensor, O's scale
+    (`o_scale_for`). Returns out, e4m3 [T, Hq, D]: the attention output times o_scale.
+    seq_len: a one-element int32 device tensor, the sequence's length when it is shorter than T (rows
+    past it must hold finite values; their outputs are not the sequence's)."""
+    import cudnn
+
+    t, hq, d = q8.shape
+    if out is None:
+        out = torch.empty((t, hq, d), dtype=FP8, device=q8.device)
+    graph, handle, (tq, tk, tv), sc, to, (tas, tao), ws, tlen = _graph(q8, k8, v8, scale, out, seq_len is not None)
+    c = _CONSTS.get(q8.device)
+    if c is None:  # descale q, k, v; descale and scale of P; then room for the two amax outputs
+        c = _CONSTS[q8.device] = torch.tensor([1.0, 1.0, 1.0, 1.0 / P_SCALE, P_SCALE, 0.0, 0.0],
+                                               dtype=torch.float32, device=q8.device)
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q8.device).cuda_stream)
+    graph.execute({tq: q8, tk: k8, tv: v8, sc[0]: c[0:1], sc[1]: c[1:2], sc[2]: c[2:3], sc[3]: c[3:4],
+                   sc[4]: c[4:5], sc[5]: o_scale, to: out, tas: c[5:6], tao: c[6:7], tlen: seq_len}, ws, handle=handle)
+    return out
+
+
+def causal_attention_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scale: float,
+                             o_scale: torch.Tensor) -> torch.Tensor:
+    """What cuDNN's FP8 forward computes, in fp32: softmax of the e4m3 q8 k8^T (times scale), the
+    probabilities rounded to e4m3 at P_SCALE, times v8 over the row sum, times o_scale, cast to e4m3
+    (saturating). q8: [T, Hq, D], k8/v8: [T, Hk, D] -> [T, Hq, D] e4m3."""
+    t, hq, _d = q8.shape
+    g = hq // k8.shape[1]
+    qf = q8.float().transpose(0, 1)  # [Hq, T, D]
+    kf = k8.float().repeat_interleave(g, dim=1).transpose(0, 1)
+    vf = v8.float().repeat_interleave(g, dim=1).transpose(0, 1)
+    s = (qf @ kf.transpose(1, 2)) * scale
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q8.device).triu(1), float("-inf"))
+    p = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    row_sum = p.sum(dim=-1, keepdim=True)
+    p8 = (p * P_SCALE).to(FP8).float() / P_SCALE
+    o = (p8 @ vf) / row_sum * o_scale.float()
+    return o.clamp(-FP8_MAX, FP8_MAX).transpose(0, 1).contiguous().to(FP8)
+
+
+def _split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """The [T, (Hq + 2 Hk) * D] rows q, k and v are views of (a fused projection's output, q | k | v
+    side by side), else None."""
+    t, hq, d = q.shape
+    hk, e = k.shape[1], q.element_size()
+    rows = q.stride(0)
+    if not (k.stride(0) == v.stride(0) == rows and q.stride(1) == k.stride(1) == v.stride(1) == d
+            and k.data_ptr() == q.data_ptr() + hq * d * e and v.data_ptr() == k.data_ptr() + hk * d * e
+            and rows >= (hq + 2 * hk) * d):
+        return None
+    return q.as_strided((t, (hq + 2 * hk) * d), (rows, 1))
+
+
+def dense_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of one uncached prompt on FP8 tensor cores, for an FP8 o_proj: q [T, Hq, D],
+    k/v [T, Hk, D] in the model's dtype (rotated; views of one fused projection's rows or not) ->
+    (e4m3 [T, Hq * D], its per-row descale [T, 1] fp32), the input an Fp8Linear takes as it is.
+
+    One launch casts q | k | v to e4m3 and takes O's scale from V (kernels.fp8_quant.cast_e4m3_triton),
+    then cuDNN's sdpa_fp8. reference: the same in PyTorch (`causal_attention_fp8_ref`, any device)."""
+    from kernels.fp8_quant import cast_e4m3_ref, cast_e4m3_triton
+
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    c = (hq + 2 * hk) * d
+    rows = _split_qkv(q, k, v)
+    if rows is None:  # not side by side: one copy puts them so
+        rows = torch.cat([x.reshape(t, -1) for x in (q, k, v)], dim=1)
+    if reference:
+        y, o_scale = cast_e4m3_ref(rows, (hq + hk) * d, O_MARGIN)
+        o8 = causal_attention_fp8_ref(y[:, : hq * d].view(t, hq, d), y[:, hq * d : (hq + hk) * d].view(t, hk, d),
+                                      y[:, (hq + hk) * d :].view(t, hk, d), scale, o_scale)
+        return o8.view(t, hq * d), torch.reciprocal(o_scale).expand(t, 1).contiguous()
+    tb = bucket_tokens(t)
+    y = torch.empty((tb, c), dtype=FP8, device=q.device)
+    if tb > t:
+        y[t:].zero_()  # the padding's rows: finite, masked out of the sequence's attention
+    _y, o_scale = cast_e4m3_triton(rows, (hq + hk) * d, O_MARGIN, out=y)
+    seq_len = torch.full((1,), t, dtype=torch.int32, device=q.device) if tb > t else None
+    o8 = dense_causal_attention_fp8(y[:, : hq * d].view(tb, hq, d), y[:, hq * d : (hq + hk) * d].view(tb, hk, d),
+                                    y[:, (hq + hk) * d :].view(tb, hk, d), scale, o_scale, seq_len=seq_len)
+    return o8[:t].view(t, hq * d), torch.reciprocal(o_scale).expand(t, 1).contiguous()
+
+
+# prompts longer than this run padded to a multiple of BUCKET tokens, so that cuDNN builds one graph per
+# bucket, not per length (a build takes tens of ms); up to it (the dense CUDA graphs' range, captured
+# per 128-token bucket) each length has its own
+EXACT_MAX, BUCKET = 2048, 1024
+
+
+def bucket_tokens(t: int) -> int:
+    """The padded length a prompt of t tokens runs at."""
+    return t if t <= EXACT_MAX else -(-t // BUCKET) * BUCKET
+
+
+def o_scale_for(v: torch.Tensor) -> torch.Tensor:
+    """O's scale (one fp32 element on v's device): max |V| (as cast to e4m3) times `O_MARGIN` maps to 448."""
+    amax = v.abs().amax().float().clamp(1e-12, FP8_MAX)
+    return (FP8_MAX / (amax * O_MARGIN)).reshape(1)
