@@ -71,9 +71,8 @@ def one_length(t: int, reps: int) -> list[dict]:
     short = t - 100  # a length that runs padded to its bucket (kernels.cudnn_attention.bucket_tokens)
     mid = rows < short
 
-    def layer_op(n: int):
-        o8, descale = ca.dense_attention_fp8(qv[:n], kv_[:n], vv[:n], SCALE)
-        return (o8.float() * descale).view(n, HQ, D)
+    def layer_op(n: int):  # (e4m3 [n, HQ * D], descale [n, 1]): what o_proj takes
+        return ca.dense_attention_fp8(qv[:n], kv_[:n], vv[:n], SCALE)
 
     k8e, v8e = (x.repeat_interleave(HQ // HK, dim=1) for x in (k8, v8))
     variants = {
@@ -91,7 +90,10 @@ def one_length(t: int, reps: int) -> list[dict]:
             o = fn()
             torch.cuda.synchronize()
             row["first_call_ms"] = round((time.perf_counter() - t0) * 1e3, 1)  # cuDNN's graph build in it
-            of = o.float() if osc is None else o.float() / osc
+            if isinstance(o, tuple):
+                of = (o[0].float() * o[1]).view(o[0].shape[0], HQ, D)
+            else:
+                of = o.float() if osc is None else o.float() / osc
             row["ms"] = round(time_ms(fn, reps), 4)
             row["tflops"] = round(flops / (row["ms"] * 1e-3) / 1e12, 1)
             sel = mid if of.shape[0] < t else torch.ones_like(mid)
@@ -111,11 +113,65 @@ def _run(t: int, reps: int) -> list[dict]:
     return rows
 
 
+def probe_one(d: int, t: int) -> None:
+    """One shape through `dense_attention_fp8` (8 q heads, 2 kv heads): its error against the emulation
+    and exact attention over the same e4m3 inputs, printed as one JSON line. Run in its own process: a
+    shape cuDNN mishandles can fault the CUDA context."""
+    import json
+
+    from kernels.fp8_quant import cast_e4m3_ref
+
+    hq, hk = 8, 2
+    g = torch.Generator(device="cuda").manual_seed(d + t)
+    qkv = torch.randn((t, (hq + 2 * hk) * d), device="cuda", generator=g).to(torch.bfloat16)
+    views = [qkv[:, a:b].view(t, -1, d) for a, b in ((0, hq * d), (hq * d, (hq + hk) * d), ((hq + hk) * d, None))]
+    o8, descale = ca.dense_attention_fp8(*views, d**-0.5)
+    got = o8.float() * descale
+    torch.cuda.synchronize()
+    y, o_scale = cast_e4m3_ref(qkv, (hq + hk) * d, ca.O_MARGIN)
+    e8 = [y[:, a:b].view(t, -1, d) for a, b in ((0, hq * d), (hq * d, (hq + hk) * d), ((hq + hk) * d, None))]
+    emu = ca.causal_attention_fp8_ref(*e8, d**-0.5, o_scale).float().view(t, -1) / o_scale
+    ex = torch.nn.functional.scaled_dot_product_attention(*(x.float().transpose(0, 1)[None] for x in e8),
+                                                          is_causal=True, enable_gqa=True)[0].transpose(0, 1).reshape(t, -1)
+    print(json.dumps({"head_dim": d, "tokens": t, "vs_exact": rel_rms(got, ex), "emulation_vs_exact": rel_rms(emu, ex),
+                      "finite": bool(torch.isfinite(got).all())}), flush=True)
+
+
+def probe(dims: list[int], lengths: list[int]) -> list[dict]:
+    """probe_one for every shape, each in a subprocess; a crash is recorded as the shape's result."""
+    import json
+    import subprocess
+
+    rows = []
+    for d in dims:
+        for t in lengths:
+            p = subprocess.run([sys.executable, __file__, "--probe-one", f"{d},{t}"], capture_output=True, text=True,
+                               timeout=120)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+            row = json.loads(line[-1]) if p.returncode == 0 and line else {
+                "head_dim": d, "tokens": t, "error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]}
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="2048,8192,32768")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--probe", default=None, help="DIMS/LENGTHS, e.g. 16,32,64,128/37,128,1000: which head dims and "
+                    "lengths the FP8 path runs (each shape in its own process), instead of the timings")
+    ap.add_argument("--probe-one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.probe_one:
+        probe_one(*(int(x) for x in args.probe_one.split(",")))
+        return
+    if args.probe:
+        dims, lengths = ([int(x) for x in part.split(",")] for part in args.probe.split("/"))
+        rows = probe(dims, lengths)
+        md = md_table(rows, ["head_dim", "tokens", "vs_exact", "emulation_vs_exact", "finite", "error"])
+        write_report("fp8_attention_probe", {**header(), "rows": rows}, md)
+        return
     why = ca.available("cuda")
     info = header()
     if why is None:

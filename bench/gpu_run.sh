@@ -167,6 +167,7 @@ for stage in "${STAGES[@]}"; do
       done
       [ -n "${CLOCKS:-}" ] && kill "$CLOCKS" ;;
     fp8attn)  # cuDNN's FP8 dense prefill attention: the kernel beside bf16, its GPU tests, TTFT with and without it
+      [ "${SMOKE:-0}" = 1 ] || run fp8_attention_probe 150 $PY bench/bench_fp8_attention.py --probe 16,32,64,128,256/37,128,1000
       [ "${SMOKE:-0}" = 1 ] || run fp8_attention 120 $PY bench/bench_fp8_attention.py
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests_fp8attn 150 \
         $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "fp8_attention"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cudnn_attention import HEAD_DIMS as FP8_ATTENTION_HEAD_DIMS
 from kernels.ops import KernelOps
 
 
@@ -51,13 +52,15 @@ class PagedAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        # FP8 dense attention where the ops have it and cuDNN's FP8 forward takes these heads
+        self.dense_fp8 = ops.dense_attention_fp8 if head_dim in FP8_ATTENTION_HEAD_DIMS else None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k, v: [T, Hk, D] (rotated); the step's k/v are already in k_cache/v_cache
         if meta.prefill_dense and self.sliding_window is None:
-            if self.ops.dense_attention_fp8 is not None:  # (e4m3 [T, Hq * D], descale [T, 1]) for o_proj
-                return self.ops.dense_attention_fp8(q, k, v, self.scale)
+            if self.dense_fp8 is not None:  # (e4m3 [T, Hq * D], descale [T, 1]) for o_proj
+                return self.dense_fp8(q, k, v, self.scale)
             return dense_causal_attention(q, k, v, self.scale)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:

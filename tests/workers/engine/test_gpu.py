@@ -633,8 +633,11 @@ def test_cuda_fp8_attention_matches_its_emulation():
     result = {"vs_emulation": rel(got, emu), "vs_exact": rel(got, exact), "emulation_vs_exact": rel(emu, exact),
               "no_mask_vs_exact": rel(nocausal, exact)}
     measured("fp8_attention_vs_emulation", result)
-    assert result["vs_emulation"] < 0.015, result
-    assert result["vs_exact"] < 0.1 and result["no_mask_vs_exact"] > 0.3, result
+    # on an H100 at 7f2339e: 0.031 from exact over the same e4m3 q/k/v, the emulation 0.032, the two 0.028
+    # apart (cuDNN rounds P after its running max, the emulation after the row's: the same size of error,
+    # not the same roundings); attention without the mask 0.22 away. A 5% error in O's scale would be ~0.06
+    assert result["vs_exact"] < 1.5 * result["emulation_vs_exact"], result
+    assert result["vs_emulation"] < 0.05 and result["no_mask_vs_exact"] > 0.15, result
     o8u, descale_u = ca.dense_attention_fp8(q[:2048], k[:2048], v[:2048], d**-0.5)  # 2048: its own graph
     o8p, descale_p = ca.dense_attention_fp8(q[:2100], k[:2100], v[:2100], d**-0.5)  # padded to 3072
     assert ca.bucket_tokens(2100) == 3072
@@ -644,8 +647,20 @@ def test_cuda_fp8_attention_matches_its_emulation():
     assert float((a - b).norm() / b.norm()) < 0.05
 
 
+@pytest.fixture(scope="module")
+def llama_d64_dir(tmp_path_factory):
+    """A tiny random Llama with 64-dim heads (cuDNN's FP8 attention takes 64 and 128, not the usual 16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.workers.engine.conftest import COMMON, _save
+
+    torch.manual_seed(5)
+    cfg = LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 512}, tie_word_embeddings=False)
+    return _save(LlamaForCausalLM(cfg).eval(), tmp_path_factory.mktemp("llama_d64"))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_fp8_attention_in_the_engine(llama_dir, teacher_forced):
+def test_cuda_fp8_attention_in_the_engine(llama_d64_dir):
     """FP8 + fp8 KV, every prompt alone and uncached (the dense path: eager, and replayed as dense graphs),
     its attention on FP8 tensor cores or in bf16: teacher-forced log-probabilities against fp32 transformers.
     FP8 attention adds its error to FP8's, measured here; it runs (the op is bound, the dense steps ran)."""
@@ -654,15 +669,17 @@ def test_cuda_fp8_attention_in_the_engine(llama_dir, teacher_forced):
     why = ca.available("cuda")
     if why is not None:
         pytest.skip(why)
-    seqs, ref = teacher_forced
-    rows = scored_rows(ref)
+    llama_dir = llama_d64_dir
+    prompts = prompt_set(6, seed=12, min_len=40, max_len=200)
+    seqs = [p + c for p, c in zip(prompts, hf_greedy_cuda(llama_dir, prompts))]
+    rows = scored_rows(hf_log_softmax(llama_dir, seqs))
     errs, paths = {}, {}
     for fp8_attention in (True, False):
         eng = LLMEngine(str(llama_dir), EngineConfig(
             device="cuda", kernel_backend="triton", num_blocks=256, max_model_len=512, dtype="bfloat16",
             quantization="fp8", kv_cache_dtype="fp8", fp8_attention=fp8_attention, dense_prefill_min_tokens=32,
             max_num_seqs=1))
-        assert (eng.runner.ops.dense_attention_fp8 is not None) == fp8_attention
+        assert (eng.runner.model.layers[0].self_attn.attn.dense_fp8 is not None) == fp8_attention
         done = run_prompts(eng, seqs, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=20))
         paths[fp8_attention] = dict(eng.runner.path_steps)
         eng.close()
