@@ -179,6 +179,13 @@ class DecodeGraphs:
         return logits[:b]
 
 
+def warm_up_spans(t: int, longest: int) -> list[int]:
+    """Where each warm-up sequence of a t-token prefill graph ends: as few sequences as hold the tokens,
+    none longer than `longest` (a block table's tokens; a longer one had the kernel read past its row,
+    beyond the tensor with one sequence: an illegal address, max_num_seqs=1 with t > max_model_len)."""
+    return [min(t, end) for end in range(longest, t + longest, longest)]
+
+
 def token_buckets(max_tokens: int) -> list[int]:
     """Token rows of the prefill graphs: powers of two from 16 to 256, then every 128 up to
     max_tokens (itself included). A padded row costs a row of every GEMM: with power-of-two
@@ -206,7 +213,8 @@ class PrefillGraphs:
         self.ctx = ctx
         lay = ctx.layout
         self.max_seqs = max_seqs
-        self.buckets = token_buckets(max_tokens)
+        # no step holds more tokens than max_seqs sequences of the longest context
+        self.buckets = token_buckets(min(max_tokens, max_seqs * lay.max_blocks_per_seq * lay.block_size))
         dev = lay.device
         t = self.buckets[-1]
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
@@ -257,11 +265,16 @@ class PrefillGraphs:
         whose contexts are short: its partials and their combination would be pure overhead)."""
         worst = self.ctx.layout.max_blocks_per_seq * self.ctx.layout.block_size
         for t in reversed(self.buckets):
-            # warm-up inputs: one sequence holding every token, written to the scratch block
+            # warm-up inputs: as few sequences as hold every token (none longer than a block table
+            # holds: past it the kernel would read beyond the table), written to the scratch block
+            ends = warm_up_spans(t, worst)
+            assert len(ends) <= self.max_seqs, (t, worst, self.max_seqs)  # buckets stop at max_seqs * worst
+            n = len(ends)
             self.query_start_loc.fill_(t)
             self.query_start_loc[0] = 0
+            self.query_start_loc[1 : n + 1] = torch.tensor(ends, dtype=torch.int32)
             self.seq_lens.zero_()
-            self.seq_lens[0] = t
+            self.seq_lens[:n] = torch.tensor([e - s for s, e in zip([0, *ends], ends)], dtype=torch.int32)
             self.positions.zero_()
             self.split_of[t] = self._splits(t, worst)
             for splits in sorted({self.split_of[t], 1}, reverse=True):  # the larger partials first

@@ -129,7 +129,7 @@ class ModelRunner:
             if mixed_t > 0 and max_bs > 1:
                 self.mixed_graphs = MixedGraphs(ctx, max_bs, mixed_t, min(config.mixed_graph_max_prefills,
                                                                             config.max_num_seqs))
-            dense_t = min(config.dense_graph_max_tokens, config.max_num_batched_tokens)
+            dense_t = min(config.dense_graph_max_tokens, config.max_num_batched_tokens, self.max_model_len)
             if (self.dense_prefill_min_tokens is not None and dense_t >= self.dense_prefill_min_tokens
                     and all(w is None for w in self.model_config.sliding_windows)):
                 self.dense_graphs = DenseGraphs(ctx, self.dense_prefill_min_tokens, dense_t)

@@ -135,3 +135,20 @@ def test_the_graphs_share_one_logits_buffer():
     assert got4.untyped_storage().data_ptr() == got8.untyped_storage().data_ptr() == one.untyped_storage().data_ptr()
     assert got8.shape == (8, want.shape[1]) and one.shape == (1, want.shape[1])
     torch.testing.assert_close(decoded, want, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_graph_warm_up_spans_and_buckets_stay_inside_the_block_tables():
+    """A prefill graph's warm-up spreads its tokens over sequences no longer than a block table holds, and
+    its buckets stop at max_seqs such sequences (one sequence of 1024 tokens in a 512-token table read
+    past the table's end on the GPU: max_num_seqs=1, an illegal address)."""
+    from workers.engine.cuda_graphs import GraphContext, PrefillGraphs, warm_up_spans
+    from workers.engine.step_inputs import CacheLayout
+
+    assert warm_up_spans(1024, 512) == [512, 1024]
+    assert warm_up_spans(300, 512) == [300]
+    assert warm_up_spans(1000, 256) == [256, 512, 768, 1000]
+    lay = CacheLayout(torch.device("cpu"), block_size=16, num_blocks=8, max_blocks_per_seq=32)
+    ctx = GraphContext(lay, None, None, None, None)
+    assert PrefillGraphs(ctx, 1024, 1).buckets[-1] == 512
+    assert PrefillGraphs(ctx, 1024, 2).buckets[-1] == 1024
+    assert PrefillGraphs(ctx, 384, 4).buckets[-1] == 384
