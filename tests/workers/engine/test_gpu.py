@@ -673,22 +673,33 @@ def test_cuda_fp8_attention_in_the_engine(llama_d64_dir):
     prompts = prompt_set(6, seed=12, min_len=40, max_len=200)
     seqs = [p + c for p, c in zip(prompts, hf_greedy_cuda(llama_dir, prompts))]
     rows = scored_rows(hf_log_softmax(llama_dir, seqs))
-    errs, paths = {}, {}
+    errs, calls = {}, {}
     for fp8_attention in (True, False):
         eng = LLMEngine(str(llama_dir), EngineConfig(
             device="cuda", kernel_backend="triton", num_blocks=256, max_model_len=512, dtype="bfloat16",
             quantization="fp8", kv_cache_dtype="fp8", fp8_attention=fp8_attention, dense_prefill_min_tokens=32,
             max_num_seqs=1))
-        assert (eng.runner.model.layers[0].self_attn.attn.dense_fp8 is not None) == fp8_attention
+        attn = eng.runner.model.layers[0].self_attn.attn
+        assert (attn.dense_fp8 is not None) == fp8_attention
+        calls[fp8_attention] = 0
+        if fp8_attention:  # count the first layer's FP8 attention calls
+            op = attn.dense_fp8
+
+            def counted(*args, _op=op):
+                calls[True] += 1
+                return _op(*args)
+
+            attn.dense_fp8 = counted
+        # prompt log-probabilities: each prompt's one step runs eagerly (a graph samples its last row only)
         done = run_prompts(eng, seqs, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=20))
-        paths[fp8_attention] = dict(eng.runner.path_steps)
         eng.close()
         errs[fp8_attention] = score_error(rows, [lp for f in done for lp in f.prompt_logprobs[1:]])
-    measured("fp8_attention_in_engine", {"fp8_attention": errs[True], "bf16_attention": errs[False],
-                                         "paths": {str(k): v for k, v in paths.items()}})
-    assert sum(v for p, v in paths[True].items() if p.startswith("dense")) == len(seqs), paths
-    assert errs[True]["mean_dlp_top"] < 2 * errs[False]["mean_dlp_top"], errs
-    assert errs[True]["top1_agreement"] >= 0.8, errs
+    measured("fp8_attention_in_engine", {"fp8_attention": errs[True], "bf16_attention": errs[False], "calls": calls})
+    assert calls[True] == len(seqs), calls  # every prompt's dense step, in FP8
+    # FP8 GEMMs on this random 64-dim model are already far from fp32 (0.89 nats mean over the top 20,
+    # top-1 0.58, H100 at 723a5c0); FP8 attention added 18% to that (1.05, top-1 0.55)
+    assert errs[True]["mean_dlp_top"] < 1.5 * errs[False]["mean_dlp_top"], errs
+    assert errs[True]["top1_agreement"] >= 0.85 * errs[False]["top1_agreement"], errs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
