@@ -70,6 +70,11 @@ class EngineSettings(BaseSettings):
         default=False,
         description="with quantization fp8: the lm_head in FP8 too (less to read per decode step, less accurate logits)",
     )
+    fp8_attention: bool | None = Field(
+        default=None,
+        description="with quantization fp8 and an fp8 KV cache: long uncached prompts' attention on FP8 tensor "
+                    "cores (cuDNN's sdpa_fp8, the gpu extra); unset: wherever it runs",
+    )
     tpot_target_ms: float | None = Field(
         default=None, gt=0,
         description="while requests decode, size each step to keep time per output token under this",
