@@ -155,6 +155,27 @@ def probe(dims: list[int], lengths: list[int]) -> list[dict]:
     return rows
 
 
+def buckets(pairs: list[tuple[int, int]], reps: int) -> list[dict]:
+    """The layer op at `tokens` run padded to `bucket`: does cuDNN's padding mask skip the padding's work
+    (then a few coarse buckets serve every length), or pay for it?"""
+    n = max(b for _, b in pairs)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn((n, (HQ + 2 * HK) * D), device="cuda", generator=g).to(torch.bfloat16)
+    rows = []
+    for t, b in pairs:
+        views = [qkv[:t, a:z].view(t, -1, D) for a, z in ((0, HQ * D), (HQ * D, (HQ + HK) * D), ((HQ + HK) * D, None))]
+        t0 = time.perf_counter()
+        ca.dense_attention_fp8(*views, SCALE, bucket=b)
+        torch.cuda.synchronize()
+        first = (time.perf_counter() - t0) * 1e3
+        ms = time_ms(lambda views=views, b=b: ca.dense_attention_fp8(*views, SCALE, bucket=b), reps)
+        row = {"tokens": t, "bucket": b, "ms": round(ms, 4), "first_call_ms": round(first, 1),
+               "tflops_real": round(4 * D * HQ * t * (t + 1) / 2 / (ms * 1e-3) / 1e12, 1)}
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="2048,8192,32768")
@@ -162,7 +183,15 @@ def main() -> None:
     ap.add_argument("--probe", default=None, help="DIMS/LENGTHS, e.g. 16,32,64,128/37,128,1000: which head dims and "
                     "lengths the FP8 path runs (each shape in its own process), instead of the timings")
     ap.add_argument("--probe-one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--buckets", default=None, help="TOKENS:BUCKET,... (e.g. 8192:8192,8192:16384): the layer op "
+                    "padded to each bucket, instead of the timings")
     args = ap.parse_args()
+    if args.buckets:
+        pairs = [tuple(int(x) for x in p.split(":")) for p in args.buckets.split(",")]
+        rows = buckets(pairs, args.reps)
+        write_report("fp8_attention_buckets", {**header(), "rows": rows},
+                     md_table(rows, ["tokens", "bucket", "ms", "tflops_real", "first_call_ms"]))
+        return
     if args.probe_one:
         probe_one(*(int(x) for x in args.probe_one.split(",")))
         return

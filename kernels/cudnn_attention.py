@@ -176,13 +176,14 @@ def _split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
 
 
 def dense_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        reference: bool = False, bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of one uncached prompt on FP8 tensor cores, for an FP8 o_proj: q [T, Hq, D],
     k/v [T, Hk, D] in the model's dtype (rotated; views of one fused projection's rows or not) ->
     (e4m3 [T, Hq * D], its per-row descale [T, 1] fp32), the input an Fp8Linear takes as it is.
 
     One launch casts q | k | v to e4m3 and takes O's scale from V (kernels.fp8_quant.cast_e4m3_triton),
-    then cuDNN's sdpa_fp8. reference: the same in PyTorch (`causal_attention_fp8_ref`, any device)."""
+    then cuDNN's sdpa_fp8. reference: the same in PyTorch (`causal_attention_fp8_ref`, any device).
+    bucket: the padded length to run at (>= T; None: `bucket_tokens`)."""
     from kernels.fp8_quant import cast_e4m3_ref, cast_e4m3_triton
 
     t, hq, d = q.shape
@@ -196,7 +197,7 @@ def dense_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         o8 = causal_attention_fp8_ref(y[:, : hq * d].view(t, hq, d), y[:, hq * d : (hq + hk) * d].view(t, hk, d),
                                       y[:, (hq + hk) * d :].view(t, hk, d), scale, o_scale)
         return o8.view(t, hq * d), torch.reciprocal(o_scale).expand(t, 1).contiguous()
-    tb = bucket_tokens(t)
+    tb = bucket_tokens(t) if bucket is None else max(bucket, t)
     y = torch.empty((tb, c), dtype=FP8, device=q.device)
     if tb > t:
         y[t:].zero_()  # the padding's rows: finite, masked out of the sequence's attention
