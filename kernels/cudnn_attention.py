@@ -198,28 +198,52 @@ def dense_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
                                       y[:, (hq + hk) * d :].view(t, hk, d), scale, o_scale)
         return o8.view(t, hq * d), torch.reciprocal(o_scale).expand(t, 1).contiguous()
     tb = bucket_tokens(t) if bucket is None else max(bucket, t)
+    # (a bucket over EXACT_MAX is always run padded, below; at or under it the length's own graph)
     y = torch.empty((tb, c), dtype=FP8, device=q.device)
     if tb > t:
         y[t:].zero_()  # the padding's rows: finite, masked out of the sequence's attention
     _y, o_scale = cast_e4m3_triton(rows, (hq + hk) * d, O_MARGIN, out=y)
-    seq_len = torch.full((1,), t, dtype=torch.int32, device=q.device) if tb > t else None
+    # past EXACT_MAX always the bucket's padded graph (a length on the bucket too: one graph a bucket)
+    seq_len = torch.full((1,), t, dtype=torch.int32, device=q.device) if tb > EXACT_MAX else None
     o8 = dense_causal_attention_fp8(y[:, : hq * d].view(tb, hq, d), y[:, hq * d : (hq + hk) * d].view(tb, hk, d),
                                     y[:, (hq + hk) * d :].view(tb, hk, d), scale, o_scale, seq_len=seq_len)
     return o8[:t].view(t, hq * d), torch.reciprocal(o_scale).expand(t, 1).contiguous()
 
 
-# prompts longer than this run padded to a multiple of BUCKET tokens, so that cuDNN builds one graph per
-# bucket, not per length (a build takes tens of ms); up to it (the dense CUDA graphs' range, captured
-# per 128-token bucket) each length has its own
-EXACT_MAX, BUCKET = 2048, 1024
+# prompts longer than EXACT_MAX run padded to a bucket, so that cuDNN builds one graph per bucket, not per
+# length: ~50 ms a graph, ~0.9 s for the process's first padded one (an H100, bench_fp8_attention.py
+# --buckets). cuDNN's padding mask does not skip the padding's work (8192 tokens in a 32768 bucket: 3.93 ms
+# against 0.72 in their own), so the buckets are an eighth of an octave apart (at least 256 tokens): at most
+# 1/8 more rows. Up to EXACT_MAX (the dense CUDA graphs' range, captured per 128-token bucket) each length
+# has its own graph.
+EXACT_MAX = 2048
 
 
 def bucket_tokens(t: int) -> int:
     """The padded length a prompt of t tokens runs at."""
-    return t if t <= EXACT_MAX else -(-t // BUCKET) * BUCKET
+    if t <= EXACT_MAX:
+        return t
+    step = max(256, 1 << (t.bit_length() - 4))  # 2^(floor(log2 t) - 3)
+    return -(-t // step) * step
 
 
-def o_scale_for(v: torch.Tensor) -> torch.Tensor:
-    """O's scale (one fp32 element on v's device): max |V| (as cast to e4m3) times `O_MARGIN` maps to 448."""
-    amax = v.abs().amax().float().clamp(1e-12, FP8_MAX)
-    return (FP8_MAX / (amax * O_MARGIN)).reshape(1)
+def buckets_up_to(max_tokens: int) -> list[int]:
+    """Every bucket a prompt of EXACT_MAX + 1 .. max_tokens tokens runs at."""
+    out: list[int] = []
+    t = EXACT_MAX + 1
+    while t <= max_tokens:
+        out.append(bucket_tokens(t))
+        t = out[-1] + 1
+    return out
+
+
+def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
+            device: torch.device, max_tokens: int) -> None:
+    """Build the graph of every bucket up to max_tokens now (a prompt's first token should not wait for
+    it), each run once on zeros."""
+    for b in buckets_up_to(max_tokens):
+        qkv = torch.zeros((b, (num_heads + 2 * num_kv_heads) * head_dim), dtype=dtype, device=device)
+        q = qkv[:, : num_heads * head_dim].view(b, num_heads, head_dim)
+        k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(b, num_kv_heads, head_dim)
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(b, num_kv_heads, head_dim)
+        dense_attention_fp8(q, k, v, scale)

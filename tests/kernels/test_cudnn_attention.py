@@ -108,9 +108,17 @@ def test_dense_attention_fp8_takes_the_fused_rows_or_separate_tensors():
     assert float(((o8.double() * descale.double()) - exact).norm() / exact.norm()) < 0.05
 
 
-def test_bucket_tokens():
-    assert [ca.bucket_tokens(n) for n in (1, 1025, 2048, 2049, 3072, 3073, 32768)] == \
-        [1, 1025, 2048, 3072, 3072, 4096, 32768]
+def test_buckets_are_an_eighth_of_an_octave():
+    """Up to 2048 each length its own; then buckets 256 apart up to 4096, 512 up to 8192, ... so a prompt
+    runs at most 1/8 more rows than it has; buckets_up_to lists each once."""
+    assert [ca.bucket_tokens(n) for n in (1, 1025, 2048, 2049, 2304, 2305, 4095, 4096, 4097, 8191, 8193, 32768)] == \
+        [1, 1025, 2048, 2304, 2304, 2560, 4096, 4096, 4608, 8192, 9216, 32768]
+    for n in range(2049, 70000, 7):
+        b = ca.bucket_tokens(n)
+        assert n <= b < n * 1.125 + 256 and ca.bucket_tokens(b) == b, n
+    ups = ca.buckets_up_to(8192)
+    assert ups == [2304, 2560, 2816, 3072, 3328, 3584, 3840, 4096, 4608, 5120, 5632, 6144, 6656, 7168, 7680, 8192]
+    assert ca.buckets_up_to(2048) == [] and ca.buckets_up_to(2049) == [2304]
 
 
 def test_available_says_why_not_on_a_cpu():

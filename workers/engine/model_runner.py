@@ -7,6 +7,7 @@ import gc
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -178,6 +179,13 @@ class ModelRunner:
         q = torch.randn(n, mc.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
         k = torch.randn(n, mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device)
         dense_causal_attention(q, k, k, mc.head_dim**-0.5)
+        if self.model.layers[0].self_attn.attn.dense_fp8 is not None:  # FP8 attention: every bucket's graph
+            from kernels.cudnn_attention import warm_up
+
+            t0 = time.perf_counter()
+            top = min(self.config.max_num_batched_tokens, self.max_model_len)
+            warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.head_dim**-0.5, self.dtype, self.device, top)
+            log.info("FP8 dense attention: cuDNN graphs up to %d tokens built in %.1f s", top, time.perf_counter() - t0)
         torch.cuda.synchronize(self.device)
 
     # ---- loading and sizing -------------------------------------------------------------
