@@ -227,8 +227,9 @@ class EngineConfig:
     # tensor cores (cuDNN's sdpa_fp8, kernels/cudnn_attention.py; q/k/v cast to e4m3 as the cache stores
     # k/v, the output quantized for the FP8 o_proj), as TensorRT-LLM's FP8 context attention. None: where
     # it runs (CUDA sm90+, the nvidia-cudnn-frontend package); True: required; False: bf16 attention.
-    # On an H100, one layer's kernel: 970 against 609 TFLOP/s at 32768 tokens, 857 against 572 at 8192,
-    # its output 6% RMS from the bf16 one's over an fp8 cache (bench/bench_fp8_attention.py)
+    # On an H100, one layer's kernel: 917 against 611 TFLOP/s at 32768 tokens, 868 against 571 at 8192,
+    # its output 6% RMS from the bf16 one's over an fp8 cache; TTFT 8192 / 32768 127 / 743 ms against
+    # 137 / 902 (bench/results/2026-12-06-session12-fp8-attention-h100.md)
     fp8_attention: bool | None = None
     # a time-per-output-token target (ms): while requests decode, each step computes only the
     # prefill tokens that keep it under this (a cost model fitted to measured steps); None: every
