@@ -118,6 +118,20 @@ def _graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, o: t
     return hit
 
 
+def release(device: torch.device | str) -> None:
+    """Drop the built graphs (their workspaces) and constants of a device: an engine closing gives its
+    memory back. The next call builds again."""
+    device = torch.device(device)
+
+    def on(d: torch.device) -> bool:
+        return d.type == device.type and (device.index is None or d.index == device.index)
+
+    for key in [k for k in _GRAPHS if on(k[7])]:
+        del _GRAPHS[key]
+    for d in [d for d in _CONSTS if on(d)]:
+        del _CONSTS[d]
+
+
 def dense_causal_attention_fp8(
     q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scale: float, o_scale: torch.Tensor,
     out: torch.Tensor | None = None, seq_len: torch.Tensor | None = None,

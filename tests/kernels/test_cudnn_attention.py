@@ -123,3 +123,17 @@ def test_buckets_are_an_eighth_of_an_octave():
 
 def test_available_says_why_not_on_a_cpu():
     assert "CUDA" in ca.available("cpu")
+
+
+def test_release_drops_one_devices_graphs(monkeypatch):
+    """An engine closing drops cuDNN's graphs (and workspaces) of its device ("cuda" meaning every index),
+    not another device's."""
+    graphs = {("s", "st", "k", "ks", "vs", "os", 0.1, torch.device("cuda", 0), False): "g0",
+              ("s", "st", "k", "ks", "vs", "os", 0.1, torch.device("cuda", 1), True): "g1"}
+    consts = {torch.device("cuda", 0): "c0", torch.device("cuda", 1): "c1"}
+    monkeypatch.setattr(ca, "_GRAPHS", graphs)
+    monkeypatch.setattr(ca, "_CONSTS", consts)
+    ca.release("cuda:1")
+    assert list(graphs.values()) == ["g0"] and list(consts.values()) == ["c0"]
+    ca.release("cuda")
+    assert graphs == {} and consts == {}

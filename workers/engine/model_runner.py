@@ -257,6 +257,10 @@ class ModelRunner:
             if graphs is not None:
                 graphs.close()
         self.graphs = self.prefill_graphs = self.mixed_graphs = self.dense_graphs = None
+        if self.ops.dense_attention_fp8 is not None:
+            from kernels.cudnn_attention import release
+
+            release(self.device)  # cuDNN's graphs and their workspaces on this device
         self.kv_caches = []
         self.cos_sin = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]
