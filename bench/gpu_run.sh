@@ -54,7 +54,8 @@
 # (the GGUF's first 49 MB and the small files) and .ckpt_b; carry .ckpt_a and copy it to /tmp there,
 # then in the next call (the machine still warm) carry .ckpt_b and rebuild with
 # bench/restore_smollm2.py --parts '/tmp/ckpt_a/gguf.part*' '.ckpt_b/gguf.part*' (see its doc).
-# Packages the device image lacks (pydantic, gguf) travel as wheels in .whl (carry it).
+# Packages the device image lacks (pydantic, llguidance, the cudnn frontend) travel as wheels in .whl (carry it):
+# `bash bench/device_wheels.sh` downloads them.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the results directory}
