@@ -252,12 +252,19 @@ def buckets_up_to(max_tokens: int) -> list[int]:
 
 
 def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
-            device: torch.device, max_tokens: int) -> None:
+            device: torch.device, max_tokens: int) -> int:
     """Build the graph of every bucket up to max_tokens now (a prompt's first token should not wait for
-    it), each run once on zeros."""
+    it), each run once on zeros, smallest first. Returns the largest bucket built: where the device runs
+    out of memory for a bucket's buffers the rest are left to their first prompt."""
+    built = 0
     for b in buckets_up_to(max_tokens):
-        qkv = torch.zeros((b, (num_heads + 2 * num_kv_heads) * head_dim), dtype=dtype, device=device)
-        q = qkv[:, : num_heads * head_dim].view(b, num_heads, head_dim)
-        k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(b, num_kv_heads, head_dim)
-        v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(b, num_kv_heads, head_dim)
-        dense_attention_fp8(q, k, v, scale)
+        try:
+            qkv = torch.zeros((b, (num_heads + 2 * num_kv_heads) * head_dim), dtype=dtype, device=device)
+            q = qkv[:, : num_heads * head_dim].view(b, num_heads, head_dim)
+            k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(b, num_kv_heads, head_dim)
+            v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(b, num_kv_heads, head_dim)
+            dense_attention_fp8(q, k, v, scale)
+        except torch.cuda.OutOfMemoryError:
+            break
+        built = b
+    return built

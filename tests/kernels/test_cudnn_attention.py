@@ -137,3 +137,24 @@ def test_release_drops_one_devices_graphs(monkeypatch):
     assert list(graphs.values()) == ["g0"] and list(consts.values()) == ["c0"]
     ca.release("cuda")
     assert graphs == {} and consts == {}
+
+
+def test_warm_up_builds_every_bucket_until_memory_runs_out(monkeypatch):
+    """Every bucket's graph is built at start, smallest first, one call each on zeros [bucket, (Hq + 2 Hk) D];
+    where a bucket's buffers do not fit, the rest are left to their first prompt (no failed start)."""
+    seen = []
+
+    def fake(q, k, v, scale):
+        seen.append((q.shape[0], q.shape[1:], k.shape[1:], float(q.abs().sum())))
+        if q.shape[0] > 4096:
+            raise torch.cuda.OutOfMemoryError("no room")
+        return q
+
+    monkeypatch.setattr(ca, "dense_attention_fp8", fake)
+    assert ca.warm_up(4, 2, 8, 0.3, torch.float32, torch.device("cpu"), 3000) == 3072
+    assert [s[0] for s in seen] == [2304, 2560, 2816, 3072] and seen[0][1:3] == ((4, 8), (2, 8))
+    assert all(s[3] == 0 for s in seen)
+    seen.clear()
+    assert ca.warm_up(4, 2, 8, 0.3, torch.float32, torch.device("cpu"), 8192) == 4096
+    assert [s[0] for s in seen][-2:] == [4096, 4608]
+    assert ca.warm_up(4, 2, 8, 0.3, torch.float32, torch.device("cpu"), 2048) == 0

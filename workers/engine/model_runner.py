@@ -180,12 +180,18 @@ class ModelRunner:
         k = torch.randn(n, mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device)
         dense_causal_attention(q, k, k, mc.head_dim**-0.5)
         if self.model.layers[0].self_attn.attn.dense_fp8 is not None:  # FP8 attention: every bucket's graph
-            from kernels.cudnn_attention import warm_up
+            from kernels.cudnn_attention import EXACT_MAX, bucket_tokens, warm_up
 
             t0 = time.perf_counter()
             top = min(self.config.max_num_batched_tokens, self.max_model_len)
-            warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.head_dim**-0.5, self.dtype, self.device, top)
-            log.info("FP8 dense attention: cuDNN graphs up to %d tokens built in %.1f s", top, time.perf_counter() - t0)
+            built = warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.head_dim**-0.5, self.dtype, self.device,
+                            top)
+            log.info("FP8 dense attention: cuDNN graphs up to %d tokens built in %.1f s", built,
+                     time.perf_counter() - t0)
+            if built < bucket_tokens(top) and top > EXACT_MAX:
+                log.warning("FP8 dense attention: no memory to build the graphs past %d tokens at start; a longer "
+                            "prompt builds its bucket's at its first step", built)
+            torch.cuda.empty_cache()  # the buckets' buffers, back for the graphs and steps
         torch.cuda.synchronize(self.device)
 
     # ---- loading and sizing -------------------------------------------------------------
