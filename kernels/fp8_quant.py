@@ -321,19 +321,22 @@ def _cast_e4m3_kernel(
     mask = (r < T)[:, None] & (cols < C)[None, :]
     r64 = r.to(tl.int64)[:, None]
     y = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = _round_e4m3(tl.minimum(tl.maximum(y, -FP8_MAX_), FP8_MAX_), HW_CAST)
+    # clamped as the fp8 cache's store saturates; NaN stays NaN (as it would through bf16 attention)
+    q = _round_e4m3(tl.minimum(tl.maximum(y, -FP8_MAX_, propagate_nan=tl.PropagateNan.ALL), FP8_MAX_,
+                               propagate_nan=tl.PropagateNan.ALL), HW_CAST)
     tl.store(y_ptr + r64 * C + cols[None, :], q.to(y_ptr.dtype.element_ty), mask=mask)
-    if c0 + BLOCK_C > V_COL:
-        amax = tl.max(tl.max(tl.where(mask & (cols >= V_COL)[None, :], tl.abs(q), 0.0), axis=1), axis=0)
+    if c0 + BLOCK_C > V_COL:  # O's scale from V's finite values (a NaN row stays NaN whatever the scale)
+        amax = tl.max(tl.max(tl.where(mask & (cols >= V_COL)[None, :] & (q == q), tl.abs(q), 0.0), axis=1), axis=0)
         tl.atomic_min(scale_ptr, FP8_MAX_ / (MARGIN * tl.maximum(amax, 0.001953125)))
 
 
 def cast_e4m3_ref(x: torch.Tensor, v_col: int, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x cast to e4m3 with scale 1, beyond +-448 clamped, [T, C] contiguous; [1] fp32: FP8_MAX over
-    margin times the largest |cast value| of columns v_col.. (at most 2^-9 below: e4m3's smallest step),
-    or FP8_MAX / (margin * 2^-9) without such columns)."""
+    """(x cast to e4m3 with scale 1, beyond +-448 clamped, NaN kept, [T, C] contiguous; [1] fp32: FP8_MAX
+    over margin times the largest finite |cast value| of columns v_col.. (at most 2^-9 below: e4m3's
+    smallest step), or FP8_MAX / (margin * 2^-9) without such columns)."""
     y = x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    amax = y[:, v_col:].float().abs().amax() if x.shape[0] > 0 and v_col < x.shape[1] else torch.zeros(())
+    vals = torch.nan_to_num(y[:, v_col:].float().abs(), nan=0.0)
+    amax = vals.amax() if x.shape[0] > 0 and v_col < x.shape[1] else torch.zeros(())
     return y, (FP8_MAX / (margin * amax.clamp_min(2.0**-9))).reshape(1).to(torch.float32).to(x.device)
 
 

@@ -30,13 +30,18 @@ def test_cast_e4m3_matches_its_reference(poison_empty, t, c, v_col, dtype):
     x[0, 0] = 1000.0  # beyond e4m3: clamped to 448, and outside V: not in O's scale
     if v_col < c:
         x[-1, c - 1] = -20.0  # V's largest magnitude, negative, in the last column
+        x[0, v_col] = float("nan")  # not in O's scale
     y, scale = cast_e4m3_triton(x, v_col, ca.O_MARGIN)
     yr, sr = cast_e4m3_ref(x, v_col, ca.O_MARGIN)
     assert y.dtype == FP8 and y.shape == (t, c) and scale.shape == (1,)
     assert float(y[0, 0].float()) == FP8_MAX
     # the same codes, but for values on a rounding tie (bf16 inputs have them: torch rounds half to even,
     # the interpreter's emulation half away from zero) one step apart
-    apart = _steps_apart(y, yr)
+    # the NaN element: the reference keeps it; Triton's interpreter casts an fp32 NaN to e4m3 as 384
+    # (the GPU's cvt keeps NaN), so it is left out of the comparison here
+    nan = yr.float().isnan()
+    assert int(nan.sum()) == (1 if v_col < c else 0)
+    apart = _steps_apart(y, yr)[~nan]
     assert int(apart.max()) <= (1 if dtype == torch.bfloat16 else 0)
     torch.testing.assert_close(scale, sr, rtol=1e-6, atol=0)
     want = FP8_MAX / (ca.O_MARGIN * (20.0 if v_col < c else 2.0**-9))

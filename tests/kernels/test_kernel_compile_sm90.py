@@ -193,3 +193,34 @@ def test_prefill_attention_fp8_cache_compiles_for_sm90():
         widen = case[0]
         assert g["cubin"] > 0 and g["wgmma"] and g["e4m3_pairs"] > 0, (case, g)
         assert (g["f16_to_bf16"] == 0) == widen, (case, g)
+
+
+CAST_SCRIPT = r'''
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from kernels import fp8_quant
+jitted = fp8_quant._cast_e4m3_kernel.jitted()
+sig = {"x_ptr": "*bf16", "y_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "T": "i32", "stride_x": "i32", "C": "i32",
+       "V_COL": "i32"}
+consts = {"FP8_MAX_": 448.0, "MARGIN": 1.125, "HW_CAST": True, "BLOCK_R": 16, "BLOCK_C": 512}
+sig = {n: sig[n] for n in jitted.arg_names if n in sig} | dict.fromkeys(consts, "constexpr")
+c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
+ptx = c.asm["ptx"]
+print(json.dumps({"atom_min": "atom.global.gpu.acq_rel.min" in ptx,  # (a float min: int atomics by sign)
+                  "nan_clamp": "max.NaN." in ptx and "min.NaN." in ptx, "e4m3": "e4m3x2" in ptx}))
+'''
+
+
+def test_fp8_attention_cast_compiles_for_sm90():
+    """FP8 attention's q | k | v cast (kernels/fp8_quant.py): one atomic min for O's scale, the clamp
+    keeping NaN (max.NaN / min.NaN: the interpreter cannot show it, its fp8 cast turns NaN into 384), the
+    hardware's e4m3 conversion."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-c", CAST_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"atom_min": True, "nan_clamp": True, "e4m3": True}, got
