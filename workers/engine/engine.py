@@ -647,6 +647,7 @@ class LLMEngine:
             cuda_graphs=self.runner.graphs is not None,
             async_scheduling=self.async_scheduling,
             kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
+            fp8_attention=self.runner.fp8_attention,
         )
 
 

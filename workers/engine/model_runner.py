@@ -78,6 +78,8 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         if config.quantization == "fp8":
             quantize_fp8(self.model, lm_head=config.fp8_lm_head)
+        # whether FP8 dense attention is on, as it resolved (the ops have it and these heads take it)
+        self.fp8_attention = self.model.layers[0].self_attn.attn.dense_fp8 is not None
         if self.device.type == "cuda":
             # what loading and quantizing freed (an FP8 engine's replaced bf16 projections, a
             # loader's temporaries) the caching allocator keeps reserved, and the KV sizing below

@@ -108,6 +108,8 @@ class EngineStats:
     cuda_graphs: bool
     async_scheduling: bool = False
     kv_cache_dtype: str = ""  # the KV cache's torch dtype name, e.g. "bfloat16", "float8_e4m3fn"
+    # long uncached prompts' attention runs on FP8 tensor cores (EngineConfig.fp8_attention, as it resolved)
+    fp8_attention: bool = False
     # wall time spent inside step(), all steps so far: with `steps`, the mean step time over any
     # interval (the rest of a core's time goes to its loop: commands, outputs, waiting for work)
     step_seconds: float = 0.0

@@ -26,6 +26,7 @@ def test_fp8_kv_cache_halves_bytes_and_tracks_full_precision(llama_dir):
     assert k_cache.dtype == torch.float8_e4m3fn
     assert eng.runner.kv_bytes_per_block() * 4 == full.runner.kv_bytes_per_block()  # fp32 model: 4 bytes -> 1
     assert eng.stats().kv_cache_dtype == "float8_e4m3fn" and full.stats().kv_cache_dtype == "float32"
+    assert not eng.stats().fp8_attention  # an fp8 cache without FP8 projections
     # quantized K/V perturb the logits a little, and this random tiny model's logits are nearly
     # flat: every first token agrees with transformers' (full precision) and half the whole
     # continuations do (a cache read wrongly agrees with nothing)
@@ -81,6 +82,7 @@ def test_fp8_attention_runs_a_dense_prompt_through_the_fp8_o_proj(tmp_path):
     eng = LLMEngine(str(path), EngineConfig(device="cpu", dtype="float32", block_size=4, num_blocks=64,
                                             quantization="fp8", kv_cache_dtype="fp8", fp8_attention=True))
     r = eng.runner
+    assert eng.stats().fp8_attention and eng.stats().kernel_backend == "torch"  # the emulation
     layers = [layer.self_attn.attn for layer in r.model.layers]
     fp8_op = layers[0].dense_fp8
     assert fp8_op is not None and all(a.dense_fp8 is fp8_op for a in layers)
