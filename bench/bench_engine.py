@@ -475,14 +475,26 @@ def main() -> None:
             hf["hf_throughput_error"] = repr(e)[:500]
             print(f"# transformers throughput failed: {e!r}"[:600], flush=True)
 
+    from kernels.cudnn_attention import available as fp8_attention_unavailable
+
+    fp8_attention_here = args.device != "cpu" and fp8_attention_unavailable(args.device or "cuda") is None
+
     def floors(spec: str) -> dict[str, Any]:
-        """This engine's floors: FP8 projections at the FP8 rate and 1 byte a weight, an fp8 KV cache at 1 byte."""
+        """This engine's floors: FP8 projections at the FP8 rate and 1 byte a weight, an fp8 KV cache at 1 byte,
+        FP8 attention (dense prompts, where it runs) at the FP8 rate."""
         f = fields[spec]
         q = f.get("quantization") == "fp8" and fp8_rate is not None
         lin_rate, lin_bytes = (fp8_rate, 1) if q else (None, None)
         kvb = 1 if f["kv_cache_dtype"] == "fp8" else 2
         w = weight_bytes(cfg, 2, lin_bytes)
-        out = {f"ttft_{n}": max(prefill_compute_s(cfg, n, 0, rate, lin_rate), w / bw) * 1e3 for n in TTFT_LENGTHS}
+        # an uncached prompt on the dense path with FP8 attention: its attention at the FP8 rate too
+        fa = q and kvb == 1 and f.get("fp8_attention") is not False and fp8_attention_here
+
+        def attn_rate(n: int) -> float | None:
+            return fp8_rate if fa and n >= (f.get("dense_prefill_min_tokens") or 1025) else None
+
+        out = {f"ttft_{n}": max(prefill_compute_s(cfg, n, 0, rate, lin_rate, attn_rate(n)), w / bw) * 1e3
+               for n in TTFT_LENGTHS}
         out["ttft_2048c_128"] = max(prefill_compute_s(cfg, 128, 2048, rate, lin_rate),
                                     (w + kv_bytes(cfg, 2176, kvb)) / bw) * 1e3
         for b in [int(x) for x in args.decode_batches.split(",")]:

@@ -85,11 +85,14 @@ def prefill_flops(cfg: ModelConfig, new: int, cached: int = 0) -> float:
     return dense + attn + 2 * cfg.hidden_size * cfg.vocab_size
 
 
-def prefill_compute_s(cfg: ModelConfig, new: int, cached: int, rate: float, linear_rate: float | None = None) -> float:
+def prefill_compute_s(cfg: ModelConfig, new: int, cached: int, rate: float, linear_rate: float | None = None,
+                      attention_rate: float | None = None) -> float:
     """Seconds of prefill FLOPs: the decoder's projections at `linear_rate` (an FP8 model's FP8
-    rate; None: `rate`), attention and the logits row at `rate`."""
+    rate; None: `rate`), attention at `attention_rate` (FP8 attention's; None: `rate`), the logits row at `rate`."""
     dense = 2 * linear_params(cfg) * new
-    return dense / (linear_rate or rate) + (prefill_flops(cfg, new, cached) - dense) / rate
+    head = 2 * cfg.hidden_size * cfg.vocab_size
+    attn = prefill_flops(cfg, new, cached) - dense - head
+    return dense / (linear_rate or rate) + attn / (attention_rate or rate) + head / rate
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int = 2, linear_dtype_bytes: int | None = None) -> float:

@@ -43,7 +43,7 @@ _REASON: list[str | None] = []  # available()'s answer, once
 def available(device: torch.device | str) -> str | None:
     """None when `dense_causal_attention_fp8` can run on this device, else why not."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return "cuDNN FP8 attention needs a CUDA device"
     if torch.cuda.get_device_capability(device) < (9, 0):
         return "cuDNN FP8 attention needs sm90 or newer"
