@@ -11,7 +11,7 @@
 #   tests       GPU tests (tests/workers/engine/test_gpu.py), measurements to measure.jsonl      ~3 min
 #   kernels     FP8 GEMMs: _scaled_mm per channel vs bf16 (bench_kernels; ~3 min with the group GEMMs, less now)
 #   decode_gemms  a decode step's GEMMs: bf16, _scaled_mm, the small-M kernel's configs (bench_fp8_decode)  ~1 min
-#   engine      TTFT and decode: bf16, FP8 (per channel), FP8 with _scaled_mm only; transformers  ~5 min
+#   engine      TTFT and decode: bf16, FP8 + fp8 KV (FP8 attention), the same with bf16 attention; transformers  ~5 min
 #   fp8_head    decode b1-b256: fp8+kv8 against fp8-head+kv8 (EngineConfig.fp8_lm_head)           ~3 min
 #   fused_ab    decode's fused rope + Triton argmax against the unfused (fp8-unfused), _scaled_mm's fast
 #               accumulation (bench_fp8_accum, then fp8-fastacc in the engine), decode b1/b8 at max_model_len
@@ -121,7 +121,7 @@ for stage in "${STAGES[@]}"; do
       run decode_gemms 400 $PY bench/bench_fp8_decode.py ;;
     engine)
       run engine 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
-        --engines bf16,fp8+kv8,fp8-cublas+kv8 "${ENGINE_ARGS[@]}" ;;
+        --engines bf16,fp8+kv8,fp8-bf16attn+kv8 "${ENGINE_ARGS[@]}" ;;
     fp8_head)  # the opt-in FP8 lm_head against the bf16 head, decode (both fp8 + fp8 KV)
       run fp8_head 400 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode \
         --engines fp8+kv8,fp8-head+kv8 --no-hf "${ENGINE_ARGS[@]}" ;;
