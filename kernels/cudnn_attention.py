@@ -35,6 +35,12 @@ O_MARGIN = 1.125  # |O| <= max |V| * (1 + P's e4m3 rounding, at most 1/16): room
 HEAD_DIMS = (64, 128)
 
 _GRAPHS: dict[tuple, Any] = {}
+_FAILED: dict[tuple, str] = {}  # graphs cuDNN refused to build: why
+
+
+class Unsupported(RuntimeError):
+    """cuDNN cannot build this attention graph here; the caller runs the attention in bf16 instead."""
+
 _HANDLES: dict[int, Any] = {}
 _CONSTS: dict[torch.device, torch.Tensor] = {}
 _REASON: list[str | None] = []  # available()'s answer, once
@@ -76,13 +82,28 @@ def _handle(device: torch.device) -> Any:
 
 def _graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, o: torch.Tensor, padded: bool) -> tuple:
     """The built graph for these shapes and strides (built once), its tensors and workspace. padded: the
-    sequence is shorter than the tensors (its length a device tensor: one graph serves a bucket of lengths)."""
-    import cudnn
-
+    sequence is shorter than the tensors (its length a device tensor: one graph serves a bucket of lengths).
+    Raises Unsupported where cuDNN refuses it (remembered: not tried again)."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), float(scale), q.device, padded)
     hit = _GRAPHS.get(key)
     if hit is not None:
         return hit
+    failed = _FAILED.get(key)
+    if failed is not None:  # refused before: not built again (a build costs tens of ms)
+        raise Unsupported(failed)
+    try:
+        hit = _GRAPHS[key] = _build(q, k, v, scale, o, padded)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # cuDNN refusing the graph (its version, the device, the shape)
+        _FAILED[key] = f"cuDNN's FP8 attention graph for q {tuple(q.shape)}, k {tuple(k.shape)}: {type(e).__name__}: {e}"
+        raise Unsupported(_FAILED[key]) from e
+    return hit
+
+
+def _build(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, o: torch.Tensor, padded: bool) -> tuple:
+    import cudnn
+
     handle = _handle(q.device)
     e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
     graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
@@ -114,8 +135,7 @@ def _graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, o: t
     graph.check_support()
     graph.build_plans()
     ws = torch.empty(max(graph.get_workspace_size(), 1), dtype=torch.uint8, device=q.device)
-    hit = _GRAPHS[key] = (graph, handle, (tq, tk, tv), scalars, out, (amax_s, amax_o), ws, lens.get("seq_len_q"))
-    return hit
+    return graph, handle, (tq, tk, tv), scalars, out, (amax_s, amax_o), ws, lens.get("seq_len_q")
 
 
 def release(device: torch.device | str) -> None:
@@ -128,6 +148,8 @@ def release(device: torch.device | str) -> None:
 
     for key in [k for k in _GRAPHS if on(k[7])]:
         del _GRAPHS[key]
+    for key in [k for k in _FAILED if on(k[7])]:
+        del _FAILED[key]
     for d in [d for d in _CONSTS if on(d)]:
         del _CONSTS[d]
 
@@ -255,7 +277,7 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtyp
             device: torch.device, max_tokens: int) -> int:
     """Build the graph of every bucket up to max_tokens now (a prompt's first token should not wait for
     it), each run once on zeros, smallest first. Returns the largest bucket built: where the device runs
-    out of memory for a bucket's buffers the rest are left to their first prompt."""
+    out of memory for a bucket's buffers (or cuDNN refuses its graph) the rest are left to their first prompt."""
     built = 0
     for b in buckets_up_to(max_tokens):
         try:
@@ -264,7 +286,7 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtyp
             k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(b, num_kv_heads, head_dim)
             v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(b, num_kv_heads, head_dim)
             dense_attention_fp8(q, k, v, scale)
-        except torch.cuda.OutOfMemoryError:
+        except (torch.cuda.OutOfMemoryError, Unsupported):
             break
         built = b
     return built

@@ -163,3 +163,46 @@ def test_warm_up_builds_every_bucket_until_memory_runs_out(monkeypatch):
     assert ca.warm_up(4, 2, 8, 0.3, torch.float32, torch.device("cpu"), 8192) == 4096
     assert [s[0] for s in seen][-2:] == [4096, 4608]
     assert ca.warm_up(4, 2, 8, 0.3, torch.float32, torch.device("cpu"), 2048) == 0
+
+
+def test_a_refused_graph_is_remembered_and_the_layer_runs_bf16(monkeypatch, caplog):
+    """cuDNN refusing a graph (its version, the device, the shape) raises Unsupported, remembered so the
+    next call does not build again; the attention layer then runs that prompt's attention in bf16 (a tensor
+    for the o_proj, as without FP8 attention), logging the fallback once."""
+    import logging
+
+    from workers.engine.attention import AttentionMetadata, PagedAttention
+
+    calls = []
+
+    def refuse(*args):
+        calls.append(1)
+        raise RuntimeError("no engine for this graph")
+
+    monkeypatch.setattr(ca, "_build", refuse)
+    monkeypatch.setattr(ca, "_GRAPHS", {})
+    monkeypatch.setattr(ca, "_FAILED", {})
+    q8 = torch.zeros(4, 2, 64, dtype=FP8)
+    for _ in range(2):
+        with pytest.raises(ca.Unsupported, match="no engine for this graph"):
+            ca._graph(q8, q8[:, :1], q8[:, :1], 0.125, q8, False)
+    assert len(calls) == 1  # the second call did not build again
+
+    class Ops:
+        def dense_attention_fp8(self, q, k, v, scale):
+            raise ca.Unsupported("refused here")
+
+    attn = PagedAttention(Ops(), 2, 1, 64, None)
+    assert attn.dense_fp8 is not None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(5, 2, 64, generator=g), torch.randn(5, 1, 64, generator=g), torch.randn(5, 1, 64, generator=g)
+    meta = AttentionMetadata(slot_mapping=torch.arange(5), num_decodes=0, num_decode_tokens=0,
+                             decode_block_tables=None, decode_seq_lens=None, prefill_block_tables=None,
+                             prefill_query_start_loc=None, prefill_seq_lens=None, prefill_dense=True)
+    with caplog.at_level(logging.WARNING, logger="workers.engine.attention"):
+        out = attn(q, k, v, None, None, meta)
+        out2 = attn(q, k, v, None, None, meta)
+    from workers.engine.attention import dense_causal_attention
+
+    assert torch.equal(out, dense_causal_attention(q, k, v, 64**-0.5)) and torch.equal(out, out2)
+    assert sum("refused here" in r.getMessage() for r in caplog.records) == 1

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from kernels.cudnn_attention import HEAD_DIMS as FP8_ATTENTION_HEAD_DIMS
+from kernels.cudnn_attention import Unsupported as FP8AttentionUnsupported
 from kernels.ops import KernelOps
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,7 +64,10 @@ class PagedAttention:
         # q: [T, Hq, D], k, v: [T, Hk, D] (rotated); the step's k/v are already in k_cache/v_cache
         if meta.prefill_dense and self.sliding_window is None:
             if self.dense_fp8 is not None:  # (e4m3 [T, Hq * D], descale [T, 1]) for o_proj
-                return self.dense_fp8(q, k, v, self.scale)
+                try:
+                    return self.dense_fp8(q, k, v, self.scale)
+                except FP8AttentionUnsupported as e:  # this shape runs in bf16 (the o_proj takes either)
+                    _warn_fp8_fallback(e)
             return dense_causal_attention(q, k, v, self.scale)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
@@ -105,6 +112,15 @@ class PagedAttention:
             q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
             meta.prefill_seq_lens, self.scale, self.sliding_window, **kwargs,
         )
+
+
+_FALLBACKS: set[str] = set()  # FP8 attention refusals logged (each once)
+
+
+def _warn_fp8_fallback(e: Exception) -> None:
+    if str(e) not in _FALLBACKS:
+        _FALLBACKS.add(str(e))
+        log.warning("FP8 attention unavailable for this prompt length, running it in bf16: %s", e)
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

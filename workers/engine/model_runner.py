@@ -191,8 +191,9 @@ class ModelRunner:
             log.info("FP8 dense attention: cuDNN graphs up to %d tokens built in %.1f s", built,
                      time.perf_counter() - t0)
             if built < bucket_tokens(top) and top > EXACT_MAX:
-                log.warning("FP8 dense attention: no memory to build the graphs past %d tokens at start; a longer "
-                            "prompt builds its bucket's at its first step", built)
+                log.warning("FP8 dense attention: the graphs past %d tokens were not built at start (no memory, or "
+                            "cuDNN refused one); a longer prompt builds its bucket's at its first step, or runs its "
+                            "attention in bf16", built)
             torch.cuda.empty_cache()  # the buckets' buffers, back for the graphs and steps
         torch.cuda.synchronize(self.device)
 
