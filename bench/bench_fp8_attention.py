@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_decode_tiles import time_ms
 from bench.common import header, md_table, write_report
 from kernels import cudnn_attention as ca
+from kernels.fp8_quant import cast_e4m3_ref
 from workers.engine.attention import dense_causal_attention
 
 HQ, HK, D = 32, 8, 128
@@ -53,26 +54,21 @@ def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def one_length(t: int, reps: int) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = (2.0 * torch.randn((t, HQ, D), device="cuda", generator=g)).to(torch.bfloat16)  # peakier softmax
-    k = torch.randn((t, HK, D), device="cuda", generator=g).to(torch.bfloat16)
-    v = (0.5 * torch.randn((t, HK, D), device="cuda", generator=g)).to(torch.bfloat16)
+    qkv = torch.randn((t, (HQ + 2 * HK) * D), device="cuda", generator=g).to(torch.bfloat16)  # the fused rows
+    qkv[:, : HQ * D] *= 2.0  # a peakier softmax
+    qkv[:, (HQ + HK) * D :] *= 0.5
+    q, k, v = ca.qkv_views(qkv, HQ, HK, D)
     rows = torch.cat([torch.arange(t // 2 - 128, t // 2 + 128), torch.arange(t - 256, t)]).cuda()
     exact = reference_rows(q, k, v, rows)
-    k8, v8 = ca.saturate_e4m3(k), ca.saturate_e4m3(v)
+    y, o_scale = cast_e4m3_ref(qkv, (HQ + HK) * D, ca.O_MARGIN)  # as the layer op casts them, O's scale
+    q8, k8, v8 = ca.qkv_views(y, HQ, HK, D)
     cache = reference_rows(q, k8.to(torch.bfloat16), v8.to(torch.bfloat16), rows)
-    q8 = ca.saturate_e4m3(q)
-    o_scale = ca.o_scale_for(v8.to(torch.bfloat16))
     flops = 4 * D * HQ * t * (t + 1) / 2
-
-    qkv = torch.cat([x.reshape(t, -1) for x in (q, k, v)], dim=1)  # the layer's fused projection rows
-    qv = qkv[:, : HQ * D].view(t, HQ, D)
-    kv_ = qkv[:, HQ * D : (HQ + HK) * D].view(t, HK, D)
-    vv = qkv[:, (HQ + HK) * D :].view(t, HK, D)
     short = t - 100  # a length that runs padded to its bucket (kernels.cudnn_attention.bucket_tokens)
     mid = rows < short
 
     def layer_op(n: int):  # (e4m3 [n, HQ * D], descale [n, 1]): what o_proj takes
-        return ca.dense_attention_fp8(qv[:n], kv_[:n], vv[:n], SCALE)
+        return ca.dense_attention_fp8(q[:n], k[:n], v[:n], SCALE)
 
     k8e, v8e = (x.repeat_interleave(HQ // HK, dim=1) for x in (k8, v8))
     variants = {
@@ -119,17 +115,14 @@ def probe_one(d: int, t: int) -> None:
     shape cuDNN mishandles can fault the CUDA context."""
     import json
 
-    from kernels.fp8_quant import cast_e4m3_ref
-
     hq, hk = 8, 2
     g = torch.Generator(device="cuda").manual_seed(d + t)
     qkv = torch.randn((t, (hq + 2 * hk) * d), device="cuda", generator=g).to(torch.bfloat16)
-    views = [qkv[:, a:b].view(t, -1, d) for a, b in ((0, hq * d), (hq * d, (hq + hk) * d), ((hq + hk) * d, None))]
-    o8, descale = ca.dense_attention_fp8(*views, d**-0.5)
+    o8, descale = ca.dense_attention_fp8(*ca.qkv_views(qkv, hq, hk, d), d**-0.5)
     got = o8.float() * descale
     torch.cuda.synchronize()
     y, o_scale = cast_e4m3_ref(qkv, (hq + hk) * d, ca.O_MARGIN)
-    e8 = [y[:, a:b].view(t, -1, d) for a, b in ((0, hq * d), (hq * d, (hq + hk) * d), ((hq + hk) * d, None))]
+    e8 = ca.qkv_views(y, hq, hk, d)
     emu = ca.causal_attention_fp8_ref(*e8, d**-0.5, o_scale).float().view(t, -1) / o_scale
     ex = torch.nn.functional.scaled_dot_product_attention(*(x.float().transpose(0, 1)[None] for x in e8),
                                                           is_causal=True, enable_gqa=True)[0].transpose(0, 1).reshape(t, -1)
@@ -163,7 +156,7 @@ def buckets(pairs: list[tuple[int, int]], reps: int) -> list[dict]:
     qkv = torch.randn((n, (HQ + 2 * HK) * D), device="cuda", generator=g).to(torch.bfloat16)
     rows = []
     for t, b in pairs:
-        views = [qkv[:t, a:z].view(t, -1, D) for a, z in ((0, HQ * D), (HQ * D, (HQ + HK) * D), ((HQ + HK) * D, None))]
+        views = ca.qkv_views(qkv[:t], HQ, HK, D)
         t0 = time.perf_counter()
         ca.dense_attention_fp8(*views, SCALE, bucket=b)
         torch.cuda.synchronize()

@@ -25,6 +25,10 @@ from typing import Any
 
 import torch
 
+from kernels.fp8_quant import cast_e4m3_ref, cast_e4m3_triton, saturate_e4m3
+
+__all__ = ["saturate_e4m3"]  # the cast this path applies to q/k/v, for its callers (the fp8 cache's)
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 P_SCALE = 448.0  # softmax probabilities in [0, 1] -> [0, 448]
@@ -62,11 +66,6 @@ def available(device: torch.device | str) -> str | None:
         except Exception as e:  # an optional package: any import failure means "not here"
             _REASON.append(f"the cudnn frontend does not import ({type(e).__name__}: {e})")
     return _REASON[0]
-
-
-def saturate_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """x cast to e4m3 as the fp8 cache stores it: scale 1, beyond +-448 clamped (not NaN)."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def _handle(device: torch.device) -> Any:
@@ -160,7 +159,7 @@ def dense_causal_attention_fp8(
 ) -> torch.Tensor:
     """Causal attention of one sequence over itself, all e4m3 with Q/K/V scale 1: q8 [T, Hq, D],
     k8/v8 [T, Hk, D] (last dims contiguous); o_scale: a one-element fp32 device tensor, O's scale
-    (`o_scale_for`). Returns out, e4m3 [T, Hq, D]: the attention output times o_scale.
+    (kernels.fp8_quant.cast_e4m3_triton's). Returns out, e4m3 [T, Hq, D]: the attention output times o_scale.
     seq_len: a one-element int32 device tensor, the sequence's length when it is shorter than T (rows
     past it must hold finite values; their outputs are not the sequence's)."""
     import cudnn
@@ -179,23 +178,39 @@ def dense_causal_attention_fp8(
     return out
 
 
+def causal_attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          round_p: bool = False) -> torch.Tensor:
+    """Causal attention in fp32 of q [T, Hq, D] over k/v [T, Hk, D] (any float dtypes) -> [T, Hq, D] fp32;
+    round_p: the probabilities rounded to e4m3 at P_SCALE before P V (as cuDNN's FP8 forward), the row sum
+    taken before that rounding."""
+    t, hq, _d = q.shape
+    g = hq // k.shape[1]
+    qf = q.float().transpose(0, 1)  # [Hq, T, D]
+    kf = k.float().repeat_interleave(g, dim=1).transpose(0, 1)
+    vf = v.float().repeat_interleave(g, dim=1).transpose(0, 1)
+    s = (qf @ kf.transpose(1, 2)) * scale
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    p = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    row_sum = p.sum(dim=-1, keepdim=True)
+    if round_p:
+        p = (p * P_SCALE).to(FP8).float() / P_SCALE
+    return ((p @ vf) / row_sum).transpose(0, 1)
+
+
 def causal_attention_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scale: float,
                              o_scale: torch.Tensor) -> torch.Tensor:
     """What cuDNN's FP8 forward computes, in fp32: softmax of the e4m3 q8 k8^T (times scale), the
     probabilities rounded to e4m3 at P_SCALE, times v8 over the row sum, times o_scale, cast to e4m3
     (saturating). q8: [T, Hq, D], k8/v8: [T, Hk, D] -> [T, Hq, D] e4m3."""
-    t, hq, _d = q8.shape
-    g = hq // k8.shape[1]
-    qf = q8.float().transpose(0, 1)  # [Hq, T, D]
-    kf = k8.float().repeat_interleave(g, dim=1).transpose(0, 1)
-    vf = v8.float().repeat_interleave(g, dim=1).transpose(0, 1)
-    s = (qf @ kf.transpose(1, 2)) * scale
-    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q8.device).triu(1), float("-inf"))
-    p = torch.exp(s - s.amax(dim=-1, keepdim=True))
-    row_sum = p.sum(dim=-1, keepdim=True)
-    p8 = (p * P_SCALE).to(FP8).float() / P_SCALE
-    o = (p8 @ vf) / row_sum * o_scale.float()
-    return o.clamp(-FP8_MAX, FP8_MAX).transpose(0, 1).contiguous().to(FP8)
+    o = causal_attention_fp32(q8, k8, v8, scale, round_p=True) * o_scale.float()
+    return o.clamp(-FP8_MAX, FP8_MAX).contiguous().to(FP8)
+
+
+def qkv_views(rows: torch.Tensor, hq: int, hk: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused projection's [T, (Hq + 2 Hk) * D] rows seen as q [T, Hq, D], k and v [T, Hk, D]."""
+    t = rows.shape[0]
+    return (rows[:, : hq * d].view(t, hq, d), rows[:, hq * d : (hq + hk) * d].view(t, hk, d),
+            rows[:, (hq + hk) * d :].view(t, hk, d))
 
 
 def _split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
@@ -220,8 +235,6 @@ def dense_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     One launch casts q | k | v to e4m3 and takes O's scale from V (kernels.fp8_quant.cast_e4m3_triton),
     then cuDNN's sdpa_fp8. reference: the same in PyTorch (`causal_attention_fp8_ref`, any device).
     bucket: the padded length to run at (>= T; None: `bucket_tokens`)."""
-    from kernels.fp8_quant import cast_e4m3_ref, cast_e4m3_triton
-
     t, hq, d = q.shape
     hk = k.shape[1]
     c = (hq + 2 * hk) * d
@@ -230,8 +243,7 @@ def dense_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         rows = torch.cat([x.reshape(t, -1) for x in (q, k, v)], dim=1)
     if reference:
         y, o_scale = cast_e4m3_ref(rows, (hq + hk) * d, O_MARGIN)
-        o8 = causal_attention_fp8_ref(y[:, : hq * d].view(t, hq, d), y[:, hq * d : (hq + hk) * d].view(t, hk, d),
-                                      y[:, (hq + hk) * d :].view(t, hk, d), scale, o_scale)
+        o8 = causal_attention_fp8_ref(*qkv_views(y, hq, hk, d), scale, o_scale)
         return o8.view(t, hq * d), torch.reciprocal(o_scale).expand(t, 1).contiguous()
     tb = bucket_tokens(t) if bucket is None else max(bucket, t)
     # (a bucket over EXACT_MAX is always run padded, below; at or under it the length's own graph)
@@ -241,8 +253,7 @@ def dense_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     _y, o_scale = cast_e4m3_triton(rows, (hq + hk) * d, O_MARGIN, out=y)
     # past EXACT_MAX always the bucket's padded graph (a length on the bucket too: one graph a bucket)
     seq_len = torch.full((1,), t, dtype=torch.int32, device=q.device) if tb > EXACT_MAX else None
-    o8 = dense_causal_attention_fp8(y[:, : hq * d].view(tb, hq, d), y[:, hq * d : (hq + hk) * d].view(tb, hk, d),
-                                    y[:, (hq + hk) * d :].view(tb, hk, d), scale, o_scale, seq_len=seq_len)
+    o8 = dense_causal_attention_fp8(*qkv_views(y, hq, hk, d), scale, o_scale, seq_len=seq_len)
     return o8[:t].view(t, hq * d), torch.reciprocal(o_scale).expand(t, 1).contiguous()
 
 
@@ -282,10 +293,7 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtyp
     for b in buckets_up_to(max_tokens):
         try:
             qkv = torch.zeros((b, (num_heads + 2 * num_kv_heads) * head_dim), dtype=dtype, device=device)
-            q = qkv[:, : num_heads * head_dim].view(b, num_heads, head_dim)
-            k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(b, num_kv_heads, head_dim)
-            v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(b, num_kv_heads, head_dim)
-            dense_attention_fp8(q, k, v, scale)
+            dense_attention_fp8(*qkv_views(qkv, num_heads, num_kv_heads, head_dim), scale)
         except (torch.cuda.OutOfMemoryError, Unsupported):
             break
         built = b

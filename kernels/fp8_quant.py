@@ -330,11 +330,16 @@ def _cast_e4m3_kernel(
         tl.atomic_min(scale_ptr, FP8_MAX_ / (MARGIN * tl.maximum(amax, 0.001953125)))
 
 
+def saturate_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x cast to e4m3 as the fp8 cache stores it: scale 1, beyond +-448 clamped (not NaN), NaN kept."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def cast_e4m3_ref(x: torch.Tensor, v_col: int, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x cast to e4m3 with scale 1, beyond +-448 clamped, NaN kept, [T, C] contiguous; [1] fp32: FP8_MAX
     over margin times the largest finite |cast value| of columns v_col.. (at most 2^-9 below: e4m3's
     smallest step), or FP8_MAX / (margin * 2^-9) without such columns)."""
-    y = x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    y = saturate_e4m3(x)
     vals = torch.nan_to_num(y[:, v_col:].float().abs(), nan=0.0)
     amax = vals.amax() if x.shape[0] > 0 and v_col < x.shape[1] else torch.zeros(())
     return y, (FP8_MAX / (margin * amax.clamp_min(2.0**-9))).reshape(1).to(torch.float32).to(x.device)

@@ -97,10 +97,10 @@ def test_dense_attention_fp8_takes_the_fused_rows_or_separate_tensors():
     g = torch.Generator().manual_seed(1)
     t, hq, hk, d = 19, 4, 2, 8
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
-    q = qkv[:, : hq * d].view(t, hq, d)
-    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
-    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
-    assert ca._split_qkv(q, k, v) is not None
+    q, k, v = ca.qkv_views(qkv, hq, hk, d)
+    assert (q.shape, k.shape, v.shape) == ((t, hq, d), (t, hk, d), (t, hk, d))
+    assert torch.equal(v[3, 1], qkv[3, (hq + hk) * d + d :])
+    assert ca._split_qkv(q, k, v).data_ptr() == qkv.data_ptr()  # the views' rows found again
     o8, descale = ca.dense_attention_fp8(q, k, v, d**-0.5, reference=True)
     qs, ks, vs = q.clone(), k.clone(), v.clone()
     assert ca._split_qkv(qs, ks, vs) is None

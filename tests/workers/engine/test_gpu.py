@@ -611,15 +611,13 @@ def test_cuda_fp8_attention_matches_its_emulation():
     qkv = torch.randn((t, (hq + 2 * hk) * d), device="cuda", generator=g).to(torch.bfloat16)
     qkv[:, : hq * d] *= 2
     qkv[:, (hq + hk) * d :] *= 0.5
-    q = qkv[:, : hq * d].view(t, hq, d)
-    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
-    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    q, k, v = ca.qkv_views(qkv, hq, hk, d)
     assert ca.bucket_tokens(t) == 3072  # padded: 72 rows past the sequence
     o8, descale = ca.dense_attention_fp8(q, k, v, d**-0.5)
     got = o8.float() * descale
     rows = slice(t - 300, t)  # the emulation's [Hq, T, T] scores for the last rows only
     y, o_scale = cast_e4m3_ref(qkv, (hq + hk) * d, ca.O_MARGIN)
-    q8, k8, v8 = (y[:, a:b].view(t, -1, d) for a, b in ((0, hq * d), (hq * d, (hq + hk) * d), ((hq + hk) * d, None)))
+    q8, k8, v8 = ca.qkv_views(y, hq, hk, d)
     emu = ca.causal_attention_fp8_ref(q8, k8, v8, d**-0.5, o_scale).float().view(t, hq * d) / o_scale
     exact = torch.nn.functional.scaled_dot_product_attention(
         *(x.float().transpose(0, 1)[None] for x in (q8, k8, v8)), is_causal=True, enable_gqa=True)[0]
