@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_fp8_decode import chain_us
 from bench.common import header, md_table, write_report
 from kernels import cudnn_attention as ca
 
@@ -35,29 +36,8 @@ SCALE = D**-0.5
 
 
 def graph_us(fn, reps: int = 50) -> float:
-    """Median µs of one replay of fn captured in a CUDA graph (two eager warm-ups first)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 100)  # ms for 10 -> µs for one
-    return sorted(ts)[len(ts) // 2]
+    """Median µs of one call of fn, ten calls captured back to back in one CUDA graph and replayed."""
+    return chain_us(fn, [()] * 10, reps)
 
 
 class CudnnAttention:

@@ -21,25 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_fp8_quality import CORPUS, TEXTS
+from bench.bench_fp8_quality import pack_corpus
 from bench.common import header, md_table, write_report
 from workers.engine import EngineConfig, LLMEngine
 from workers.engine.attention import AttentionMetadata
 from workers.engine.downloads import ensure_model
-
-
-def long_documents(tok, doc_tokens: int) -> list[list[int]]:
-    """The quality corpus's paragraphs packed in order into documents of at most doc_tokens tokens."""
-    paragraphs = TEXTS + [p for p in CORPUS.read_text().rstrip("\n").split("\n\n") if p.strip()]
-    docs, cur = [], ""
-    for p in paragraphs:
-        joined = f"{cur}\n\n{p}" if cur else p
-        if cur and len(tok(joined).input_ids) > doc_tokens:
-            docs.append(tok(cur).input_ids)
-            joined = p
-        cur = joined
-    docs.append(tok(cur).input_ids)
-    return docs
 
 
 def dense_logprobs(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
@@ -63,26 +49,18 @@ def emulated(round_kv: bool, round_q: str, round_p: bool):
     """Attention in fp32 with chosen e4m3 roundings (the dense op's signature, the model's dtype out):
     round_kv: k/v as the fp8 cache holds them; round_q: "" (none), "unit" (scale 1, as the FP8 path
     does) or "amax" (a per-tensor scale mapping max |q| to 448); round_p: P at P_SCALE."""
-    from kernels.cudnn_attention import FP8, FP8_MAX, P_SCALE, saturate_e4m3
+    from kernels.cudnn_attention import FP8, FP8_MAX, causal_attention_fp32, saturate_e4m3
 
     def op(q, k, v, scale):
-        t, hq, _ = q.shape
-        g = hq // k.shape[1]
         if round_q == "unit":
-            qf = saturate_e4m3(q).float()
+            q8 = saturate_e4m3(q).float()
         elif round_q == "amax":
             s = q.float().abs().amax().clamp_min(1e-12) / FP8_MAX
-            qf = (q.float() / s).to(FP8).float() * s
+            q8 = (q.float() / s).to(FP8).float() * s
         else:
-            qf = q.float()
-        kf, vf = ((saturate_e4m3(x).float() if round_kv else x.float()).repeat_interleave(g, 1) for x in (k, v))
-        sc = torch.einsum("thd,shd->hts", qf, kf) * scale
-        sc = sc.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-        p = torch.exp(sc - sc.amax(-1, keepdim=True))
-        den = p.sum(-1, keepdim=True)
-        if round_p:
-            p = (p * P_SCALE).to(FP8).float() / P_SCALE
-        return (torch.einsum("hts,shd->thd", p, vf) / den.transpose(0, 1)).to(q.dtype)
+            q8 = q
+        k8, v8 = (saturate_e4m3(x) if round_kv else x for x in (k, v))
+        return causal_attention_fp32(q8, k8, v8, scale, round_p).to(q.dtype)
 
     return op
 
@@ -109,7 +87,7 @@ def main() -> None:
 
     path = ensure_model("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(str(path))
-    docs = long_documents(tok, args.doc_tokens)
+    docs = pack_corpus(tok, args.doc_tokens)
     backend = "torch" if args.device == "cpu" else "triton"
     common = dict(device=args.device, dtype="bfloat16", kernel_backend=backend, block_size=16, cuda_graphs=False,
                   num_blocks=-(-max(map(len, docs)) // 16) + 8, max_model_len=max(map(len, docs)) + 16)

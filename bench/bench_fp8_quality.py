@@ -130,11 +130,16 @@ def documents(tok, args) -> list[list[int]]:
                 n += len(docs[-1]) - 1
             texts = [t + " " + t for t in texts]  # longer contexts on a second round
         return docs
+    return pack_corpus(tok, 512)
+
+
+def pack_corpus(tok, max_tokens: int) -> list[list[int]]:
+    """TEXTS and the corpus file's paragraphs packed in order into documents of up to max_tokens tokens."""
     paragraphs = TEXTS + [p for p in CORPUS.read_text().rstrip("\n").split("\n\n") if p.strip()]
     docs, cur = [], ""
     for p in paragraphs:
         joined = f"{cur}\n\n{p}" if cur else p
-        if cur and len(tok(joined).input_ids) > 512:
+        if cur and len(tok(joined).input_ids) > max_tokens:
             docs.append(tok(cur).input_ids)
             joined = p
         cur = joined
