@@ -262,5 +262,7 @@ class EngineConfig:
             raise ValueError("quantization must be None or 'fp8'")
         if self.fp8_lm_head and self.quantization != "fp8":
             raise ValueError("fp8_lm_head needs quantization='fp8'")
+        if self.fp8_attention not in (None, True, False):  # a string "false" would read as on
+            raise ValueError("fp8_attention must be None, True or False")
         if self.fp8_attention and (self.quantization != "fp8" or self.kv_cache_dtype != "fp8"):
             raise ValueError("fp8_attention needs quantization='fp8' and kv_cache_dtype='fp8'")

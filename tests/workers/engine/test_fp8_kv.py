@@ -41,6 +41,20 @@ def test_kv_cache_dtype_is_checked():
         EngineConfig(kv_cache_dtype="int4")
 
 
+def test_fp8_attention_is_checked():
+    """fp8_attention: None, True or False (the string "false" is not off), and on only with FP8 and an fp8 cache."""
+    import pytest
+
+    assert EngineConfig().fp8_attention is None
+    EngineConfig(quantization="fp8", kv_cache_dtype="fp8", fp8_attention=True)
+    EngineConfig(fp8_attention=False)
+    with pytest.raises(ValueError, match="None, True or False"):
+        EngineConfig(quantization="fp8", kv_cache_dtype="fp8", fp8_attention="false")
+    for fields in ({"quantization": "fp8"}, {"kv_cache_dtype": "fp8"}):
+        with pytest.raises(ValueError, match="fp8_attention needs"):
+            EngineConfig(fp8_attention=True, **fields)
+
+
 def test_v_layout_is_checked():
     """V stays in rows unless keys_inner is asked for (it measured slower on the GPU)."""
     import pytest
