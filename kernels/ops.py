@@ -68,14 +68,14 @@ def get_ops(backend: str) -> KernelOps:
             tiles_from_env,
         )
         from kernels.fp8_quant import rms_norm_quant_triton, silu_and_mul_quant_triton
-        from kernels.prefill_attention import paged_attention_triton, plan_prefill_splits
+        from kernels.prefill_attention import keywords_from_env, paged_attention_triton, plan_prefill_splits
         from kernels.rmsnorm import rms_norm_triton
         from kernels.rope_cache import rope_and_cache_triton
         from kernels.silu_mul import silu_and_mul_triton
 
-        # FIRSTTOKEN_PREFILL_WIDEN=q: the prefill attention widens an fp8 cache to q's dtype (bf16),
-        # not to fp16 (kernels.prefill_attention.default_widen; an A/B switch)
-        widen = {"widen": "q"} if os.environ.get("FIRSTTOKEN_PREFILL_WIDEN") == "q" else {}
+        # FIRSTTOKEN_PREFILL_WIDEN / FIRSTTOKEN_PREFILL_PREFETCH: the prefill attention's widen and prefetch
+        # (kernels.prefill_attention.keywords_from_env; A/B switches)
+        prefill_kw = keywords_from_env()
         # FIRSTTOKEN_DECODE_TILES: decode attention's tile keywords, for every launch and the warm-up (an A/B switch)
         tiles = tiles_from_env()
         return KernelOps(
@@ -85,12 +85,12 @@ def get_ops(backend: str) -> KernelOps:
             rms_norm_quant=rms_norm_quant_triton,
             silu_and_mul_quant=silu_and_mul_quant_triton,
             rope_and_cache=rope_and_cache_triton,
-            prefill_attention=_bind(paged_attention_triton, widen),
+            prefill_attention=_bind(paged_attention_triton, prefill_kw),
             decode_attention=_bind(decode_attention_triton, tiles),
             # FIRSTTOKEN_FUSED_DECODE_ROPE=0: rope_and_cache's own launch in decode steps too (an A/B switch)
             decode_rope_attention=None if os.environ.get("FIRSTTOKEN_FUSED_DECODE_ROPE") == "0"
             else _bind(decode_rope_attention_triton, tiles),
-            warm_up=partial(_warm_up_triton, **widen, decode_tiles=tiles),
+            warm_up=partial(_warm_up_triton, **prefill_kw, decode_tiles=tiles),
             prefill_splits=plan_prefill_splits,
         )
     raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
@@ -112,9 +112,9 @@ def _bind(fn: Callable, keywords: dict) -> Callable:
 
 
 def _warm_up_triton(k_cache, v_cache, num_heads: int, scale: float, sliding_window: int | None, q_dtype,
-                    widen: str | None = None, decode_tiles: dict | None = None) -> None:
+                    widen: str | None = None, prefetch: bool = False, decode_tiles: dict | None = None) -> None:
     from kernels.decode_attention import warm_up_decode
     from kernels.prefill_attention import warm_up_prefill
 
-    warm_up_prefill(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype, widen)
+    warm_up_prefill(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype, widen, prefetch)
     warm_up_decode(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype, decode_tiles)

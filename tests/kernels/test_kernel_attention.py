@@ -54,6 +54,26 @@ def test_paged_prefill(dtype, prefix, new, hq, hk, d, window, tiles, v_layout) -
 
 
 @pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize(("dtype", "fp8", "splits"), [(F32, False, None), (BF16, True, 3)])
+@pytest.mark.parametrize(("prefix", "new", "hq", "hk", "d", "window", "tiles"), PREFILL_CASES[:4])
+@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
+def test_paged_prefill_prefetch(dtype, fp8, splits, prefix, new, hq, hk, d, window, tiles, v_layout) -> None:
+    """prefetch=True (the next tile's K and block ids loaded a tile ahead, masked at the split's end and
+    the context's): the same answer as the reference, split or not; with an fp8 cache (widen="k8", the
+    poison NaN in every unowned slot) a load past a range would show."""
+    q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, d, 16, dtype)
+    if fp8:
+        kc, vc = kc.to(FP8), vc.to(FP8)
+    vc = to_v_layout(vc, v_layout, stale=448.0 if fp8 else 300.0)
+    widen = "k8" if fp8 else None
+    out = paged_attention_triton(q, kc, vc, bt, qsl, sl, d**-0.5, window, max_query_len=max(new), widen=widen,
+                                 num_splits=splits, prefetch=True, **tiles)
+    assert not out.isnan().any()
+    ref = paged_attention_ref(q_as_e4m3(q, d**-0.5) if fp8 else q, kc, vc, bt, qsl, sl, d**-0.5, window)
+    torch.testing.assert_close(out, ref.to(out.dtype), **TOL[dtype])
+
+
+@pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
 def test_paged_prefill_head_dim_below_its_power_of_two(v_layout) -> None:
     """D = 80 (tiles of 128 columns, 48 masked): a keys-inner V's rows are D x block_size apart, so a
@@ -258,23 +278,40 @@ def test_attention_rejects_bad_inputs() -> None:
 FP8 = torch.float8_e4m3fn
 
 
+def q_as_e4m3(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """q as widen="k8" multiplies it into K: pre-scaled by scale * log2(e), one scale per (token, head)
+    row taking its largest |value| to e4m3's 448, rounded to e4m3 (fp32 result, the scales undone)."""
+    qk_scale = scale * 1.4426950408889634
+    qf = q.float() * qk_scale
+    amax = qf.abs().amax(-1, keepdim=True)
+    sc = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (qf / sc).to(FP8).float() * sc / qk_scale
+
+
 @pytest.mark.usefixtures("poison_empty")
-@pytest.mark.parametrize(("dtype", "widen"), [(F32, None), (BF16, None), (BF16, "fp16")])
+@pytest.mark.parametrize(("dtype", "widen"), [(F32, None), (BF16, None), (BF16, "fp16"), (BF16, "k8")])
 @pytest.mark.parametrize(("prefix", "new", "hq", "hk", "d", "window", "tiles"), PREFILL_CASES[:4])
 @pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
 def test_paged_prefill_fp8_cache(dtype, widen, prefix, new, hq, hk, d, window, tiles, v_layout) -> None:
     """An fp8 (e4m3) KV cache: the kernel widens each loaded tile to q's dtype, or (widen="fp16",
     the GPU's default for 16-bit q) with q pre-scaled and the probabilities in fp16; same answer as
     the reference reading the same fp8 cache (NaN poison survives the cast, so unowned slots
-    still fail the test if read; keys_inner: V's unowned slots hold 448, finite as that layout needs)."""
+    still fail the test if read; keys_inner: V's unowned slots hold 448, finite as that layout needs).
+    widen="k8" (QK^T on FP8 tensor cores) rounds q to e4m3 per row: the reference gets q so rounded."""
     q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, d, 16, dtype)
     kc8, vc8 = kc.to(FP8), to_v_layout(vc.to(FP8), v_layout, stale=448.0)
     assert kc8.float().isnan().any(), "the poison must survive the fp8 cast"
     out = paged_attention_triton(q, kc8, vc8, bt, qsl, sl, d**-0.5, window, max_query_len=max(new), widen=widen,
                                  **tiles)
     assert not out.isnan().any()
-    ref = paged_attention_ref(q, kc8, vc8, bt, qsl, sl, d**-0.5, window)
-    torch.testing.assert_close(out, ref, **TOL[dtype])
+    q_ref = q_as_e4m3(q, d**-0.5) if widen == "k8" else q
+    ref = paged_attention_ref(q_ref, kc8, vc8, bt, qsl, sl, d**-0.5, window)
+    torch.testing.assert_close(out, ref.to(out.dtype), **TOL[dtype])
+    if widen == "k8":  # the rounding of q is what it adds: against the unrounded q it is farther off
+        exact = paged_attention_ref(q.float(), kc8, vc8, bt, qsl, sl, d**-0.5, window)
+        err = lambda a: float((a.float() - exact).norm() / exact.norm())  # noqa: E731
+        assert err(ref) > 4 * err(paged_attention_ref(q, kc8, vc8, bt, qsl, sl, d**-0.5, window)), "q not rounded?"
+        assert err(out) < 0.05
     # and it is the quantized cache that is read: the unquantized answer differs by far more than TOL
     if dtype == F32:
         assert not torch.allclose(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, d**-0.5, window), **TOL[F32])
