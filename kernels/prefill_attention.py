@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import os
+from typing import Any
 
 import torch
 
