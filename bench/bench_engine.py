@@ -339,10 +339,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # (EngineConfig.fp8_attention, on by default with +kv8 where cuDNN's FP8 forward runs)
     "fp8-bf16attn": {"quantization": "fp8", "fp8_attention": False},
     # A/B of the paged prefill attention over an fp8 cache (a cached prefix's new tokens): QK^T on FP8
-    # tensor cores (q rounded to e4m3 per row), the next tile's K and block ids loaded a tile ahead, both
+    # tensor cores (q rounded to e4m3 per row)
     "fp8-k8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "k8"}},
-    "fp8-ppf": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_PREFETCH": "1"}},
-    "fp8-k8ppf": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "k8", "FIRSTTOKEN_PREFILL_PREFETCH": "1"}},
 }
 
 

@@ -26,8 +26,8 @@
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
 #   h200        throughput of fp8-vtpf3 and fp8+kv8, then TTFT / decode of bf16 and fp8+kv8 (no transformers)  ~8.5 min
-#   prefill_k8  2048 cached + 128's paged attention: QK^T on FP8 tensor cores, loads a tile ahead, tiles
-#               (ncu_prefill_cached), then TTFT 2048 / cached + 128 and decode b1 with each in the engine    ~4 min
+#   prefill_k8  2048 cached + 128's paged attention: QK^T on FP8 tensor cores, with tiles (ncu_prefill_cached),
+#               then TTFT 2048 / cached + 128 and decode b1 with and without it in the engine      ~3 min
 #   fp8attn     cuDNN's FP8 dense prefill attention (bench_fp8_attention), its GPU tests, then TTFT 2048 / 8192 /
 #               32768 with it (fp8+kv8) and without (fp8-bf16attn+kv8)                             ~6 min
 #   ncu_layouts ncu of one decode-attention launch per V layout                                        ~2 min
@@ -110,12 +110,9 @@ if torch.cuda.is_available():
 EOF
 cat "$OUT/machine.txt"
 
-PREFILL_VARIANTS='{"k8": {"widen": "k8"}, "pf": {"prefetch": true}, "k8_pf": {"widen": "k8", "prefetch": true},
- "k8_s3": {"widen": "k8", "num_stages": 3}, "k8_pf_s3": {"widen": "k8", "prefetch": true, "num_stages": 3},
- "k8_pf_n128": {"widen": "k8", "prefetch": true, "block_n": 128}, "k8_pf_m128": {"widen": "k8", "prefetch": true,
- "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "num_splits": 4},
- "k8_pf_sp2": {"widen": "k8", "prefetch": true, "num_splits": 2}, "k8_pf_sp8": {"widen": "k8", "prefetch": true, "num_splits": 8},
- "pf_m128": {"prefetch": true, "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "num_splits": 4}}'
+PREFILL_VARIANTS='{"k8": {"widen": "k8"}, "k8_s3": {"widen": "k8", "num_stages": 3},
+ "k8_n128": {"widen": "k8", "block_n": 128}, "k8_m128": {"widen": "k8", "block_m": 128, "block_n": 64, "num_warps": 8,
+ "num_stages": 2, "num_splits": 4}}'
 for stage in "${STAGES[@]}"; do
   case $stage in
     tests)
@@ -184,10 +181,10 @@ for stage in "${STAGES[@]}"; do
       run ttft_fp8attn 280 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft \
         --ttft-lengths 2048,8192,32768 --engines fp8+kv8,fp8-bf16attn+kv8 --no-hf ;;
     prefill_k8)  # the paged prefill attention of 2048 cached + 128 over an fp8 cache: QK^T on FP8 tensor cores (widen
-      # k8), the loads a tile ahead (prefetch), both, with tiles; then TTFT 2048 (cached + 128) and decode b1 with each  ~4 min
+      # k8) with tiles; then TTFT 2048 (cached + 128) and decode b1 with and without it              ~3 min
       [ "${SMOKE:-0}" = 1 ] || run prefill_cached 150 $PY bench/ncu_prefill_cached.py --variants "$PREFILL_VARIANTS"
       run ttft_k8 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
-        --decode-batches 1 --engines fp8+kv8,fp8-k8+kv8,fp8-ppf+kv8,fp8-k8ppf+kv8 --no-hf ;;
+        --decode-batches 1 --engines fp8+kv8,fp8-k8+kv8 --no-hf ;;
     h200)  # one H200 call: throughput of keys-inner V + prefetch (fp8-vtpf3) and the default, then TTFT and decode for
       # bf16 and fp8+kv8 beside their floors (the issue's table)                                       ~8.5 min
       for e in fp8-vtpf3+kv8 fp8+kv8; do

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import bounded_put, cdiv, check, lazy_helper, lazy_jit, next_pow2, num_sms
+from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
 from kernels.kv_layout import check_v_layout, v_keys_inner
 
 
@@ -65,31 +65,6 @@ def paged_attention_ref(
 tl: Any = None  # triton.language, bound at the first launch by kernels._triton.lazy_jit
 
 
-@lazy_helper
-def _key_blocks_in(kpos, k_end, BLOCK_SIZE: tl.constexpr, V_T: tl.constexpr):
-    """Which keys' block-table entries a tile loads: those before k_end, or (V_T) every key of a block
-    that starts before it (V is read in whole blocks; the hint makes one load per block)."""
-    if V_T:
-        return tl.max_constancy(kpos - kpos % BLOCK_SIZE < k_end, BLOCK_SIZE)
-    return kpos < k_end
-
-
-@lazy_helper
-def _load_v_tile(v_cache_ptr, blk, kpos, k_ok, blk_in, c_off, d, dmask, stride_vcb, v_head_off,
-                 BLOCK_SIZE: tl.constexpr, V_T: tl.constexpr):
-    """A key tile's V rows [BLOCK_N, BLOCK_D] in the cache's dtype."""
-    if V_T:  # V^T [BLOCK_D, BLOCK_N] in whole blocks: each block's BLOCK_SIZE keys of a dim are one aligned
-        # run (the hints let the load take 16 bytes at a time; a 3D [blocks, D, keys] load permuted into
-        # [keys, D] cost the wgmma path 64 2-byte shared stores a thread a tile, Triton 3.9's sm90 SASS).
-        # Slots past k_end hold finite values (kernels/kv_layout.py) and get p = 0 on the causal diagonal
-        vk = blk * stride_vcb + v_head_off + (kpos % BLOCK_SIZE).to(tl.int64)  # [BLOCK_N]
-        vk = tl.max_contiguous(tl.multiple_of(vk, BLOCK_SIZE), BLOCK_SIZE)
-        vt = tl.load(v_cache_ptr + (d * BLOCK_SIZE)[:, None] + vk[None, :],
-                     mask=dmask[:, None] & blk_in[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        return tl.trans(vt)
-    return tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=k_ok[:, None] & dmask[None, :], other=0.0)
-
-
 @lazy_jit(do_not_specialize=("window", "num_m_tiles", "num_splits", "stride_bt"),
           do_not_specialize_on_alignment=("bt_ptr", "qsl_ptr", "seq_lens_ptr"))
 def _paged_attention_kernel(
@@ -134,7 +109,6 @@ def _paged_attention_kernel(
     WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
     QK_FP8: tl.constexpr,  # an fp8 cache: K stays e4m3, q is rounded to e4m3 per row (QK^T on FP8 tensor cores)
     V_T: tl.constexpr,  # v_cache holds each block's keys innermost: read in whole blocks (BLOCK_N % BLOCK_SIZE == 0)
-    PREFETCH: tl.constexpr,  # load the next tile's K and the one after's block ids while this tile computes
 ):
     pid0 = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -208,38 +182,16 @@ def _paged_attention_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kv_head_off = kvh.to(tl.int64) * stride_ch
     v_head_off = kvh.to(tl.int64) * stride_vch
-    if PREFETCH:  # the loads run ahead of the math (Triton's pipeliner leaves these gathers synchronous):
-        # this tile's K in registers, the next tile's block ids (masked off past this split's range)
-        kp = k_begin + tl.arange(0, BLOCK_N)
-        # (k_stop, past which nothing is loaded, is k_end or a tile's start: masks by it are exact)
-        blk_cur = tl.load(bt_row + kp // BLOCK_SIZE, mask=_key_blocks_in(kp, k_stop, BLOCK_SIZE, V_T), other=0).to(tl.int64)
-        c0 = blk_cur * stride_cb + (kp % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off
-        k_nxt = tl.load(k_cache_ptr + c0[:, None] + d[None, :], mask=(kp < k_stop)[:, None] & dmask[None, :], other=0.0)
-        kp = kp + BLOCK_N
-        blk_nxt = tl.load(bt_row + kp // BLOCK_SIZE, mask=_key_blocks_in(kp, k_stop, BLOCK_SIZE, V_T), other=0).to(tl.int64)
     for start in range(k_begin, k_stop, BLOCK_N):  # start: a multiple of BLOCK_N
         kpos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         k_ok = kpos < k_end
-        blk_in = _key_blocks_in(kpos, k_end, BLOCK_SIZE, V_T)
-        if PREFETCH:
-            blk = blk_cur
-            k = k_nxt
-            c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
-            v = _load_v_tile(v_cache_ptr, blk, kpos, k_ok, blk_in, c_off, d, dmask, stride_vcb, v_head_off,
-                             BLOCK_SIZE, V_T)
-            kp = kpos + BLOCK_N  # the next tile: K from the ids loaded last iteration, then the ids after it
-            c_n = blk_nxt * stride_cb + (kp % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off
-            k_nxt = tl.load(k_cache_ptr + c_n[:, None] + d[None, :], mask=(kp < k_stop)[:, None] & dmask[None, :],
-                            other=0.0)
-            blk_cur = blk_nxt
-            kp = kp + BLOCK_N
-            blk_nxt = tl.load(bt_row + kp // BLOCK_SIZE, mask=_key_blocks_in(kp, k_stop, BLOCK_SIZE, V_T),
-                              other=0).to(tl.int64)
-        else:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=blk_in, other=0).to(tl.int64)
-            c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
-            k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=k_ok[:, None] & dmask[None, :],
-                        other=0.0)  # [BLOCK_N, BLOCK_D]
+        blk_in = k_ok
+        if V_T:  # every key of a block in range gets the block's id: V's runs are whole blocks (the hints below)
+            blk_in = tl.max_constancy(kpos - kpos % BLOCK_SIZE < k_end, BLOCK_SIZE)
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=blk_in, other=0).to(tl.int64)
+        c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
+        kv_mask = k_ok[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         if not QK_FP8:  # an fp8 cache widens exactly to q's dtype (else a no-op), or to fp16 (exact too)
             k = k.to(tl.float16) if WIDEN_F16 else k.to(q_ptr.dtype.element_ty)
         if DOT_FP32:
@@ -262,9 +214,17 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not PREFETCH:
-            v = _load_v_tile(v_cache_ptr, blk, kpos, k_ok, blk_in, c_off, d, dmask, stride_vcb, v_head_off,
-                             BLOCK_SIZE, V_T)
+        if V_T:  # V^T [BLOCK_D, BLOCK_N] in whole blocks: each block's BLOCK_SIZE keys of a dim are one aligned
+            # run (the hints let the load take 16 bytes at a time; a 3D [blocks, D, keys] load permuted into
+            # [keys, D] cost the wgmma path 64 2-byte shared stores a thread a tile, Triton 3.9's sm90 SASS).
+            # Slots past k_end hold finite values (kernels/kv_layout.py) and get p = 0 on the causal diagonal
+            vk = blk * stride_vcb + v_head_off + (kpos % BLOCK_SIZE).to(tl.int64)  # [BLOCK_N]
+            vk = tl.max_contiguous(tl.multiple_of(vk, BLOCK_SIZE), BLOCK_SIZE)
+            vt = tl.load(v_cache_ptr + (d * BLOCK_SIZE)[:, None] + vk[None, :],
+                         mask=dmask[:, None] & blk_in[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+            v = tl.trans(vt)
+        else:
+            v = tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = v.to(tl.float16) if WIDEN_F16 else v.to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
@@ -456,7 +416,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
                sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits, num_m_tiles) of one launch."""
     hq, hk, d, bs, b, on_gpu, fp8_cache, v_t = static
-    block_m, block_n, num_warps, num_stages, num_splits, widen, prefetch = over
+    block_m, block_n, num_warps, num_stages, num_splits, widen = over
     check(widen in (None, "q", "fp16", "k8"), "paged_attention: widen must be 'q', 'fp16' or 'k8', not {!r}", widen)
     if widen is None:
         widen = default_widen(dtype, fp8_cache, on_gpu)
@@ -506,7 +466,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
         "PRECISION": "ieee" if dtype == torch.float32 or not on_gpu else None,
         "DOT_FP32": not on_gpu, "WIDEN_F16": fp8_cache and widen in ("fp16", "k8") and dtype != torch.float32,
         "QK_FP8": fp8_cache and widen == "k8" and dtype != torch.float32,
-        "V_T": v_t, "PREFETCH": bool(prefetch),
+        "V_T": v_t,
     }
     return grid, consts, warps, stages, num_splits, num_m_tiles
 
@@ -522,7 +482,7 @@ def plan_prefill_splits(q_dtype: torch.dtype, num_heads: int, k_cache: torch.Ten
     static = (num_heads, hk, d, bs, batch, k_cache.device.type == "cuda", k_cache.dtype == torch.float8_e4m3fn,
               False)  # the V layout changes no split count
     plan = _tile_plan(static, q_dtype, num_tokens, min(max_query_len, num_tokens), ctx_bound,
-                      sliding_window is not None, num_sms(k_cache.device), (None,) * 7)
+                      sliding_window is not None, num_sms(k_cache.device), (None,) * 6)
     return plan[4]
 
 
@@ -544,7 +504,6 @@ def paged_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     widen: str | None = None,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """Triton `paged_attention_ref`: the whole varlen batch in one launch (two when split), no host sync.
 
@@ -558,8 +517,11 @@ def paged_attention_triton(
     combines. block_m / block_n / num_warps / num_stages / num_splits override the choice.
     widen: what an fp8 cache's tiles are widened to before the dots, "q" (q's dtype) or "fp16"
     (None: `default_widen`), or "k8": K stays e4m3 and q is rounded to e4m3 with one scale per row
-    (query token and head), so QK^T runs on FP8 tensor cores; V is widened to fp16. prefetch: each
-    iteration loads the next key tile's K and the block ids of the one after (registers, not a pipeline).
+    (query token and head), so QK^T runs on FP8 tensor cores; V is widened to fp16 (H100, 2048 cached +
+    128 new tokens graph-replayed: 23.0 against 27.5 us; relative error from exact 0.026 against 0.001:
+    bench/results/2026-12-06-session13-prefill-cached-variants-h100-13b18df.jsonl). Loading the next
+    key tile's K and block ids a tile ahead in registers (Triton leaves these gathers synchronous) was
+    no faster there: 28.0 us alone, 27.3 with k8, so it is not kept.
     """
     # q: [T, Hq, D]; out: [T, Hq, D]; split partials: [T * Hq, S] and [T * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -580,7 +542,7 @@ def paged_attention_triton(
     ctx_bound = block_tables.shape[1] * bs
     if max_seq_len is not None:
         ctx_bound = min(ctx_bound, max_seq_len)
-    over = (block_m, block_n, num_warps, num_stages, num_splits, widen, prefetch)
+    over = (block_m, block_n, num_warps, num_stages, num_splits, widen)
     tkey = (skey, t, max_q, ctx_bound, over)
     plan = _TILES.get(tkey)
     if plan is None:
@@ -606,28 +568,30 @@ def paged_attention_triton(
     return out
 
 
+def q_as_e4m3_ref(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """q as widen="k8" multiplies it into K (fp32, the scales undone): pre-scaled by scale * log2(e), one
+    scale per (token, head) row taking its largest |value| to e4m3's 448, rounded to e4m3 (nearest even).
+    `paged_attention_ref` over it is the k8 kernel's emulation."""
+    qk_scale = scale * 1.4426950408889634
+    qf = q.float() * qk_scale
+    amax = qf.abs().amax(-1, keepdim=True)
+    sc = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (qf / sc).to(torch.float8_e4m3fn).float() * sc / qk_scale
+
+
 def keywords_from_env(environ=None) -> dict:
-    """The prefill attention's A/B switches, bound into every launch and the warm-up by kernels.ops:
-    FIRSTTOKEN_PREFILL_WIDEN (q, fp16 or k8: `paged_attention_triton`'s widen) and
-    FIRSTTOKEN_PREFILL_PREFETCH=1 (its prefetch). Unset: neither (the defaults). A bad value raises
-    ValueError naming the variable."""
-    env = os.environ if environ is None else environ
-    out: dict = {}
-    widen = env.get("FIRSTTOKEN_PREFILL_WIDEN")
-    if widen:
-        check(widen in ("q", "fp16", "k8"), "FIRSTTOKEN_PREFILL_WIDEN must be q, fp16 or k8, not {!r}", widen)
-        out["widen"] = widen
-    prefetch = env.get("FIRSTTOKEN_PREFILL_PREFETCH")
-    if prefetch:
-        check(prefetch in ("0", "1"), "FIRSTTOKEN_PREFILL_PREFETCH must be 0 or 1, not {!r}", prefetch)
-        if prefetch == "1":
-            out["prefetch"] = True
-    return out
+    """The prefill attention's A/B switch, bound into every launch and the warm-up by kernels.ops:
+    FIRSTTOKEN_PREFILL_WIDEN (q, fp16 or k8: `paged_attention_triton`'s widen). Unset: the default.
+    A bad value raises ValueError naming the variable."""
+    widen = (os.environ if environ is None else environ).get("FIRSTTOKEN_PREFILL_WIDEN")
+    if not widen:
+        return {}
+    check(widen in ("q", "fp16", "k8"), "FIRSTTOKEN_PREFILL_WIDEN must be q, fp16 or k8, not {!r}", widen)
+    return {"widen": widen}
 
 
 def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
-                    sliding_window: int | None, q_dtype: torch.dtype, widen: str | None = None,
-                    prefetch: bool = False) -> None:
+                    sliding_window: int | None, q_dtype: torch.dtype, widen: str | None = None) -> None:
     """Compile every variant `paged_attention_triton` can pick on this GPU for these caches.
 
     A variant is a tile configuration times split-or-not; the runtime ints are not specialised
@@ -648,4 +612,4 @@ def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
         for splits in (1, 2):
             paged_attention_triton(q, k_cache, v_cache, tables, qsl, lens, scale, sliding_window, t,
                                    num_splits=splits, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-                                   widen=widen, prefetch=prefetch)
+                                   widen=widen)

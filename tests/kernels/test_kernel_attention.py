@@ -8,7 +8,12 @@ from kernel_testutil import TOL, dense_attention, make_paged_kv
 
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from kernels.kv_layout import to_v_layout, v_keys_inner
-from kernels.prefill_attention import paged_attention_ref, paged_attention_triton, prefill_splits
+from kernels.prefill_attention import (
+    paged_attention_ref,
+    paged_attention_triton,
+    prefill_splits,
+    q_as_e4m3_ref,
+)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -51,26 +56,6 @@ def test_paged_prefill(dtype, prefix, new, hq, hk, d, window, tiles, v_layout) -
     assert not out.isnan().any(), "unwritten (or NaN-polluted) output rows"
     ref = paged_attention_ref(q, kc, vc, bt, qsl, sl, scale, window)
     torch.testing.assert_close(out, ref, **TOL[dtype])
-
-
-@pytest.mark.usefixtures("poison_empty")
-@pytest.mark.parametrize(("dtype", "fp8", "splits"), [(F32, False, None), (BF16, True, 3)])
-@pytest.mark.parametrize(("prefix", "new", "hq", "hk", "d", "window", "tiles"), PREFILL_CASES[:4])
-@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
-def test_paged_prefill_prefetch(dtype, fp8, splits, prefix, new, hq, hk, d, window, tiles, v_layout) -> None:
-    """prefetch=True (the next tile's K and block ids loaded a tile ahead, masked at the split's end and
-    the context's): the same answer as the reference, split or not; with an fp8 cache (widen="k8", the
-    poison NaN in every unowned slot) a load past a range would show."""
-    q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, d, 16, dtype)
-    if fp8:
-        kc, vc = kc.to(FP8), vc.to(FP8)
-    vc = to_v_layout(vc, v_layout, stale=448.0 if fp8 else 300.0)
-    widen = "k8" if fp8 else None
-    out = paged_attention_triton(q, kc, vc, bt, qsl, sl, d**-0.5, window, max_query_len=max(new), widen=widen,
-                                 num_splits=splits, prefetch=True, **tiles)
-    assert not out.isnan().any()
-    ref = paged_attention_ref(q_as_e4m3(q, d**-0.5) if fp8 else q, kc, vc, bt, qsl, sl, d**-0.5, window)
-    torch.testing.assert_close(out, ref.to(out.dtype), **TOL[dtype])
 
 
 @pytest.mark.usefixtures("poison_empty")
@@ -278,16 +263,6 @@ def test_attention_rejects_bad_inputs() -> None:
 FP8 = torch.float8_e4m3fn
 
 
-def q_as_e4m3(q: torch.Tensor, scale: float) -> torch.Tensor:
-    """q as widen="k8" multiplies it into K: pre-scaled by scale * log2(e), one scale per (token, head)
-    row taking its largest |value| to e4m3's 448, rounded to e4m3 (fp32 result, the scales undone)."""
-    qk_scale = scale * 1.4426950408889634
-    qf = q.float() * qk_scale
-    amax = qf.abs().amax(-1, keepdim=True)
-    sc = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    return (qf / sc).to(FP8).float() * sc / qk_scale
-
-
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize(("dtype", "widen"), [(F32, None), (BF16, None), (BF16, "fp16"), (BF16, "k8")])
 @pytest.mark.parametrize(("prefix", "new", "hq", "hk", "d", "window", "tiles"), PREFILL_CASES[:4])
@@ -304,7 +279,7 @@ def test_paged_prefill_fp8_cache(dtype, widen, prefix, new, hq, hk, d, window, t
     out = paged_attention_triton(q, kc8, vc8, bt, qsl, sl, d**-0.5, window, max_query_len=max(new), widen=widen,
                                  **tiles)
     assert not out.isnan().any()
-    q_ref = q_as_e4m3(q, d**-0.5) if widen == "k8" else q
+    q_ref = q_as_e4m3_ref(q, d**-0.5) if widen == "k8" else q
     ref = paged_attention_ref(q_ref, kc8, vc8, bt, qsl, sl, d**-0.5, window)
     torch.testing.assert_close(out, ref.to(out.dtype), **TOL[dtype])
     if widen == "k8":  # the rounding of q is what it adds: against the unrounded q it is farther off
@@ -312,6 +287,9 @@ def test_paged_prefill_fp8_cache(dtype, widen, prefix, new, hq, hk, d, window, t
         err = lambda a: float((a.float() - exact).norm() / exact.norm())  # noqa: E731
         assert err(ref) > 4 * err(paged_attention_ref(q, kc8, vc8, bt, qsl, sl, d**-0.5, window)), "q not rounded?"
         assert err(out) < 0.05
+        split = paged_attention_triton(q, kc8, vc8, bt, qsl, sl, d**-0.5, window, max_query_len=max(new),
+                                       widen=widen, num_splits=3, **tiles)  # each split scales its scores alike
+        torch.testing.assert_close(split, ref.to(out.dtype), **TOL[dtype])
     # and it is the quantized cache that is read: the unquantized answer differs by far more than TOL
     if dtype == F32:
         assert not torch.allclose(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, d**-0.5, window), **TOL[F32])

@@ -167,8 +167,7 @@ out = []
 for widen, bm, bn, warps, stages in json.loads(sys.argv[1]):
     consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_Q": bm // 4, "BLOCK_M": bm, "BLOCK_N": bn,
               "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "HAS_WINDOW": False, "SPLIT": True,
-              "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": widen != "q", "QK_FP8": widen == "k8", "V_T": False,
-              "PREFETCH": False}
+              "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": widen != "q", "QK_FP8": widen == "k8", "V_T": False}
     sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
     c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})

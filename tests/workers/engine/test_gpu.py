@@ -595,6 +595,42 @@ def test_cuda_prompt_logprobs_beside_graph_steps(llama_dir):
     assert max(diffs) < PROMPT_LP_RATIO * hf_diffs.max().item(), (max(diffs), hf_diffs.max())
 
 
+def test_cuda_prefill_attention_k8_matches_its_emulation():
+    """The paged prefill attention with widen="k8" (QK^T on the e4m3 wgmma, q rounded by the GPU's cvt) at
+    2048 cached + 128 new tokens, Llama-3.1-8B heads, split as the engine splits it: within accumulation
+    order of its emulation (paged_attention_ref over q_as_e4m3_ref's q), where the same kernel's fp16 path
+    is ~0.001 from exact attention and k8's rounding of q puts it ~0.026 away (H100, 13b18df): a wrong
+    scale or a truncating cast would leave the first bound."""
+    from kernels.prefill_attention import paged_attention_ref, paged_attention_triton, q_as_e4m3_ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hq, hk, d, bs, prefix, new = 32, 8, 128, 16, 2048, 128
+    ctx = prefix + new
+    nblk = -(-ctx // bs)
+    kc = torch.randn((nblk + 4, bs, hk, d), device="cuda", generator=g).to(torch.float8_e4m3fn)
+    vc = torch.randn((nblk + 4, bs, hk, d), device="cuda", generator=g).to(torch.float8_e4m3fn)
+    bt = torch.randperm(nblk + 4, device="cuda", generator=g)[None, :nblk].int()
+    q = torch.randn((new, hq, d), device="cuda", generator=g).to(torch.bfloat16)
+    qsl = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+    sl = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+    scale = d**-0.5
+    exact = paged_attention_ref(q, kc, vc, bt, qsl, sl, scale).float()
+    emu = paged_attention_ref(q_as_e4m3_ref(q, scale), kc, vc, bt, qsl, sl, scale).float()
+
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm())
+
+    result = {}
+    for splits in (None, 1):
+        out = paged_attention_triton(q, kc, vc, bt, qsl, sl, scale, max_query_len=new, widen="k8", num_splits=splits)
+        result[f"splits_{splits}"] = {"vs_emulation": rel(out, emu), "vs_exact": rel(out, exact)}
+    result["emulation_vs_exact"] = rel(emu, exact)
+    measured("prefill_attention_k8", result)
+    for splits in (None, 1):
+        r = result[f"splits_{splits}"]
+        assert r["vs_emulation"] < 0.004 and 0.01 < r["vs_exact"] < 0.05, result
+
+
 def test_cuda_fp8_attention_matches_its_emulation():
     """cuDNN's FP8 forward (kernels/cudnn_attention.py) against its PyTorch emulation on the same e4m3
     inputs: the same math up to accumulation order, so within 1.5% RMS, where exact attention is ~6% away
