@@ -595,6 +595,7 @@ def test_cuda_prompt_logprobs_beside_graph_steps(llama_dir):
     assert max(diffs) < PROMPT_LP_RATIO * hf_diffs.max().item(), (max(diffs), hf_diffs.max())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_prefill_attention_k8_matches_its_emulation():
     """The paged prefill attention with widen="k8" (QK^T on the e4m3 wgmma, q rounded by the GPU's cvt) at
     2048 cached + 128 new tokens, Llama-3.1-8B heads, split as the engine splits it: within accumulation
