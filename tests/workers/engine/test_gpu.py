@@ -627,9 +627,12 @@ def test_cuda_prefill_attention_k8_matches_its_emulation():
         result[f"splits_{splits}"] = {"vs_emulation": rel(out, emu), "vs_exact": rel(out, exact)}
     result["emulation_vs_exact"] = rel(emu, exact)
     measured("prefill_attention_k8", result)
+    # H100 at 836661e: 0.0035 from the emulation, 0.026 from exact (the emulation 0.026 too). Not closer: P
+    # rounds to fp16 in the kernel, and Triton's fp32 division is not IEEE's, so a few q values land on
+    # the neighbouring e4m3 step
     for splits in (None, 1):
         r = result[f"splits_{splits}"]
-        assert r["vs_emulation"] < 0.004 and 0.01 < r["vs_exact"] < 0.05, result
+        assert r["vs_emulation"] < 0.008 and 0.01 < r["vs_exact"] < 0.05, result
 
 
 def test_cuda_fp8_attention_matches_its_emulation():
