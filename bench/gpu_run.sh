@@ -188,10 +188,10 @@ for stage in "${STAGES[@]}"; do
     h200)  # one H200 call: throughput of keys-inner V + prefetch (fp8-vtpf3) and the default, then TTFT and decode for
       # bf16 and fp8+kv8 beside their floors (the table)                                       ~8.5 min
       for e in fp8-vtpf3+kv8 fp8+kv8; do
-        run "throughput_${e%%+*}" 150 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
+        run "throughput_${e%%+*}" 190 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
           --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
       done
-      run engine 200 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
+      run engine 170 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines bf16,fp8+kv8 --no-hf "${ENGINE_ARGS[@]}" ;;
     dec_pipe_short)  # the candidate's throughput and the default's, nothing else (~5 min)
       for e in fp8-vtpf3+kv8 fp8+kv8; do
