@@ -341,8 +341,6 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B of the paged prefill attention over an fp8 cache (a cached prefix's new tokens): QK^T on FP8
     # tensor cores (q rounded to e4m3 per row)
     "fp8-k8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "k8"}},
-    # A/B of the decode graphs' flash-decoding splits (32 at batch 1 on 132 SMs): at most 8, 4, 2, 1
-    **{f"fp8-ds{n}": {"quantization": "fp8", "_env": {"FIRSTTOKEN_DECODE_MAX_SPLITS": str(n)}} for n in (8, 4, 2, 1)},
 }
 
 

@@ -193,9 +193,6 @@ for stage in "${STAGES[@]}"; do
       done
       run engine 170 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines bf16,fp8+kv8 --no-hf "${ENGINE_ARGS[@]}" ;;
-    dec_splits)  # decode b1 / b8 with the decode graphs' splits capped at 8, 4, 2, 1 against the default (32 at b1)  ~3.5 min
-      run dec_splits 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode --decode-batches 1,8 \
-        --engines fp8+kv8,fp8-ds8+kv8,fp8-ds4+kv8,fp8-ds2+kv8,fp8-ds1+kv8 --no-hf --max-model-len 2432 ;;
     dec_pipe_short)  # the candidate's throughput and the default's, nothing else (~5 min)
       for e in fp8-vtpf3+kv8 fp8+kv8; do
         run "throughput_${e%%+*}" 150 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \

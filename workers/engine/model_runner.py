@@ -460,10 +460,8 @@ class ModelRunner:
         return GraphContext(self.layout, forward, logits, self.decode_num_splits, prefill_splits)
 
     def decode_num_splits(self, batch: int) -> int:
-        """Flash-decoding splits for a graph-captured batch: enough programs to fill the GPU.
-        FIRSTTOKEN_DECODE_MAX_SPLITS caps them (an A/B switch: batch 1's 32 splits of a short context)."""
+        """Flash-decoding splits for a graph-captured batch: enough programs to fill the GPU."""
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         progs = batch * self.model_config.num_kv_heads
         want = math.ceil(2 * sms / progs)
-        cap = int(os.environ.get("FIRSTTOKEN_DECODE_MAX_SPLITS") or 32)
-        return int(max(1, min(want, cap, 32, self.max_blocks_per_seq)))
+        return int(max(1, min(want, 32, self.max_blocks_per_seq)))
