@@ -35,6 +35,11 @@ CONFIGS_M = [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 8, 3), (1
              (128, 64, 128, 8, 3, 2), (128, 64, 128, 8, 3, 4), (128, 128, 128, 8, 3, 2), (128, 128, 128, 8, 3, 4),
              (128, 32, 128, 4, 4, 2), (128, 32, 128, 4, 4, 4), (64, 64, 128, 4, 4, 2), (64, 64, 128, 4, 4, 4),
              (128, 64, 256, 8, 3, 3)]
+# --tma: the same kernel with TMA loads (kernels.fp8_gemm.fp8_gemm_rowwise_tma), above 64 rows; the
+# pipeline is num_stages deep in shared memory (no per-thread addresses), so deeper stages fit
+CONFIGS_TMA = [(128, 64, 128, 4, 4), (128, 64, 128, 4, 6), (128, 32, 128, 4, 6), (128, 32, 256, 4, 4),
+               (128, 128, 128, 8, 4), (128, 64, 256, 4, 3), (64, 64, 128, 4, 6), (64, 32, 256, 4, 4),
+               (128, 64, 128, 4, 4, 2), (128, 32, 128, 4, 6, 2), (128, 64, 128, 4, 6, 3), (128, 128, 128, 8, 4, 2)]
 
 
 def chain_us(fn, calls: list[tuple], reps: int = 20) -> float:
@@ -71,7 +76,7 @@ def scaled_mm_swapped(x_q, x_s, w_q, w_s, out_dtype=torch.bfloat16, fast_accum=F
 
 
 def main() -> None:
-    from kernels.fp8_gemm import fp8_gemm_rowwise_small_m
+    from kernels.fp8_gemm import fp8_gemm_rowwise_small_m, fp8_gemm_rowwise_tma
     from kernels.fp8_linear import fp8_gemm_ref, fp8_gemm_scaled_mm, quantize
     from kernels.fp8_quant import quantize_triton
 
@@ -82,6 +87,7 @@ def main() -> None:
                     "(no configuration sweep); with the swapped _scaled_mm (weight first) and fast accumulation")
     ap.add_argument("--configs-m", default="", help="JSON list of (block_m, block_n, block_k, warps, stages[, split]) "
                     "replacing the sweep's configurations above 64 rows")
+    ap.add_argument("--tma", action="store_true", help="above 64 rows, also sweep the TMA kernel (CONFIGS_TMA)")
     args = ap.parse_args()
     configs_m = [tuple(c) for c in json.loads(args.configs_m)] if args.configs_m else CONFIGS_M
     torch.manual_seed(0)
@@ -140,6 +146,24 @@ def main() -> None:
                     t < row["scaled_mm_us"]) else None
             row["small_m_default_us"] = chain_us(partial(fp8_gemm_rowwise_small_m, xq, xs, out_dtype=torch.bfloat16),
                                                  ws_fp8)
+            if args.tma and m > 64:
+                tma = []
+                for tcfg in CONFIGS_TMA:
+                    bm, bn, bk, nw, ns = tcfg[:5]
+                    f = partial(fp8_gemm_rowwise_tma, xq, xs, out_dtype=torch.bfloat16, block_m=bm, block_n=bn,
+                                block_k=bk, num_warps=nw, num_stages=ns, split=(*tcfg[5:], 1)[0])
+                    try:
+                        err = ((f(*ws_fp8[0]).float() - ref).norm() / ref.norm()).item()
+                    except Exception as ex:  # shared memory, registers: skipped, said
+                        print(f"# tma {name} M={m} {tcfg}: {type(ex).__name__}: {str(ex)[:120]}", flush=True)
+                        continue
+                    if err > 1e-2:
+                        raise SystemExit(f"TMA kernel {name} M={m} {tcfg}: rel err {err}")
+                    tma.append((chain_us(f, ws_fp8), tcfg))
+                if tma:
+                    row["tma_us"], row["tma_cfg"] = min(tma)[0], str(min(tma)[1])
+                    row["tma_all"] = {str(c): round(tc, 2) for tc, c in tma}
+                    row["tma_GBps"] = n * k / (row["tma_us"] * 1e3)
             best_cfg.setdefault(name, []).append((m, cfg, t))
             wbytes = n * k
             row["bf16_GBps"] = 2 * wbytes / (row["bf16_us"] * 1e3)
@@ -161,7 +185,7 @@ def main() -> None:
     cols = (["proj", "M", "floor_us", "bf16_us", "scaled_mm_us", "scaled_mm_fast_us", "swap_us", "swap_nocopy_us",
              "swap_fast_us", "swap_fast_nocopy_us", "small_m_default_us"] if args.no_sweep else
             ["proj", "M", "bf16_us", "scaled_mm_us", "small_m_us", "small_m_default_us", "small_m_cfg", "bf16_GBps",
-             "fp8_best_GBps"])
+             "fp8_best_GBps", *(["tma_us", "tma_cfg", "tma_GBps"] if args.tma else [])])
     md = md_table(rows_out, cols)
     md += "\n\nquantization of a [M, 4096] bf16 input, us\n\n" + md_table(quant, ["M", "torch_us", "triton_us"])
     write_report("bench_fp8_decode", data, f"decode GEMMs, Llama-3.1-8B projections, us (do_bench medians)\n\n{md}")

@@ -67,6 +67,56 @@ def _fp8_gemm_rowwise_small_m_kernel(
         a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc += tl.dot(a, tl.trans(b))
+    _small_m_finish(acc, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, part_ptr, count_ptr, M, N, stride_cm, pid_m, pid_n,
+                    rm, rn, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT)
+
+
+@lazy_jit
+def _fp8_gemm_rowwise_tma_kernel(
+    a_desc,  # A: [M, K] e4m3 as a TMA descriptor of [BLOCK_M, BLOCK_K] blocks (rows past M, columns past K read 0)
+    b_desc,  # B: [N, K] e4m3 (the weight) as a TMA descriptor of [BLOCK_N, BLOCK_K] blocks
+    a_scale_ptr,  # [M] fp32: one scale per row of A
+    b_scale_ptr,  # [N] fp32: one scale per output channel
+    bias_ptr,  # [N] or a dummy when HAS_BIAS is false
+    c_ptr,  # C: [M, N], out dtype, row-major
+    part_ptr,  # [SPLIT, M, N] fp32 partials (SPLIT > 1), else a dummy
+    count_ptr,  # [tiles of M * tiles of N] int32 arrival counters, zero between launches (SPLIT > 1)
+    M, N, K,  # sizes
+    stride_cm,  # C's row stride (elements)
+    HAS_BIAS: tl.constexpr,  # add bias before the store
+    BLOCK_M: tl.constexpr,  # rows of A per program
+    BLOCK_N: tl.constexpr,  # columns of C per program
+    BLOCK_K: tl.constexpr,  # K step
+    SPLIT: tl.constexpr,  # K parts (programs per output tile, grid axis 2)
+    K_SPLIT: tl.constexpr,  # columns of K per part: a multiple of BLOCK_K, SPLIT * K_SPLIT >= K
+):
+    # `_fp8_gemm_rowwise_small_m_kernel`'s tiles with A and B brought in by the Tensor Memory
+    # Accelerator (one bulk copy a tile, no per-thread address arithmetic), pipelined num_stages deep
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    off_m = tl.program_id(0) * BLOCK_M
+    off_n = tl.program_id(1) * BLOCK_N
+    k_lo = tl.program_id(2) * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K) if SPLIT > 1 else K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # parts are whole BLOCK_K steps: no step reads the next part's columns
+        a = a_desc.load([off_m, k0])
+        b = b_desc.load([off_n, k0])
+        acc = tl.dot(a, b.T, acc)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _small_m_finish(acc, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, part_ptr, count_ptr, M, N, stride_cm, pid_m, pid_n,
+                    rm, rn, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT)
+
+
+@lazy_helper
+def _small_m_finish(acc, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, part_ptr, count_ptr, M, N, stride_cm, pid_m, pid_n,
+                    rm, rn, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SPLIT: tl.constexpr):
+    """A program's output tile from its fp32 sums: scaled and stored, or (SPLIT) stored as this K part's
+    partial, the last part to arrive adding them all in part order (deterministic) and storing C."""
+    mask_m = rm < M
+    mask_n = rn < N
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT > 1:  # store this part's sums; the last part to arrive adds them all, in part order
         tile = rm[:, None] * N + rn[None, :]
@@ -190,22 +240,54 @@ def fp8_gemm_rowwise_small_m(
     cfg = small_m_config(n, k, m)
     block_m, block_n, block_k = block_m or cfg[0], block_n or cfg[1], block_k or cfg[2]
     num_warps, num_stages = num_warps or cfg[3], num_stages or cfg[4]
+    grid, tail, consts = _rowwise_launch(a_q, a_scale, b_scale, bias, c, block_m, block_n, block_k,
+                                         split or (cfg[5] if len(cfg) > 5 else 1))
+    args = (a_q, tail[0], b_q, *tail[1:], m, n, k, a_q.stride(0), b_q.stride(0), c.stride(0))
+    _fp8_gemm_rowwise_small_m_kernel.launch(grid, args, consts, num_warps, num_stages, a_q.device.type == "cuda")
+    return c
+
+
+def _rowwise_launch(a_q: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, bias: torch.Tensor | None,
+                    c: torch.Tensor, block_m: int, block_n: int, block_k: int, split: int) -> tuple:
+    """A row-wise GEMM launch's grid, its (a_scale, b_scale, bias, c, partials, counters) arguments and
+    constexprs: K in `split` parts of whole BLOCK_K steps (fewer where K is short: no empty part)."""
+    (m, k), n = a_q.shape, c.shape[1]
     a_s = a_scale.reshape(m).float().contiguous()
     b_s = b_scale.reshape(n).float().contiguous()
-    has_bias = bias is not None
-    sp = split or (cfg[5] if len(cfg) > 5 else 1)
-    k_split = cdiv(cdiv(k, sp), block_k) * block_k
-    sp = cdiv(k, k_split)  # no empty part
+    k_split = cdiv(cdiv(k, split), block_k) * block_k
+    sp = cdiv(k, k_split)
     tiles = (cdiv(m, block_m), cdiv(n, block_n))
     if sp > 1:
         part = torch.empty((sp, m, n), dtype=torch.float32, device=a_q.device)
         count = arrival_counters(a_q.device, tiles[0] * tiles[1])
     else:
         part = count = b_s
-    args = (a_q, a_s, b_q, b_s, bias if has_bias else b_s, c, part, count, m, n, k, a_q.stride(0), b_q.stride(0),
-            c.stride(0))
-    consts = {"HAS_BIAS": has_bias, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": sp,
+    consts = {"HAS_BIAS": bias is not None, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": sp,
               "K_SPLIT": k_split}
-    _fp8_gemm_rowwise_small_m_kernel.launch((*tiles, sp), args, consts, num_warps, num_stages,
-                                            a_q.device.type == "cuda")
+    return (*tiles, sp), (a_s, b_s, b_s if bias is None else bias, c, part, count), consts
+
+
+def fp8_gemm_rowwise_tma(
+    a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32, block_m: int = 128,
+    block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 4, split: int = 1,
+) -> torch.Tensor:
+    """`fp8_gemm_rowwise_small_m` with A and B read by TMA (Hopper's bulk tensor copies) instead of
+    per-thread pointer loads: the candidate for 65-256 rows (a cached prefix's new tokens), where
+    the pointer kernel and cuBLASLt both stream the weight at about half the memory's rate. K must be
+    a multiple of 16 (a TMA row stride is 16-byte aligned). Not used by the engine yet: measured by
+    `bench/bench_fp8_decode.py --tma`."""
+    m, k, n = _rowwise_operands("fp8_gemm_tma", a_q, a_scale, b_q, b_scale)
+    check(k % 16 == 0, "fp8_gemm_tma: K {} must be a multiple of 16 (TMA rows are 16-byte aligned)", k)
+    c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
+    if m == 0 or n == 0:
+        return c
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a_desc = TensorDescriptor.from_tensor(a_q, [block_m, block_k])
+    b_desc = TensorDescriptor.from_tensor(b_q, [block_n, block_k])
+    grid, tail, consts = _rowwise_launch(a_q, a_scale, b_scale, bias, c, block_m, block_n, block_k, split)
+    args = (a_desc, b_desc, *tail, m, n, k, c.stride(0))
+    # Triton's own dispatch: the direct launch passes tensors, not descriptors
+    _fp8_gemm_rowwise_tma_kernel.launch(grid, args, consts, num_warps, num_stages, False)
     return c

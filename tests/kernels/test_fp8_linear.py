@@ -274,6 +274,35 @@ def test_small_m_gemm_split_k_against_reference(poison_empty, m, n, k, split, bi
     assert counters is not None and int(counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize(("m", "n", "k", "split", "bias", "out_dtype", "tiles"), [
+    (128, 96, 272, 1, True, torch.float32, (128, 32, 64)), (130, 40, 256, 1, False, torch.bfloat16, (64, 16, 64)),
+    (100, 33, 208, 3, True, torch.float32, (128, 16, 32)), (7, 64, 64, 2, False, torch.float32, (16, 32, 64)),
+])
+def test_tma_gemm_against_reference(poison_empty, m, n, k, split, bias, out_dtype, tiles):
+    """The few-row GEMM with TMA loads: the reference's result on ragged M and N (rows and channels past
+    the tensor read as zeros), K split or not (the parts' sums added in part order: the same bits twice),
+    per-channel scales that matter, poisoned outputs; K not a multiple of 16 is refused."""
+    from kernels_testutil_tol import tol
+
+    from kernels.fp8_gemm import fp8_gemm_rowwise_tma
+    from kernels.fp8_linear import fp8_gemm_ref
+
+    g = torch.Generator().manual_seed(m * n + k)
+    a_q, a_s = quantize_rowwise(torch.randn(m, k, generator=g) * torch.logspace(-1, 1, m).unsqueeze(1))
+    w_q, w_s = quantize_rowwise(torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n).unsqueeze(1))
+    b = torch.randn(n, generator=g) if bias else None
+    kw = dict(zip(("block_m", "block_n", "block_k"), tiles, strict=True)) | {"split": split}
+    got = fp8_gemm_rowwise_tma(a_q, a_s, w_q, w_s, b, out_dtype, **kw)
+    want = fp8_gemm_ref(a_q, a_s, w_q, w_s, b, out_dtype)
+    assert got.dtype == out_dtype and not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), **tol(out_dtype))
+    assert torch.equal(fp8_gemm_rowwise_tma(a_q, a_s, w_q, w_s, b, out_dtype, **kw), got)
+    swapped = fp8_gemm_rowwise_tma(a_q, a_s, w_q, w_s.flip(0), b, out_dtype, **kw)
+    assert not torch.allclose(swapped.float(), want.float(), **tol(out_dtype))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fp8_gemm_rowwise_tma(a_q[:, : k - 8].contiguous(), a_s, w_q[:, : k - 8].contiguous(), w_s)
+
+
 @pytest.mark.parametrize(("t", "c", "dtype"), [(1, 16, torch.float32), (5, 100, torch.bfloat16), (3, 96, torch.float32),
                                                (9, 4096 // 8, torch.bfloat16)])
 def test_quantize_triton_matches_torch(poison_empty, t, c, dtype):

@@ -230,3 +230,41 @@ def test_fp8_attention_cast_compiles_for_sm90():
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got == {"atom_min": True, "nan_clamp": True, "e4m3": True}, got
+
+
+TMA_SCRIPT = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from kernels import fp8_gemm
+jitted = fp8_gemm._fp8_gemm_rowwise_tma_kernel.jitted()
+out = []
+for bm, bn, bk, warps, stages, split in json.loads(sys.argv[1]):
+    consts = {"HAS_BIAS": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "K_SPLIT": 2048}
+    types = {"a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
+             "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16",
+             "part_ptr": "*fp32", "count_ptr": "*i32"}
+    sig = {n: types.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
+    c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ptx = c.asm["ptx"]
+    out.append({"tma": ptx.count("cp.async.bulk.tensor"), "wgmma_e4m3": ptx.count("e4m3.e4m3"),
+                "ld_global_b": ptx.count("ld.global.b8") + ptx.count("ld.global.v4.b32"), "atom": "atom." in ptx})
+print(json.dumps(out))
+'''
+
+
+def test_tma_gemm_compiles_for_sm90():
+    """The few-row FP8 GEMM with TMA loads (kernels/fp8_gemm.py's candidate for 65-256 rows): A and B come
+    by bulk tensor copies (cp.async.bulk.tensor), not per-thread loads, into the e4m3 wgmma; the split's
+    arrival counter only when split."""
+    cases = [(128, 64, 128, 4, 4, 1), (128, 32, 128, 4, 6, 2), (128, 128, 128, 8, 4, 1)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-c", TMA_SCRIPT, json.dumps(cases)], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    for case, g in zip(cases, got, strict=True):
+        assert g["tma"] > 0 and g["wgmma_e4m3"] > 0, (case, g)
+        assert g["atom"] == (case[5] > 1), (case, g)
