@@ -94,6 +94,7 @@ def main() -> None:
     rows_out = []
     best_cfg: dict[str, list] = {}
     picks: dict[str, dict] = {}  # "K,N" -> {"128": cfg + [split] or None, "256": ...}
+    tma_picks: dict[str, dict] = {}  # the same for the TMA kernel (--tma)
     lin = torch.nn.functional.linear
     for name, (k, n) in SHAPES.items():
         copies = max(4, -(-args.weights_mib * 2**20 // (n * k)))
@@ -161,9 +162,13 @@ def main() -> None:
                         raise SystemExit(f"TMA kernel {name} M={m} {tcfg}: rel err {err}")
                     tma.append((chain_us(f, ws_fp8), tcfg))
                 if tma:
-                    row["tma_us"], row["tma_cfg"] = min(tma)[0], str(min(tma)[1])
+                    tt, tc_best = min(tma)
+                    row["tma_us"], row["tma_cfg"] = tt, str(tc_best)
                     row["tma_all"] = {str(c): round(tc, 2) for tc, c in tma}
-                    row["tma_GBps"] = n * k / (row["tma_us"] * 1e3)
+                    row["tma_GBps"] = n * k / (tt * 1e3)
+                    if m in (128, 256):  # the engine's FIRSTTOKEN_FP8_TMA_CONFIG: where TMA beat both others
+                        tma_picks.setdefault(f"{k},{n}", {})[str(m)] = [*tc_best, *(() if len(tc_best) > 5 else (1,))] if (
+                            tt < min(row["scaled_mm_us"], row["small_m_us"])) else None
             best_cfg.setdefault(name, []).append((m, cfg, t))
             wbytes = n * k
             row["bf16_GBps"] = 2 * wbytes / (row["bf16_us"] * 1e3)
@@ -182,6 +187,8 @@ def main() -> None:
     # kernels.fp8_gemm reads this file from FIRSTTOKEN_FP8_SMALL_M_CONFIG
     if os.environ.get("OUT") and picks:
         Path(os.environ["OUT"], "small_m_config.json").write_text(json.dumps(picks, indent=1))
+    if os.environ.get("OUT") and tma_picks:  # kernels.fp8_gemm.tma_tiles reads this from FIRSTTOKEN_FP8_TMA_CONFIG
+        Path(os.environ["OUT"], "tma_config.json").write_text(json.dumps(tma_picks, indent=1))
     cols = (["proj", "M", "floor_us", "bf16_us", "scaled_mm_us", "scaled_mm_fast_us", "swap_us", "swap_nocopy_us",
              "swap_fast_us", "swap_fast_nocopy_us", "small_m_default_us"] if args.no_sweep else
             ["proj", "M", "bf16_us", "scaled_mm_us", "small_m_us", "small_m_default_us", "small_m_cfg", "bf16_GBps",

@@ -26,6 +26,8 @@
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
 #   h200        throughput of fp8-vtpf3 and fp8+kv8, then TTFT / decode of bf16 and fp8+kv8 (no transformers)  ~8.5 min
+#   gemm_tma    128/256-row FP8 GEMMs with TMA loads (bench_fp8_decode --tma), then TTFT 2048 cached + 128
+#               without and with the sweep's TMA picks                                            ~5 min
 #   prefill_k8  2048 cached + 128's paged attention: QK^T on FP8 tensor cores, with tiles (ncu_prefill_cached),
 #               then TTFT 2048 / cached + 128 and decode b1 with and without it in the engine      ~3 min
 #   fp8attn     cuDNN's FP8 dense prefill attention (bench_fp8_attention), its GPU tests, then TTFT 2048 / 8192 /
@@ -193,6 +195,16 @@ for stage in "${STAGES[@]}"; do
       done
       run engine 170 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines bf16,fp8+kv8 --no-hf "${ENGINE_ARGS[@]}" ;;
+    gemm_tma)  # the 128/256-row FP8 GEMMs with TMA loads against _scaled_mm and the pointer kernel (bench_fp8_decode
+      # --tma), then TTFT 2048 cached + 128 without and with the sweep's TMA picks (FIRSTTOKEN_FP8_TMA_CONFIG)  ~5 min
+      [ "${SMOKE:-0}" = 1 ] || run gemm_tma 260 $PY bench/bench_fp8_decode.py --rows 128,256 --tma \
+        --configs-m '[[64,32,256,4,4],[128,64,128,8,3],[64,64,256,4,3],[128,64,128,8,3,2]]'
+      run ttft_base 120 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
+        --engines fp8+kv8 --no-hf
+      if [ -f "$OUT/tma_config.json" ]; then
+        FIRSTTOKEN_FP8_TMA_CONFIG="$OUT/tma_config.json" run ttft_tma 120 $PY bench/bench_engine.py "${DEV[@]}" \
+          --preset $PRESET --sections ttft --ttft-lengths 2048 --engines fp8+kv8 --no-hf
+      fi ;;
     dec_pipe_short)  # the candidate's throughput and the default's, nothing else (~4.5 min; each ran 107-123 s)
       for e in fp8-vtpf3+kv8 fp8+kv8; do
         run "throughput_${e%%+*}" 170 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \

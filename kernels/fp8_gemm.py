@@ -200,6 +200,23 @@ def _rowwise_operands(name: str, a_q: torch.Tensor, a_scale: torch.Tensor, b_q: 
     return m, k, n
 
 
+_TMA: dict | None = None
+
+
+def tma_tiles(n: int, k: int, m: int) -> tuple[int, ...] | None:
+    """FIRSTTOKEN_FP8_TMA_CONFIG (an A/B switch): a JSON file of {"K,N": {"128": cfg or null, "256": ...}},
+    `bench_fp8_decode.py --tma`'s picks (cfg: block_m, block_n, block_k, warps, stages, split) where the TMA
+    kernel beat the others; the [N, K] weight's tiles for M rows (65-256), or None (unset, or not picked)."""
+    global _TMA
+    if _TMA is None:
+        path = os.environ.get("FIRSTTOKEN_FP8_TMA_CONFIG")
+        _TMA = json.loads(Path(path).read_text()) if path else {}
+    if not 64 < m <= 256:
+        return None
+    cfg = _TMA.get(f"{k},{n}", {}).get("128" if m <= 128 else "256")
+    return tuple(cfg) if cfg else None
+
+
 def small_m_config(n: int, k: int, m: int = 1) -> tuple[int, ...]:
     """(block_m, block_n, block_k, num_warps, num_stages[, split]) for M rows of an [N, K] weight
     (split, K's parts, only from a sweep's override above 64 rows).

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import fp8_gemm_rowwise_small_m, small_m_rows
+from kernels.fp8_gemm import fp8_gemm_rowwise_small_m, fp8_gemm_rowwise_tma, small_m_rows, tma_tiles
 from kernels.fp8_gemv import (
     GEMV_ROWS,
     PROLOGUE_NONE,
@@ -110,6 +110,11 @@ class Fp8Linear(nn.Module):
         self._quantize = quantize_triton if w.device.type == "cuda" else quantize
 
     def _run(self, x_q: torch.Tensor, x_s: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        tma = tma_tiles(self.out_features, self.in_features, x_q.shape[0]) if self.kernel == "scaled_mm" else None
+        if tma is not None:  # an A/B switch (FIRSTTOKEN_FP8_TMA_CONFIG): 65-256 rows through TMA loads
+            bm, bn, bk, warps, stages, split = tma
+            return fp8_gemm_rowwise_tma(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype, bm, bn, bk,
+                                        warps, stages, split)
         if x_q.shape[0] <= self.small_m:
             return fp8_gemm_rowwise_small_m(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
         return self._gemm(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
