@@ -6,11 +6,13 @@ Triton kernels replace goes through the `KernelOps` bound at construction.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from kernels.l2_prefetch import prefetch_beside
 from kernels.ops import KernelOps
 from workers.engine.attention import AttentionMetadata, PagedAttention
 from workers.engine.config import ModelConfig
@@ -39,6 +41,14 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.attn = PagedAttention(ops, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer])
+        # FIRSTTOKEN_DECODE_L2_PREFETCH=1 (an A/B switch): a pure decode step's attention runs beside a
+        # prefetch of o_proj's weight into the L2 (the DRAM is otherwise idle then; kernels/l2_prefetch.py)
+        self.l2_prefetch = os.environ.get("FIRSTTOKEN_DECODE_L2_PREFETCH") == "1"
+
+    def _o_weight(self) -> torch.Tensor:
+        """o_proj's weight as its GEMM reads it: the e4m3 copy of an FP8 projection, else the weight."""
+        w = getattr(self.o_proj, "weight_fp8", None)
+        return self.o_proj.weight if w is None else w
 
     def forward(self, x: Any, positions: torch.Tensor, cos_sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -50,7 +60,8 @@ class Attention(nn.Module):
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         if self.attn.fuses_rope(meta, t):  # a pure decode step: rope and the cache write in its attention
-            o = self.attn.decode_with_rope(q, k, v, positions, cos_sin, k_cache, v_cache, meta)
+            with prefetch_beside(self._o_weight() if self.l2_prefetch else None):
+                o = self.attn.decode_with_rope(q, k, v, positions, cos_sin, k_cache, v_cache, meta)
         else:
             q, k = self.ops.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
             o = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D], or FP8 attention's (e4m3, descale)
