@@ -341,7 +341,7 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B of the paged prefill attention over an fp8 cache (a cached prefix's new tokens): QK^T on FP8
     # tensor cores (q rounded to e4m3 per row)
     "fp8-k8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "k8"}},
-    # A/B: decode steps of up to 16 sequences prefetch o_proj's weight into the L2 beside their attention
+    # A/B: every step prefetches o_proj's weight into the L2 beside its attention
     "fp8-l2pf": {"quantization": "fp8", "_env": {"FIRSTTOKEN_DECODE_L2_PREFETCH": "1"}},
     "bf16-l2pf": {"_env": {"FIRSTTOKEN_DECODE_L2_PREFETCH": "1"}},
 }

@@ -168,10 +168,11 @@ def test_cuda_fp8_kv_cache_kernels_match_reference(llama_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_cuda_l2_prefetch_beside_decode_changes_no_token(llama_dir, monkeypatch, quantization):
-    """FIRSTTOKEN_DECODE_L2_PREFETCH=1: decode steps of up to 16 sequences, replayed from graphs that hold
-    the prefetch as a parallel branch (a side stream forked and joined inside the capture), give the
-    engine's greedy tokens without it."""
+    """FIRSTTOKEN_DECODE_L2_PREFETCH=1: every step's attention beside a prefetch of o_proj's weight (in the
+    replayed graphs a parallel branch: a side stream forked and joined inside the capture; in eager steps
+    the same streams), prefix hits included, gives the engine's greedy tokens without it."""
     prompts = prompt_set(6, seed=5, min_len=5, max_len=120)
+    prompts.append(prompts[-1][:100] + [5, 6, 7])
     outs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("FIRSTTOKEN_DECODE_L2_PREFETCH", flag)

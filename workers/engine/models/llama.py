@@ -41,8 +41,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.attn = PagedAttention(ops, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer])
-        # FIRSTTOKEN_DECODE_L2_PREFETCH=1 (an A/B switch): a pure decode step's attention runs beside a
-        # prefetch of o_proj's weight into the L2 (the DRAM is otherwise idle then; kernels/l2_prefetch.py)
+        # FIRSTTOKEN_DECODE_L2_PREFETCH=1 (an A/B switch): attention runs beside a prefetch of o_proj's
+        # weight into the L2 (a few sequences' decode, or a cached prefix's new tokens, leave the DRAM
+        # idle then; kernels/l2_prefetch.py)
         self.l2_prefetch = os.environ.get("FIRSTTOKEN_DECODE_L2_PREFETCH") == "1"
 
     def _o_weight(self) -> torch.Tensor:
@@ -59,12 +60,14 @@ class Attention(nn.Module):
         q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+        prefetch = prefetch_beside(self._o_weight() if self.l2_prefetch else None)
         if self.attn.fuses_rope(meta, t):  # a pure decode step: rope and the cache write in its attention
-            with prefetch_beside(self._o_weight() if self.l2_prefetch else None):
+            with prefetch:
                 o = self.attn.decode_with_rope(q, k, v, positions, cos_sin, k_cache, v_cache, meta)
         else:
             q, k = self.ops.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-            o = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D], or FP8 attention's (e4m3, descale)
+            with prefetch:
+                o = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D], or FP8 attention's (e4m3, descale)
             if isinstance(o, tuple):  # already quantized for the FP8 o_proj
                 return self.o_proj(o)
         return self.o_proj(o.reshape(t, cfg.q_size))
