@@ -19,7 +19,7 @@ def test_prefetch_off_cuda_only_runs_the_block():
 
 
 def test_engine_with_the_prefetch_switch_names_the_weight_its_gemm_reads(monkeypatch):
-    """FIRSTTOKEN_DECODE_L2_PREFETCH=1: each layer prefetches o_proj's weight as its GEMM reads it (the
+    """FIRSTTOKEN_L2_PREFETCH=1: each layer prefetches o_proj's weight as its GEMM reads it (the
     e4m3 copy under FP8, the bf16/fp32 weight otherwise), and the tokens are those of the engine without it."""
     from schemas.sampling import SamplingParams
     from workers.engine import EngineConfig, LLMEngine
@@ -27,7 +27,7 @@ def test_engine_with_the_prefetch_switch_names_the_weight_its_gemm_reads(monkeyp
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv("FIRSTTOKEN_DECODE_L2_PREFETCH", flag)
+        monkeypatch.setenv("FIRSTTOKEN_L2_PREFETCH", flag)
         for quant in (None, "fp8"):
             eng = LLMEngine("tiny", EngineConfig(device="cpu", quantization=quant))
             attn = eng.runner.model.layers[0].self_attn

@@ -7,6 +7,7 @@ Triton kernels replace goes through the `KernelOps` bound at construction.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from kernels.l2_prefetch import prefetch_beside
 from kernels.ops import KernelOps
 from workers.engine.attention import AttentionMetadata, PagedAttention
 from workers.engine.config import ModelConfig
+
+_NO_PREFETCH = nullcontext()  # (reusable: it holds no state)
 
 
 class RMSNorm(nn.Module):
@@ -41,10 +44,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.attn = PagedAttention(ops, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer])
-        # FIRSTTOKEN_DECODE_L2_PREFETCH=1 (an A/B switch): attention runs beside a prefetch of o_proj's
+        # FIRSTTOKEN_L2_PREFETCH=1 (an A/B switch): attention runs beside a prefetch of o_proj's
         # weight into the L2 (a few sequences' decode, or a cached prefix's new tokens, leave the DRAM
         # idle then; kernels/l2_prefetch.py)
-        self.l2_prefetch = os.environ.get("FIRSTTOKEN_DECODE_L2_PREFETCH") == "1"
+        self.l2_prefetch = os.environ.get("FIRSTTOKEN_L2_PREFETCH") == "1"
 
     def _o_weight(self) -> torch.Tensor:
         """o_proj's weight as its GEMM reads it: the e4m3 copy of an FP8 projection, else the weight."""
@@ -60,7 +63,7 @@ class Attention(nn.Module):
         q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-        prefetch = prefetch_beside(self._o_weight() if self.l2_prefetch else None)
+        prefetch = prefetch_beside(self._o_weight()) if self.l2_prefetch else _NO_PREFETCH
         if self.attn.fuses_rope(meta, t):  # a pure decode step: rope and the cache write in its attention
             with prefetch:
                 o = self.attn.decode_with_rope(q, k, v, positions, cos_sin, k_cache, v_cache, meta)
