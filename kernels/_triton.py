@@ -42,14 +42,27 @@ def _spec(a: Any) -> Any:
 
 
 _KERNELS: list[LazyKernel] = []  # every kernel defined, for kernel_compiles()
-_HELPERS: dict[str, list[Callable]] = {}  # module -> its lazy_helper functions
+_HELPERS: list[Callable] = []  # every lazy_helper function
+_JITTED_HELPERS: dict[Callable, Any] = {}  # helper -> its triton.jit function (one per helper)
 
 
 def lazy_helper(fn: Callable) -> Callable:
-    """A device function the lazy kernels of its module call: `triton.jit` is applied to it (and
-    bound under its name) when the first kernel of the module is jitted."""
-    _HELPERS.setdefault(fn.__module__, []).append(fn)
+    """A device function lazy kernels call, of its module or of another that imports it by name:
+    `triton.jit` is applied to it once (its module's `tl` bound) and the jitted function bound under
+    its name, in its own module and the kernel's, when the first kernel that names it is jitted."""
+    _HELPERS.append(fn)
     return fn
+
+
+def _jit_helper(fn: Callable, triton: Any, tl: Any) -> Any:
+    jitted = _JITTED_HELPERS.get(fn)
+    if jitted is None:
+        home = fn.__globals__
+        home["tl"] = tl
+        jitted = _JITTED_HELPERS[fn] = triton.jit(fn)
+        if home.get(fn.__name__) is fn:
+            home[fn.__name__] = jitted
+    return jitted
 
 
 def _spec_unspecialised(a: Any) -> Any:
@@ -95,9 +108,9 @@ class LazyKernel:
 
             g = self.fn.__globals__
             g["tl"] = tl
-            for h in _HELPERS.get(self.fn.__module__, ()):
-                if g.get(h.__name__) is h:  # not jitted yet
-                    g[h.__name__] = triton.jit(h)
+            for h in _HELPERS:
+                if g.get(h.__name__) is h:  # named here, not bound to its jitted function yet
+                    g[h.__name__] = _jit_helper(h, triton, tl)
             self._jitted = triton.jit(
                 self.fn, do_not_specialize=list(self.do_not_specialize) or None,
                 do_not_specialize_on_alignment=list(self.do_not_specialize_on_alignment) or None,

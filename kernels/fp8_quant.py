@@ -45,16 +45,20 @@ tl: Any = None  # triton.language, bound at the first launch by kernels._triton.
 @lazy_helper
 def _round_e4m3(q, HW_CAST: tl.constexpr):
     """q: fp32 in [-448, 448] -> q on the e4m3 grid (fp32), or q as is where the caller's cast to
-    e4m3 rounds it (HW_CAST: the GPU's cvt, round to nearest even). Otherwise rounded here
-    (nearest, half away from zero), so that the cast is exact and does not hang on a backend's fp8
-    rounding (Triton's interpreter rounds values just under a power of two down a whole binade);
-    below 2^-6 the grid is e4m3's subnormal step, 2^-9. The log2/exp2 per element cost the
+    e4m3 rounds it (HW_CAST: the GPU's cvt, round to nearest even). Otherwise rounded here, to
+    nearest with ties to even as the GPU does (16-bit inputs make exact ties common: 0.75 * 448 = 336
+    is one), so that the cast is exact and does not hang on a backend's fp8 rounding (Triton's
+    interpreter rounds values just under a power of two down a whole binade); below 2^-6 the grid is
+    e4m3's subnormal step, 2^-9. kernels/prefill_attention.py's k8 path rounds q with it too. The log2/exp2 per element cost the
     prefill's silu_and_mul_quant more than half its time on the H200: 117 -> 48.7 us at T = 2048,
     I = 14336 with the cast (bench/results/2026-12-02-fp8-quant-h200.md)."""
     if HW_CAST:
         return q
     step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(q), 0.015625))) - 3.0)
-    return tl.where(q < 0, -1.0, 1.0) * tl.floor(tl.abs(q) / step + 0.5) * step
+    r = tl.abs(q) / step
+    n = tl.floor(r + 0.5)
+    n = tl.where((n - r == 0.5) & (n % 2.0 == 1.0), n - 1.0, n)  # a tie: to the even step
+    return tl.where(q < 0, -1.0, 1.0) * n * step
 
 
 @lazy_helper

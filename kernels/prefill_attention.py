@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
+from kernels.fp8_quant import _round_e4m3
 from kernels.kv_layout import check_v_layout, v_keys_inner
 
 
@@ -144,17 +145,10 @@ def _paged_attention_kernel(
         qf = q.to(tl.float32) * qk_scale
         amax = tl.max(tl.abs(qf), 1)
         q_sc = tl.where(amax > 0.0, amax / 448.0, 1.0)  # [BLOCK_M]
-        q = qf / q_sc[:, None]
-        if DOT_FP32:  # the interpreter's cast to e4m3 drops values just under a power of two a binade: round
-            # here (to nearest, ties to even as the GPU's cvt: 16-bit q makes ties common, 0.75 * 448 = 336
-            # one; 2^-9 steps below 2^-6), the dot then reads fp32
-            step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(q), 0.015625))) - 3.0)
-            r = tl.abs(q) / step
-            n = tl.floor(r + 0.5)
-            n = tl.where((n - r == 0.5) & (n % 2.0 == 1.0), n - 1.0, n)
-            q = tl.where(q < 0, -1.0, 1.0) * n * step
+        if DOT_FP32:  # the interpreter: rounded as the GPU's cvt rounds (its own cast is off), the dot reads fp32
+            q = _round_e4m3(qf / q_sc[:, None], False)
         else:
-            q = q.to(k_cache_ptr.dtype.element_ty)
+            q = (qf / q_sc[:, None]).to(k_cache_ptr.dtype.element_ty)
     elif WIDEN_F16:  # pre-scaled (far from fp16's range limit; clamped to it), so the scores need no scaling
         q = tl.minimum(tl.maximum(q.to(tl.float32) * qk_scale, -65504.0), 65504.0).to(tl.float16)
     if DOT_FP32:
@@ -579,11 +573,11 @@ def q_as_e4m3_ref(q: torch.Tensor, scale: float) -> torch.Tensor:
     return (qf / sc).to(torch.float8_e4m3fn).float() * sc / qk_scale
 
 
-def keywords_from_env(environ=None) -> dict:
+def keywords_from_env() -> dict:
     """The prefill attention's A/B switch, bound into every launch and the warm-up by kernels.ops:
     FIRSTTOKEN_PREFILL_WIDEN (q, fp16 or k8: `paged_attention_triton`'s widen). Unset: the default.
     A bad value raises ValueError naming the variable."""
-    widen = (os.environ if environ is None else environ).get("FIRSTTOKEN_PREFILL_WIDEN")
+    widen = os.environ.get("FIRSTTOKEN_PREFILL_WIDEN")
     if not widen:
         return {}
     check(widen in ("q", "fp16", "k8"), "FIRSTTOKEN_PREFILL_WIDEN must be q, fp16 or k8, not {!r}", widen)

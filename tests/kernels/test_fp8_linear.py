@@ -308,8 +308,8 @@ def test_tma_gemm_against_reference(poison_empty, m, n, k, split, bias, out_dtyp
 @pytest.mark.parametrize(("t", "c", "dtype"), [(1, 16, torch.float32), (5, 100, torch.bfloat16), (3, 96, torch.float32),
                                                (9, 4096 // 8, torch.bfloat16)])
 def test_quantize_triton_matches_torch(poison_empty, t, c, dtype):
-    """o_proj's input quantization in one kernel: torch's scales, and e4m3 values equal except
-    at an exact halfway point (the kernel rounds half away from zero, torch to even)."""
+    """o_proj's input quantization in one kernel: torch's scales, and e4m3 values equal but where a
+    scale's last bit moves a value across a rounding boundary (both round to nearest, ties to even)."""
     from kernels.fp8_linear import dequantize, quantize
     from kernels.fp8_quant import quantize_triton
 
