@@ -156,8 +156,14 @@ def logprobs(model: torch.nn.Module, batches: list[torch.Tensor]) -> torch.Tenso
     return torch.cat(out)  # [positions, V]
 
 
-def compare(ref: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
-    top1 = (ref.argmax(-1) == other.argmax(-1)).float().mean().item()
+def compare(ref: torch.Tensor, other: torch.Tensor, ties: bool = False) -> dict[str, float]:
+    """Top-1 agreement (ties: a token tied for the reference's top counts as agreeing, for a bf16
+    reference whose coarse logits tie) and KL(ref || other), per position of [positions, V] log-probs."""
+    if ties:
+        top = ref.max(-1, keepdim=True).values
+        top1 = (ref.gather(-1, other.argmax(-1, keepdim=True)) >= top - 1e-6).float().mean().item()
+    else:
+        top1 = (ref.argmax(-1) == other.argmax(-1)).float().mean().item()
     kl = (ref.exp() * (ref - other)).sum(-1)  # KL(ref || other) per position
     # the agreement's binomial standard error: positions are not independent, so a lower bound
     se = math.sqrt(top1 * (1 - top1) / ref.shape[0])

@@ -13,6 +13,7 @@ nats with groups of 64) stays recorded in bench/results/2026-12-01-fp8-quality-c
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -200,21 +201,20 @@ def _rowwise_operands(name: str, a_q: torch.Tensor, a_scale: torch.Tensor, b_q: 
     return m, k, n
 
 
-_TMA: dict | None = None
+@functools.lru_cache(maxsize=4)
+def _tma_picks(path: str) -> dict:
+    return json.loads(Path(path).read_text())
 
 
-def tma_tiles(n: int, k: int, m: int) -> tuple[int, ...] | None:
-    """FIRSTTOKEN_FP8_TMA_CONFIG (an A/B switch): a JSON file of {"K,N": {"128": cfg or null, "256": ...}},
-    `bench_fp8_decode.py --tma`'s picks (cfg: block_m, block_n, block_k, warps, stages, split) where the TMA
-    kernel beat the others; the [N, K] weight's tiles for M rows (65-256), or None (unset, or not picked)."""
-    global _TMA
-    if _TMA is None:
-        path = os.environ.get("FIRSTTOKEN_FP8_TMA_CONFIG")
-        _TMA = json.loads(Path(path).read_text()) if path else {}
-    if not 64 < m <= 256:
-        return None
-    cfg = _TMA.get(f"{k},{n}", {}).get("128" if m <= 128 else "256")
-    return tuple(cfg) if cfg else None
+def tma_tiles(n: int, k: int) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None] | None:
+    """FIRSTTOKEN_FP8_TMA_CONFIG (an A/B switch, read when a projection is built): a JSON file of
+    {"K,N": {"128": cfg or null, "256": ...}}, `bench_fp8_decode.py --tma`'s picks (cfg: block_m, block_n,
+    block_k, warps, stages, split) where the TMA kernel beat the others. The [N, K] weight's tiles for
+    65-128 and for 129-256 rows, or None where neither was picked (or the variable is unset)."""
+    path = os.environ.get("FIRSTTOKEN_FP8_TMA_CONFIG")
+    picks = _tma_picks(path).get(f"{k},{n}", {}) if path else {}
+    tiles = tuple(tuple(c) if c else None for c in (picks.get("128"), picks.get("256")))
+    return tiles if any(tiles) else None
 
 
 def small_m_config(n: int, k: int, m: int = 1) -> tuple[int, ...]:

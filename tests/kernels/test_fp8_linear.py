@@ -370,18 +370,16 @@ def test_fast_accumulation_where_it_pays(monkeypatch) -> None:
 
 
 def test_tma_tiles_from_a_sweeps_picks(tmp_path, monkeypatch):
-    """FIRSTTOKEN_FP8_TMA_CONFIG: a sweep's picks per weight and row bucket route 65-256 rows to the TMA
-    kernel with the picked tiles; unpicked buckets (null), other weights, 64 rows or fewer and more
-    than 256 keep the other kernels; unset, nothing changes."""
-    import kernels.fp8_gemm as fg
+    """FIRSTTOKEN_FP8_TMA_CONFIG: a sweep's picks per weight and row bucket (65-128, 129-256 rows), read
+    when a projection is built; unpicked buckets (null) keep the other kernels, a weight with neither or
+    not listed gets None; unset, nothing changes."""
+    from kernels.fp8_gemm import tma_tiles
 
     path = tmp_path / "tma.json"
-    path.write_text(json.dumps({"4096,6144": {"128": [128, 64, 128, 4, 4, 1], "256": None}}))
-    monkeypatch.setattr(fg, "_TMA", None)
+    path.write_text(json.dumps({"4096,6144": {"128": [128, 64, 128, 4, 4, 1], "256": None},
+                                "4096,4096": {"128": None, "256": None}}))
     monkeypatch.setenv("FIRSTTOKEN_FP8_TMA_CONFIG", str(path))
-    assert fg.tma_tiles(6144, 4096, 128) == (128, 64, 128, 4, 4, 1) == fg.tma_tiles(6144, 4096, 65)
-    assert fg.tma_tiles(6144, 4096, 64) is None and fg.tma_tiles(6144, 4096, 200) is None
-    assert fg.tma_tiles(6144, 4096, 257) is None and fg.tma_tiles(4096, 4096, 128) is None
-    monkeypatch.setattr(fg, "_TMA", None)
+    assert tma_tiles(6144, 4096) == ((128, 64, 128, 4, 4, 1), None)
+    assert tma_tiles(4096, 4096) is None and tma_tiles(28672, 4096) is None
     monkeypatch.delenv("FIRSTTOKEN_FP8_TMA_CONFIG")
-    assert fg.tma_tiles(6144, 4096, 128) is None
+    assert tma_tiles(6144, 4096) is None

@@ -100,6 +100,8 @@ class Fp8Linear(nn.Module):
         env = os.environ.get("FIRSTTOKEN_FP8_SMALL_M")
         small = int(env) if env is not None else small_m_rows(self.out_features, self.in_features)
         self.small_m = small if self.kernel == "scaled_mm" else 0
+        # FIRSTTOKEN_FP8_TMA_CONFIG (an A/B switch): 65-256 rows through the TMA kernel with a sweep's tiles
+        self.tma = tma_tiles(self.out_features, self.in_features) if self.kernel == "scaled_mm" else None
         # rows up to which a step takes the W8A16 GEMV (0 on the CPU, where FIRSTTOKEN_FP8_GEMV_ROWS
         # turns its reference on for a test)
         env = os.environ.get("FIRSTTOKEN_FP8_GEMV_ROWS")
@@ -110,12 +112,11 @@ class Fp8Linear(nn.Module):
         self._quantize = quantize_triton if w.device.type == "cuda" else quantize
 
     def _run(self, x_q: torch.Tensor, x_s: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        tma = tma_tiles(self.out_features, self.in_features, x_q.shape[0]) if self.kernel == "scaled_mm" else None
-        if tma is not None:  # an A/B switch (FIRSTTOKEN_FP8_TMA_CONFIG): 65-256 rows through TMA loads
-            bm, bn, bk, warps, stages, split = tma
-            return fp8_gemm_rowwise_tma(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype, bm, bn, bk,
-                                        warps, stages, split)
-        if x_q.shape[0] <= self.small_m:
+        m = x_q.shape[0]
+        if self.tma is not None and 64 < m <= 256 and self.tma[m > 128] is not None:
+            return fp8_gemm_rowwise_tma(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype,
+                                        *self.tma[m > 128])
+        if m <= self.small_m:
             return fp8_gemm_rowwise_small_m(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
         return self._gemm(x_q, x_s, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
 
