@@ -214,6 +214,9 @@ def tma_tiles(n: int, k: int) -> tuple[tuple[int, ...] | None, tuple[int, ...] |
     path = os.environ.get("FIRSTTOKEN_FP8_TMA_CONFIG")
     picks = _tma_picks(path).get(f"{k},{n}", {}) if path else {}
     tiles = tuple(tuple(c) if c else None for c in (picks.get("128"), picks.get("256")))
+    for c in tiles:
+        check(c is None or (len(c) == 6 and all(type(x) is int and x > 0 for x in c)),
+              "FIRSTTOKEN_FP8_TMA_CONFIG: a pick is [block_m, block_n, block_k, warps, stages, split], not {!r}", c)
     return tiles if any(tiles) else None
 
 

@@ -381,5 +381,10 @@ def test_tma_tiles_from_a_sweeps_picks(tmp_path, monkeypatch):
     monkeypatch.setenv("FIRSTTOKEN_FP8_TMA_CONFIG", str(path))
     assert tma_tiles(6144, 4096) == ((128, 64, 128, 4, 4, 1), None)
     assert tma_tiles(4096, 4096) is None and tma_tiles(28672, 4096) is None
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"4096,6144": {"128": [128, 64, 128, 4, 4]}}))  # no split
+    monkeypatch.setenv("FIRSTTOKEN_FP8_TMA_CONFIG", str(bad))
+    with pytest.raises(ValueError, match="FIRSTTOKEN_FP8_TMA_CONFIG"):
+        tma_tiles(6144, 4096)
     monkeypatch.delenv("FIRSTTOKEN_FP8_TMA_CONFIG")
     assert tma_tiles(6144, 4096) is None
