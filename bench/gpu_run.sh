@@ -29,7 +29,7 @@
 #   l2pf        decode b1/b8/b64 and TTFT 2048 (cached + 128) with o_proj's weight prefetched into the L2 beside
 #               the attention (FP8, bf16), then its GPU tests                                     ~5 min
 #   gemm_tma    128/256-row FP8 GEMMs with TMA loads (bench_fp8_decode --tma), then TTFT 2048 cached + 128
-#               without and with the sweep's TMA picks                                            ~5 min
+#               without TMA, with the built-in tiles and with the sweep's picks                    ~5 min
 #   prefill_k8  2048 cached + 128's paged attention: QK^T on FP8 tensor cores, with tiles (ncu_prefill_cached),
 #               then TTFT 2048 / cached + 128 and decode b1 with and without it in the engine      ~3 min
 #   fp8attn     cuDNN's FP8 dense prefill attention (bench_fp8_attention), its GPU tests, then TTFT 2048 / 8192 /
@@ -204,10 +204,13 @@ for stage in "${STAGES[@]}"; do
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_l2pf 120 $PY -m pytest -q -s -m gpu \
         tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "l2_prefetch" ;;
     gemm_tma)  # the 128/256-row FP8 GEMMs with TMA loads against _scaled_mm and the pointer kernel (bench_fp8_decode
-      # --tma), then TTFT 2048 cached + 128 without and with the sweep's TMA picks (FIRSTTOKEN_FP8_TMA_CONFIG)  ~5 min
+      # --tma), then TTFT 2048 cached + 128 without TMA (FIRSTTOKEN_FP8_TMA_CONFIG=off), with the built-in tiles and
+      # with the sweep's picks                                                                           ~5 min
       [ "${SMOKE:-0}" = 1 ] || run gemm_tma 260 $PY bench/bench_fp8_decode.py --rows 128,256 --tma \
         --configs-m '[[64,32,256,4,4],[128,64,128,8,3],[64,64,256,4,3],[128,64,128,8,3,2]]'
-      run ttft_base 120 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
+      FIRSTTOKEN_FP8_TMA_CONFIG=off run ttft_base 120 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET \
+        --sections ttft --ttft-lengths 2048 --engines fp8+kv8 --no-hf
+      run ttft_builtin 120 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
         --engines fp8+kv8 --no-hf
       if [ -f "$OUT/tma_config.json" ]; then
         FIRSTTOKEN_FP8_TMA_CONFIG="$OUT/tma_config.json" run ttft_tma 120 $PY bench/bench_engine.py "${DEV[@]}" \

@@ -201,18 +201,45 @@ def _rowwise_operands(name: str, a_q: torch.Tensor, a_scale: torch.Tensor, b_q: 
     return m, k, n
 
 
+# fp8_gemm_rowwise_tma's tiles (block_m, block_n, block_k, warps, stages, split) for 65-128 and 129-256
+# rows of a Llama-3.1-8B-shaped weight, None where torch._scaled_mm stays faster: the
+# `bench_fp8_decode.py --tma` sweep on the H100 at f8a6a19 (bench/results/2026-12-06-session14-h100.md),
+# us, TMA against the best of _scaled_mm and the pointer kernel: 128 rows qkv 12.9 / 14.3, o 9.8 /
+# 12.0, down 29.0 / 34.7, gate_up 51.3 / 49.9 (not taken); 256 rows o 11.2 / 13.9, down 33.8 / 37.9,
+# qkv 16.5 / 15.9 and gate_up 72.6 / 63.3 (not taken). TTFT 2048 cached + 128, fp8+kv8: 6.52 -> 6.38 ms.
+_TMA_QKV = ((64, 64, 128, 4, 6, 1), None)
+_TMA_O = ((64, 32, 256, 4, 4, 1), (64, 64, 128, 4, 6, 1))
+_TMA_DOWN = ((64, 32, 256, 4, 4, 1), (128, 64, 128, 4, 6, 1))
+
+
+def tma_default(n: int, k: int) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None] | None:
+    """The built-in TMA tiles of an [N, K] weight (see _TMA_QKV): None for gate_up-wide weights."""
+    if n >= 16384:  # gate_up_proj: _scaled_mm's 128-wide tiles fill the SMs
+        return None
+    if k >= 8192:  # down_proj
+        return _TMA_DOWN
+    return _TMA_QKV if n > k else _TMA_O
+
+
 @functools.lru_cache(maxsize=4)
 def _tma_picks(path: str) -> dict:
     return json.loads(Path(path).read_text())
 
 
 def tma_tiles(n: int, k: int) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None] | None:
-    """FIRSTTOKEN_FP8_TMA_CONFIG (an A/B switch, read when a projection is built): a JSON file of
-    {"K,N": {"128": cfg or null, "256": ...}}, `bench_fp8_decode.py --tma`'s picks (cfg: block_m, block_n,
-    block_k, warps, stages, split) where the TMA kernel beat the others. The [N, K] weight's tiles for
-    65-128 and for 129-256 rows, or None where neither was picked (or the variable is unset)."""
-    path = os.environ.get("FIRSTTOKEN_FP8_TMA_CONFIG")
-    picks = _tma_picks(path).get(f"{k},{n}", {}) if path else {}
+    """The [N, K] weight's fp8_gemm_rowwise_tma tiles for 65-128 and for 129-256 rows, or None where
+    _scaled_mm serves both; read when a projection is built, for a Hopper GPU. Built in (tma_default)
+    unless FIRSTTOKEN_FP8_TMA_CONFIG says otherwise: "off" (never; an A/B switch), or a JSON file of
+    {"K,N": {"128": cfg or null, "256": ...}}, `bench_fp8_decode.py --tma`'s picks (cfg: block_m,
+    block_n, block_k, warps, stages, split) where the TMA kernel beat the others."""
+    env = os.environ.get("FIRSTTOKEN_FP8_TMA_CONFIG")
+    if env == "off":
+        return None
+    if k % 16:
+        return None  # TMA rows are 16-byte aligned
+    if not env:
+        return tma_default(n, k)
+    picks = _tma_picks(env).get(f"{k},{n}", {})
     tiles = tuple(tuple(c) if c else None for c in (picks.get("128"), picks.get("256")))
     for c in tiles:
         check(c is None or (len(c) == 6 and all(type(x) is int and x > 0 for x in c)),
@@ -295,8 +322,8 @@ def fp8_gemm_rowwise_tma(
     """`fp8_gemm_rowwise_small_m` with A and B read by TMA (Hopper's bulk tensor copies) instead of
     per-thread pointer loads: the candidate for 65-256 rows (a cached prefix's new tokens), where
     the pointer kernel and cuBLASLt both stream the weight at about half the memory's rate. K must be
-    a multiple of 16 (a TMA row stride is 16-byte aligned). Not used by the engine yet: measured by
-    `bench/bench_fp8_decode.py --tma`."""
+    a multiple of 16 (a TMA row stride is 16-byte aligned). The engine's 65-256-row projections on
+    Hopper where tma_tiles names tiles; `bench/bench_fp8_decode.py --tma` sweeps them."""
     m, k, n = _rowwise_operands("fp8_gemm_tma", a_q, a_scale, b_q, b_scale)
     check(k % 16 == 0, "fp8_gemm_tma: K {} must be a multiple of 16 (TMA rows are 16-byte aligned)", k)
     c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)

@@ -386,5 +386,19 @@ def test_tma_tiles_from_a_sweeps_picks(tmp_path, monkeypatch):
     monkeypatch.setenv("FIRSTTOKEN_FP8_TMA_CONFIG", str(bad))
     with pytest.raises(ValueError, match="FIRSTTOKEN_FP8_TMA_CONFIG"):
         tma_tiles(6144, 4096)
-    monkeypatch.delenv("FIRSTTOKEN_FP8_TMA_CONFIG")
-    assert tma_tiles(6144, 4096) is None
+    monkeypatch.setenv("FIRSTTOKEN_FP8_TMA_CONFIG", "off")
+    assert tma_tiles(6144, 4096) is None and tma_tiles(4096, 14336) is None
+
+
+def test_tma_tiles_built_in(monkeypatch):
+    """Unset, FIRSTTOKEN_FP8_TMA_CONFIG leaves the built-in tiles (the H100 sweep's picks): qkv 65-128 rows
+    only, o_proj and down_proj both buckets, gate_up never (_scaled_mm's wide tiles win there); a K that
+    TMA cannot stride (not a multiple of 16) never."""
+    from kernels.fp8_gemm import tma_tiles
+
+    monkeypatch.delenv("FIRSTTOKEN_FP8_TMA_CONFIG", raising=False)
+    assert tma_tiles(6144, 4096) == ((64, 64, 128, 4, 6, 1), None)
+    assert tma_tiles(4096, 4096) == ((64, 32, 256, 4, 4, 1), (64, 64, 128, 4, 6, 1))
+    assert tma_tiles(4096, 14336) == ((64, 32, 256, 4, 4, 1), (128, 64, 128, 4, 6, 1))
+    assert tma_tiles(28672, 4096) is None
+    assert tma_tiles(4096, 4104) is None
