@@ -74,6 +74,8 @@ class KVCacheManager:
             return False
         if cached_blocks:
             self.pool.touch(cached_blocks)
+            if req.num_indexed_blocks == len(req.block_ids):
+                req.num_indexed_blocks += len(cached_blocks)  # found in the index: nothing to offer it again
             req.block_ids.extend(b.block_id for b in cached_blocks)
         if num_new_blocks > 0:
             req.block_ids.extend(b.block_id for b in self.pool.allocate(num_new_blocks))

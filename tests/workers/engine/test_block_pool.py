@@ -178,3 +178,24 @@ def test_priority_ages_past_the_bound_so_low_priority_is_late_not_starved():
     strict.push(low)
     strict.push(highs[2])
     assert strict.pop() is highs[2]
+
+
+def test_admission_with_a_cached_prefix_indexes_only_the_new_blocks(monkeypatch):
+    """A request admitted over cached blocks counts them as indexed (lookup found them there): only the
+    blocks its own step fills are offered to the index, and its chain still finds all of them next time."""
+    kv = KVCacheManager(32, 4)
+    first = make_request(list(range(1, 14)))  # 3 full blocks + 1
+    blocks, n = kv.find_cached_prefix(first)
+    assert (blocks, n) == ([], 0) and kv.allocate_slots(first, 13)
+    offered = []
+    real = kv.pool.cache
+    monkeypatch.setattr(kv.pool, "cache", lambda b, h: (offered.append(b.block_id), real(b, h)))
+    second = make_request(list(range(1, 13)) + [50, 51, 52, 53, 54])  # the same 3 blocks, then 5 new tokens
+    blocks, n = kv.find_cached_prefix(second)
+    assert n == 12 and [b.block_id for b in blocks] == first.block_ids[:3]
+    assert kv.allocate_slots(second, 5, blocks)
+    assert second.num_indexed_blocks == 4 and second.block_ids[:3] == first.block_ids[:3]
+    assert offered == [second.block_ids[3]]  # the one block its 5 new tokens fill, not the 3 it found
+    third = make_request(list(range(1, 13)) + [50, 51, 52, 53, 60])
+    blocks, n = kv.find_cached_prefix(third)
+    assert [b.block_id for b in blocks] == second.block_ids[:4] and n == 16
