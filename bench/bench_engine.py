@@ -342,8 +342,6 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # tensor cores (q rounded to e4m3 per row)
     "fp8-k8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "k8"}},
     # A/B: every step prefetches o_proj's weight into the L2 beside its attention
-    "fp8-l2pf": {"quantization": "fp8", "_env": {"FIRSTTOKEN_L2_PREFETCH": "1"}},
-    "bf16-l2pf": {"_env": {"FIRSTTOKEN_L2_PREFETCH": "1"}},
 }
 
 

@@ -26,8 +26,6 @@
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
 #   h200        throughput of fp8-vtpf3 and fp8+kv8, then TTFT / decode of bf16 and fp8+kv8 (no transformers)  ~8.5 min
-#   l2pf        decode b1/b8/b64 and TTFT 2048 (cached + 128) with o_proj's weight prefetched into the L2 beside
-#               the attention (FP8, bf16), then its GPU tests                                     ~5 min
 #   gemm_tma    128/256-row FP8 GEMMs with TMA loads (bench_fp8_decode --tma), then TTFT 2048 cached + 128
 #               without TMA, with the built-in tiles and with the sweep's picks                    ~5 min
 #   prefill_k8  2048 cached + 128's paged attention: QK^T on FP8 tensor cores, with tiles (ncu_prefill_cached),
@@ -197,12 +195,6 @@ for stage in "${STAGES[@]}"; do
       done
       run engine 170 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines bf16,fp8+kv8 --no-hf "${ENGINE_ARGS[@]}" ;;
-    l2pf)  # decode b1 / b8 / b64 and TTFT 2048 (cached + 128) with o_proj's weight prefetched into the L2 beside the
-      # attention, FP8 and bf16, then the GPU tests of it                                              ~5 min
-      run l2pf 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --decode-batches 1,8,64 \
-        --ttft-lengths 2048 --engines fp8+kv8,fp8-l2pf+kv8,bf16+kv8,bf16-l2pf+kv8 --no-hf
-      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_l2pf 120 $PY -m pytest -q -s -m gpu \
-        tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "l2_prefetch" ;;
     gemm_tma)  # the 128/256-row FP8 GEMMs with TMA loads against _scaled_mm and the pointer kernel (bench_fp8_decode
       # --tma), then TTFT 2048 cached + 128 without TMA (FIRSTTOKEN_FP8_TMA_CONFIG=off), with the built-in tiles and
       # with the sweep's picks                                                                           ~5 min

@@ -102,7 +102,8 @@ class Fp8Linear(nn.Module):
         self.small_m = small if self.kernel == "scaled_mm" else 0
         # 65-256 rows (a cached prefix's new tokens) through the TMA kernel on Hopper, where its tiles
         # beat _scaled_mm's (kernels.fp8_gemm.tma_tiles; FIRSTTOKEN_FP8_TMA_CONFIG=off for an A/B run)
-        hopper = self.kernel == "scaled_mm" and torch.cuda.get_device_capability(w.device)[0] == 9
+        hopper = (self.kernel == "scaled_mm" and w.device.type == "cuda"
+                  and torch.cuda.get_device_capability(w.device)[0] == 9)
         self.tma = tma_tiles(self.out_features, self.in_features) if hopper else None
         # rows up to which a step takes the W8A16 GEMV (0 on the CPU, where FIRSTTOKEN_FP8_GEMV_ROWS
         # turns its reference on for a test)

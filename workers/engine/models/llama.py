@@ -6,19 +6,14 @@ Triton kernels replace goes through the `KernelOps` bound at construction.
 
 from __future__ import annotations
 
-import os
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
-from kernels.l2_prefetch import prefetch_beside
 from kernels.ops import KernelOps
 from workers.engine.attention import AttentionMetadata, PagedAttention
 from workers.engine.config import ModelConfig
-
-_NO_PREFETCH = nullcontext()  # (reusable: it holds no state)
 
 
 class RMSNorm(nn.Module):
@@ -44,15 +39,6 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.attn = PagedAttention(ops, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer])
-        # FIRSTTOKEN_L2_PREFETCH=1 (an A/B switch): attention runs beside a prefetch of o_proj's
-        # weight into the L2 (a few sequences' decode, or a cached prefix's new tokens, leave the DRAM
-        # idle then; kernels/l2_prefetch.py)
-        self.l2_prefetch = os.environ.get("FIRSTTOKEN_L2_PREFETCH") == "1"
-
-    def _o_weight(self) -> torch.Tensor:
-        """o_proj's weight as its GEMM reads it: the e4m3 copy of an FP8 projection, else the weight."""
-        w = getattr(self.o_proj, "weight_fp8", None)
-        return self.o_proj.weight if w is None else w
 
     def forward(self, x: Any, positions: torch.Tensor, cos_sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -63,14 +49,11 @@ class Attention(nn.Module):
         q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-        prefetch = prefetch_beside(self._o_weight()) if self.l2_prefetch else _NO_PREFETCH
         if self.attn.fuses_rope(meta, t):  # a pure decode step: rope and the cache write in its attention
-            with prefetch:
-                o = self.attn.decode_with_rope(q, k, v, positions, cos_sin, k_cache, v_cache, meta)
+            o = self.attn.decode_with_rope(q, k, v, positions, cos_sin, k_cache, v_cache, meta)
         else:
             q, k = self.ops.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-            with prefetch:
-                o = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D], or FP8 attention's (e4m3, descale)
+            o = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D], or FP8 attention's (e4m3, descale)
             if isinstance(o, tuple):  # already quantized for the FP8 o_proj
                 return self.o_proj(o)
         return self.o_proj(o.reshape(t, cfg.q_size))
