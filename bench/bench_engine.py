@@ -341,6 +341,7 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B of the paged prefill attention over an fp8 cache (a cached prefix's new tokens): QK^T on FP8
     # tensor cores (q rounded to e4m3 per row)
     "fp8-k8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "k8"}},
+    "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
     # A/B: every step prefetches o_proj's weight into the L2 beside its attention
 }
 
