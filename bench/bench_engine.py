@@ -342,9 +342,6 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # tensor cores (q rounded to e4m3 per row)
     "fp8-k8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "k8"}},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
-    # A/B: split attention combines its partials in its last split program (no second launch)
-    "fp8-fused": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FUSED_COMBINE": "1"}},
-    "bf16-fused": {"_env": {"FIRSTTOKEN_FUSED_COMBINE": "1"}},
 }
 
 

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
-from kernels._triton import (
-    ARRIVAL_MIN,
-    arrival_counters,
-    bounded_put,
-    cdiv,
-    check,
-    lazy_jit,
-    next_pow2,
-    num_sms,
-)
+from kernels._triton import arrival_counters, bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
 from kernels.kv_layout import v_keys_inner, v_max
 from kernels.prefill_attention import (
     _arrive_and_combine,
     check_paged_inputs,
     combine_splits,
-    fused_combine,
     paged_attention_ref,
     split_partials,
 )
@@ -338,7 +329,7 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
         "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch, "ROPE": False,
-        "V_T": v_t, "V_MAX": 0.0, "FUSED": fused and num_splits > 1 and b * hk * head_chunks <= ARRIVAL_MIN, "C_ROWS": next_pow2(g_pack),
+        "V_T": v_t, "V_MAX": 0.0, "FUSED": fused and num_splits > 1, "C_ROWS": next_pow2(g_pack),
         # the fused combine's loads: C_ROWS x C_SPLITS x BLOCK_D fp32 values at once, 4096 at most
         "C_SPLITS": max(1, min(next_pow2(num_splits), 4096 // (next_pow2(g_pack) * next_pow2(d)))),
     }
@@ -436,6 +427,12 @@ def decode_attention_triton(
     if splits > 1 and not consts["FUSED"]:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
+
+
+def fused_combine() -> bool:
+    """FIRSTTOKEN_FUSED_COMBINE=1 (an A/B switch, read when a launch is planned): split attention
+    combines its partials in the last split program to finish, not in a second launch."""
+    return os.environ.get("FIRSTTOKEN_FUSED_COMBINE") == "1"
 
 
 def _check_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

@@ -7,17 +7,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import (
-    ARRIVAL_MIN,
-    arrival_counters,
-    bounded_put,
-    cdiv,
-    check,
-    lazy_helper,
-    lazy_jit,
-    next_pow2,
-    num_sms,
-)
+from kernels._triton import bounded_put, cdiv, check, lazy_helper, lazy_jit, next_pow2, num_sms
 from kernels.fp8_quant import _round_e4m3
 from kernels.kv_layout import check_v_layout, v_keys_inner
 
@@ -86,7 +76,6 @@ def _paged_attention_kernel(
     m_ptr,  # SPLIT: partial row max [T, Hq, num_splits] fp32 (exp2 domain); else unused
     l_ptr,  # SPLIT: partial row sum [T, Hq, num_splits] fp32; else unused
     acc_ptr,  # SPLIT: partial unnormalised output [T, Hq, num_splits, D] fp32 (rows with l = 0 unwritten)
-    count_ptr,  # FUSED: [B * grid axis 1 * num_m_tiles] int32 arrival counters, zero between launches
     bt_ptr,  # block_tables: [B, max_blocks] int32
     qsl_ptr,  # query_start_loc: [B + 1] int32
     seq_lens_ptr,  # seq_lens: [B] int32, context length including the new tokens
@@ -121,8 +110,6 @@ def _paged_attention_kernel(
     WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
     QK_FP8: tl.constexpr,  # an fp8 cache: K stays e4m3, q is rounded to e4m3 per row (QK^T on FP8 tensor cores)
     V_T: tl.constexpr,  # v_cache holds each block's keys innermost: read in whole blocks (BLOCK_N % BLOCK_SIZE == 0)
-    FUSED: tl.constexpr,  # SPLIT: the last split of a (query tile, head chunk, sequence) combines them (out contiguous)
-    C_SPLITS: tl.constexpr,  # FUSED: splits the combine loads at once
 ):
     pid0 = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -247,10 +234,6 @@ def _paged_attention_kernel(
         tl.store(l_ptr + part, l_i, mask=row_ok)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=(row_ok & (l_i > 0.0))[:, None] & dmask[None, :])
-        if FUSED:
-            counter = (b * tl.num_programs(1) + pid_h) * num_m_tiles + m_tile
-            _arrive_and_combine(count_ptr, counter, m_ptr, l_ptr, acc_ptr, out_ptr, row_t * num_q_heads + qh, row_ok,
-                                num_splits, C_SPLITS, HEAD_DIM, BLOCK_D)
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
@@ -449,7 +432,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
                sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits, num_m_tiles) of one launch."""
     hq, hk, d, bs, b, on_gpu, fp8_cache, v_t = static
-    block_m, block_n, num_warps, num_stages, num_splits, widen, fused = over
+    block_m, block_n, num_warps, num_stages, num_splits, widen = over
     check(widen in (None, "q", "fp16", "k8"), "paged_attention: widen must be 'q', 'fp16' or 'k8', not {!r}", widen)
     if widen is None:
         widen = default_widen(dtype, fp8_cache, on_gpu)
@@ -499,10 +482,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
         "PRECISION": "ieee" if dtype == torch.float32 or not on_gpu else None,
         "DOT_FP32": not on_gpu, "WIDEN_F16": fp8_cache and widen in ("fp16", "k8") and dtype != torch.float32,
         "QK_FP8": fp8_cache and widen == "k8" and dtype != torch.float32,
-        # fused only where its counters fit the buffer every device starts with (none made mid-capture)
-        "V_T": v_t, "FUSED": bool(fused) and num_splits > 1 and num_m_tiles * hk * head_chunks * b <= ARRIVAL_MIN,
-        # the fused combine's loads: BLOCK_M x C_SPLITS x BLOCK_D fp32 values at once, 4096 at most (or one split)
-        "C_SPLITS": max(1, min(next_pow2(num_splits), 4096 // (bm * next_pow2(d)))),
+        "V_T": v_t,
     }
     return grid, consts, warps, stages, num_splits, num_m_tiles
 
@@ -518,7 +498,7 @@ def plan_prefill_splits(q_dtype: torch.dtype, num_heads: int, k_cache: torch.Ten
     static = (num_heads, hk, d, bs, batch, k_cache.device.type == "cuda", k_cache.dtype == torch.float8_e4m3fn,
               False)  # the V layout changes no split count
     plan = _tile_plan(static, q_dtype, num_tokens, min(max_query_len, num_tokens), ctx_bound,
-                      sliding_window is not None, num_sms(k_cache.device), (None,) * 7)
+                      sliding_window is not None, num_sms(k_cache.device), (None,) * 6)
     return plan[4]
 
 
@@ -578,7 +558,7 @@ def paged_attention_triton(
     ctx_bound = block_tables.shape[1] * bs
     if max_seq_len is not None:
         ctx_bound = min(ctx_bound, max_seq_len)
-    over = (block_m, block_n, num_warps, num_stages, num_splits, widen, fused_combine())
+    over = (block_m, block_n, num_warps, num_stages, num_splits, widen)
     tkey = (skey, t, max_q, ctx_bound, over)
     plan = _TILES.get(tkey)
     if plan is None:
@@ -590,8 +570,6 @@ def paged_attention_triton(
         dst = (out, m, lsum, acc)
     else:
         dst = (out, out, out, out)
-    fused = consts["FUSED"]
-    dst = (*dst, arrival_counters(q.device, grid[0] // splits * grid[1] * grid[2]) if fused else seq_lens)
     _paged_attention_kernel.launch(grid, (
         q, k_cache, v_cache, *dst, block_tables, query_start_loc, seq_lens,
         scale * 1.4426950408889634,
@@ -601,15 +579,9 @@ def paged_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
         block_tables.stride(0),
     ), consts, warps, stages, on_gpu)
-    if splits > 1 and not fused:
+    if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
-
-
-def fused_combine() -> bool:
-    """FIRSTTOKEN_FUSED_COMBINE=1 (an A/B switch, read when a launch is planned): split attention (this
-    and decode's) combines its partials in the last split program to finish, not in a second launch."""
-    return os.environ.get("FIRSTTOKEN_FUSED_COMBINE") == "1"
 
 
 def q_as_e4m3_ref(q: torch.Tensor, scale: float) -> torch.Tensor:

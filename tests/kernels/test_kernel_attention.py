@@ -125,27 +125,6 @@ def test_paged_prefill_split(prefix, new, hq, hk, window, splits, dtype, v_layou
     torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, 0.125, window), **TOL[dtype])
 
 
-@pytest.mark.usefixtures("poison_empty")
-@pytest.mark.parametrize(("prefix", "new", "hq", "hk", "window", "splits", "dtype"), SPLIT_CASES)
-def test_paged_prefill_fused_combine(monkeypatch, prefix, new, hq, hk, window, splits, dtype) -> None:
-    """FIRSTTOKEN_FUSED_COMBINE=1: the last split program of each (query tile, head chunk, sequence) to
-    arrive combines its rows (no second launch), ragged tiles and skipped tiles past a sequence's
-    tokens included, an fp8 cache too; the arrival counters are zero again after each launch."""
-    import kernels.prefill_attention as pa
-    from kernels._triton import ARRIVAL_COUNTERS
-
-    monkeypatch.setenv("FIRSTTOKEN_FUSED_COMBINE", "1")
-    monkeypatch.setattr(pa, "combine_splits", lambda *a, **k: pytest.fail("a second launch"))
-    q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, 64, 16, dtype)
-    for k_cache, v_cache in ((kc, vc), (kc.to(FP8), vc.to(FP8))):
-        out = paged_attention_triton(q, k_cache, v_cache, bt, qsl, sl, 0.125, window, max_query_len=max(new),
-                                     block_m=32, block_n=16, num_splits=splits)
-        assert not out.isnan().any(), "a row the combine did not write"
-        torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, bt, qsl, sl, 0.125, window),
-                                   **TOL[dtype])
-        assert int(ARRIVAL_COUNTERS[q.device].abs().sum()) == 0
-
-
 def test_prefill_split_choice_depends_on_shapes_only() -> None:
     """Few programs on many SMs split (bounded by the context); a full grid keeps one launch."""
     assert prefill_splits(64, 132, 17) == 4  # 2048 cached + 128 new, M64 tiles: 64 programs
@@ -259,25 +238,6 @@ def test_decode_fused_combine(monkeypatch, dtype, ctx, hq, hk, d, window, splits
     monkeypatch.delenv("FIRSTTOKEN_FUSED_COMBINE")
     with pytest.raises(pytest.fail.Exception, match="a second launch"):  # the switch off: two launches
         decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n)
-
-
-def test_fused_combine_only_where_its_counters_fit() -> None:
-    """A fused launch takes one arrival counter per group of splits from the buffer every device starts
-    with (kernels._triton.ARRIVAL_MIN): a launch that would need more stays two launches, since a
-    larger buffer cannot be made inside a graph capture."""
-    import kernels.decode_attention as da
-    import kernels.prefill_attention as pa
-    from kernels._triton import ARRIVAL_MIN
-
-    over = (8, None, None, None, None, False, True)
-    static = (32, 8, 128, 16, True, False, False, True, False)  # Llama heads, fp8 cache, on a GPU
-    assert da._tile_plan(static, ARRIVAL_MIN // 8, 4096, 132, over)[1]["FUSED"]
-    assert not da._tile_plan(static, ARRIVAL_MIN // 8 + 1, 4096, 132, over)[1]["FUSED"]
-    assert not da._tile_plan(static, 4, 4096, 132, (1, *over[1:]))[1]["FUSED"]  # one split: nothing to combine
-    p_over = (64, 64, 4, 2, 4, None, True)
-    fits = lambda b, q: pa._tile_plan((32, 8, 128, 16, b, True, True, False), BF16, b * q, q, 4096, False, 132,  # noqa: E731
-                                      p_over)[1]["FUSED"]
-    assert fits(8, 1024) and not fits(129, 1024)  # 64 query tiles x 8 kv heads x sequences
 
 
 def test_decode_catches_window_and_paging_bugs() -> None:

@@ -165,21 +165,20 @@ from triton.backends.compiler import GPUTarget
 from kernels import prefill_attention
 jitted = prefill_attention._paged_attention_kernel.jitted()
 PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "out_ptr": "*bf16", "m_ptr": "*fp32",
-        "l_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32", "bt_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "l_ptr": "*fp32", "acc_ptr": "*fp32", "bt_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
         "qk_scale": "fp32"}
 out = []
-for widen, bm, bn, warps, stages, fused in json.loads(sys.argv[1]):
+for widen, bm, bn, warps, stages in json.loads(sys.argv[1]):
     consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_Q": bm // 4, "BLOCK_M": bm, "BLOCK_N": bn,
               "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "HAS_WINDOW": False, "SPLIT": True,
-              "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": widen != "q", "QK_FP8": widen == "k8", "V_T": False,
-              "FUSED": fused, "C_SPLITS": 1}
+              "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": widen != "q", "QK_FP8": widen == "k8", "V_T": False}
     sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
     c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     ptx = c.asm["ptx"]
     out.append({"cubin": len(c.asm["cubin"]), "wgmma": "wgmma" in ptx, "e4m3_pairs": ptx.count("cvt.rn.f16x2.e4m3x2"),
                 "f16_to_bf16": ptx.count("cvt.bf16.f16"), "wgmma_e4m3": ptx.count("e4m3.e4m3"),
-                "q_to_e4m3": ptx.count("cvt.rn.satfinite.e4m3x2.f32"), "atom": "atom." in ptx})
+                "q_to_e4m3": ptx.count("cvt.rn.satfinite.e4m3x2.f32")})
 print(json.dumps(out))
 '''
 
@@ -189,11 +188,9 @@ def test_prefill_attention_fp8_cache_compiles_for_sm90():
     engine's two tile shapes: both on Hopper's MMA (wgmma); e4m3 widens in pairs to fp16 either way,
     and the fp16 path drops the per-value fp16 -> bf16 conversion that the bf16 path adds to each
     loaded K and V tile (what made an fp8 cache slower than a bf16 one on the H200). widen="k8":
-    QK^T on the e4m3 wgmma (q cast to e4m3 by the hardware's cvt), only V widened. With the combine
-    fused in, a ticket (atomic) per split program."""
-    cases = [("q", 64, 64, 4, 2, False), ("fp16", 64, 64, 4, 2, False), ("q", 128, 128, 8, 3, False),
-             ("fp16", 128, 128, 8, 3, False), ("k8", 64, 64, 4, 2, False), ("k8", 128, 128, 8, 3, False),
-             ("fp16", 64, 64, 4, 2, True)]
+    QK^T on the e4m3 wgmma (q cast to e4m3 by the hardware's cvt), only V widened."""
+    cases = [("q", 64, 64, 4, 2), ("fp16", 64, 64, 4, 2), ("q", 128, 128, 8, 3), ("fp16", 128, 128, 8, 3),
+             ("k8", 64, 64, 4, 2), ("k8", 128, 128, 8, 3)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", PREFILL_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
@@ -204,7 +201,6 @@ def test_prefill_attention_fp8_cache_compiles_for_sm90():
         assert g["cubin"] > 0 and g["wgmma"] and g["e4m3_pairs"] > 0, (case, g)
         assert (g["f16_to_bf16"] == 0) == (widen != "q"), (case, g)
         assert (g["wgmma_e4m3"] > 0) == (widen == "k8") and (g["q_to_e4m3"] > 0) == (widen == "k8"), (case, g)
-        assert g["atom"] == case[5], (case, g)  # the fused combine's ticket (FIRSTTOKEN_FUSED_COMBINE)
     # k8 widens V alone: half the e4m3 pairs of fp16's K and V (same tiles)
     assert got[4]["e4m3_pairs"] < got[1]["e4m3_pairs"] and got[5]["e4m3_pairs"] < got[3]["e4m3_pairs"], got
 
