@@ -62,9 +62,6 @@ def _jit_helper(fn: Callable, triton: Any, tl: Any) -> Any:
         jitted = _JITTED_HELPERS[fn] = triton.jit(fn)
         if home.get(fn.__name__) is fn:
             home[fn.__name__] = jitted
-        for h in _HELPERS:  # the helpers it calls, bound in its module (jitted once: no loop)
-            if h is not fn and home.get(h.__name__) is h:
-                home[h.__name__] = _jit_helper(h, triton, tl)
     return jitted
 
 

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from kernels._triton import arrival_counters, bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
+from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
 from kernels.kv_layout import v_keys_inner, v_max
-from kernels.prefill_attention import (
-    _arrive_and_combine,
-    check_paged_inputs,
-    combine_splits,
-    paged_attention_ref,
-    split_partials,
-)
+from kernels.prefill_attention import check_paged_inputs, combine_splits, paged_attention_ref, split_partials
 
 
 def decode_attention_ref(
@@ -53,7 +46,6 @@ def _decode_partial_kernel(
     l_ptr,  # partial row sum: [B * Hq, num_splits] fp32
     acc_ptr,  # partial unnormalised output: [B * Hq, num_splits, D] fp32 (rows with l = 0 unwritten)
     out_ptr,  # out: [B, Hq, D] contiguous, written directly unless SPLIT
-    count_ptr,  # FUSED: [B * grid axis 1] int32 arrival counters, zero between launches (else a dummy)
     kn_ptr,  # ROPE: the step's new k, not rotated: [B, Hk, D], last dim contiguous (else a dummy)
     vn_ptr,  # ROPE: the step's new v: [B, Hk, D], last dim contiguous
     pos_ptr,  # ROPE: positions [B] int64
@@ -92,9 +84,6 @@ def _decode_partial_kernel(
     ROPE: tl.constexpr,  # q (and the new k) arrive unrotated: rotate them here and write k, v to the cache
     V_T: tl.constexpr,  # v_cache holds each block's keys innermost ([blocks, Hk, D, block_size]): tiles of whole blocks
     V_MAX: tl.constexpr,  # V_T and ROPE: the new v is written finite, clamped to +-V_MAX (kernels/kv_layout.py)
-    FUSED: tl.constexpr,  # SPLIT: the last split of a (sequence, head chunk) to finish combines them (no 2nd launch)
-    C_ROWS: tl.constexpr,  # FUSED: power of two >= G_PACK (the combine's rows)
-    C_SPLITS: tl.constexpr,  # FUSED: splits the combine loads at once
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -255,12 +244,6 @@ def _decode_partial_kernel(
         tl.store(l_ptr + part, l_i, mask=row_ok)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=(row_ok & (l_i > 0.0))[:, None] & dmask[None, :])
-        if FUSED:
-            cr = tl.arange(0, C_ROWS)
-            cg = chunk * G_PACK + cr
-            _arrive_and_combine(count_ptr, b * tl.num_programs(1) + pid_h, m_ptr, l_ptr, acc_ptr, out_ptr,
-                                b * num_q_heads + kvh * GROUP + cg, (cr < G_PACK) & (cg < GROUP), num_splits,
-                                C_SPLITS, HEAD_DIM, BLOCK_D)
 
 
 def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: int) -> int:
@@ -300,7 +283,7 @@ def _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window) ->
 def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits) of the partial launch."""
     hq, hk, d, bs, on_gpu, fp32, has_window, fp8_cache, v_t = static
-    num_splits, block_n, num_warps, num_stages, widen, prefetch, fused = over
+    num_splits, block_n, num_warps, num_stages, widen, prefetch = over
     check(widen in (None, "q", "fp16"), "decode_attention: widen must be 'q' or 'fp16', not {!r}", widen)
     group = hq // hk
     g_pack = min(group, 64)
@@ -329,9 +312,7 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
         "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch, "ROPE": False,
-        "V_T": v_t, "V_MAX": 0.0, "FUSED": fused and num_splits > 1, "C_ROWS": next_pow2(g_pack),
-        # the fused combine's loads: C_ROWS x C_SPLITS x BLOCK_D fp32 values at once, 4096 at most
-        "C_SPLITS": max(1, min(next_pow2(num_splits), 4096 // (next_pow2(g_pack) * next_pow2(d)))),
+        "V_T": v_t, "V_MAX": 0.0,
     }
     return (b, hk * head_chunks, num_splits), consts, num_warps, num_stages or 3, num_splits
 
@@ -393,7 +374,7 @@ def decode_attention_triton(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch, fused_combine())
+    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch)
     tkey = (skey, b, block_tables.shape[1], over, rope is None)
     plan = _TILES.get(tkey)
     if plan is None:
@@ -407,7 +388,6 @@ def decode_attention_triton(
         m, lsum, acc = split_partials(b * hq, splits, d, q.device)
     else:
         m = lsum = acc = out
-    count = arrival_counters(q.device, grid[0] * grid[1]) if consts["FUSED"] else seq_lens
     if rope is not None:
         kn, vn, positions, cos_sin, slots = rope
         _check_rope(q, kn, vn, positions, cos_sin, slots, k_cache)
@@ -415,7 +395,7 @@ def decode_attention_triton(
     else:
         rope_args = (q, q, q, q, q, 0, 0, 0, 0)
     _decode_partial_kernel.launch(grid, (
-        q, k_cache, v_cache, block_tables, seq_lens, m, lsum, acc, out, count, *rope_args,
+        q, k_cache, v_cache, block_tables, seq_lens, m, lsum, acc, out, *rope_args,
         scale * 1.4426950408889634,
         sliding_window or 0,
         splits,
@@ -424,15 +404,9 @@ def decode_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
         block_tables.stride(0),
     ), consts, warps, stages, on_gpu)
-    if splits > 1 and not consts["FUSED"]:
+    if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
-
-
-def fused_combine() -> bool:
-    """FIRSTTOKEN_FUSED_COMBINE=1 (an A/B switch, read when a launch is planned): split attention
-    combines its partials in the last split program to finish, not in a second launch."""
-    return os.environ.get("FIRSTTOKEN_FUSED_COMBINE") == "1"
 
 
 def _check_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

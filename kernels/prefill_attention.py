@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import bounded_put, cdiv, check, lazy_helper, lazy_jit, next_pow2, num_sms
+from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
 from kernels.fp8_quant import _round_e4m3
 from kernels.kv_layout import check_v_layout, v_keys_inner
 
@@ -244,54 +244,6 @@ def _paged_attention_kernel(
         )
 
 
-@lazy_helper
-def _combine_rows(m_ptr, l_ptr, acc_ptr, out_ptr, rows, rmask, num_splits, BLOCK_S: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Combine the partials of `rows` ([ROWS] int64 row ids, rmask: real rows) over num_splits and store
-    out[rows]: one pass, rescaled online; m, l and acc of a chunk of splits load together (one round
-    trip when num_splits <= BLOCK_S). An empty split's acc is unwritten, so it is read and discarded.
-    Loads bypass L1 (.cg): a fused combine reads partials other programs stored."""
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    sb = tl.arange(0, BLOCK_S)
-    m_run = tl.full([rows.shape[0]], -1.0e30, dtype=tl.float32)
-    total = tl.zeros([rows.shape[0]], dtype=tl.float32)
-    o = tl.zeros([rows.shape[0], BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        s = s0 + sb
-        part = rows[:, None] * num_splits + s[None, :]  # [ROWS, BLOCK_S]
-        ok = rmask[:, None] & (s < num_splits)[None, :]
-        m = tl.load(m_ptr + part, mask=ok, other=-1.0e30, cache_modifier=".cg")
-        lsum = tl.load(l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
-        acc = tl.load(acc_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :],
-                      mask=ok[:, :, None] & dmask[None, None, :], other=0.0,
-                      cache_modifier=".cg")  # [ROWS, BLOCK_S, BLOCK_D]
-        live = ok & (lsum > 0.0)
-        m_new = tl.maximum(m_run, tl.max(m, 1))
-        alpha = tl.math.exp2(m_run - m_new)
-        w = tl.where(live, tl.math.exp2(m - m_new[:, None]), 0.0)
-        total = total * alpha + tl.sum(w * lsum, 1)
-        o = o * alpha[:, None] + tl.sum(w[:, :, None] * tl.where(live[:, :, None], acc, 0.0), 1)
-        m_run = m_new
-    o = o / tl.where(total > 0.0, total, 1.0)[:, None]  # a row that saw no key (seq_len 0, padding) gives zeros
-    tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None] & dmask[None, :])
-
-
-@lazy_helper
-def _arrive_and_combine(count_ptr, counter, m_ptr, l_ptr, acc_ptr, out_ptr, rows, rmask, num_splits,
-                        BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A split program's fused combine: after its partials are stored, take a ticket from its group's
-    arrival counter (count_ptr + counter); the last of the num_splits programs to arrive sees the
-    others' partials (acq_rel), combines the group's rows and sets the counter back to zero for the
-    next launch (kernels._triton.arrival_counters)."""
-    tl.debug_barrier()  # every thread's partials stored before the ticket releases them
-    ticket = tl.atomic_add(count_ptr + counter, 1, sem="acq_rel", scope="gpu")
-    if ticket == num_splits - 1:
-        _combine_rows(m_ptr, l_ptr, acc_ptr, out_ptr, rows, rmask, num_splits, BLOCK_S, HEAD_DIM, BLOCK_D)
-        tl.atomic_xchg(count_ptr + counter, 0, sem="relaxed", scope="gpu")
-
-
 @lazy_jit(do_not_specialize=("num_rows", "num_splits"))
 def _combine_splits_kernel(
     m_ptr,  # partial row max: [R, num_splits] fp32 (exp2 domain), -1e30 where a split saw no key
@@ -306,7 +258,33 @@ def _combine_splits_kernel(
     BLOCK_D: tl.constexpr,  # power of two >= D
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (token or sequence) * Hq + head
-    _combine_rows(m_ptr, l_ptr, acc_ptr, out_ptr, rows, rows < num_rows, num_splits, BLOCK_S, HEAD_DIM, BLOCK_D)
+    rmask = rows < num_rows
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    sb = tl.arange(0, BLOCK_S)
+    # one pass, rescaled online: m, l and acc of a chunk of splits load together (one round trip
+    # when num_splits <= BLOCK_S); an empty split's acc is unwritten, so it is read and discarded
+    m_run = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    total = tl.zeros([ROWS], dtype=tl.float32)
+    o = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + sb
+        part = rows[:, None] * num_splits + s[None, :]  # [ROWS, BLOCK_S]
+        ok = rmask[:, None] & (s < num_splits)[None, :]
+        m = tl.load(m_ptr + part, mask=ok, other=-1.0e30)
+        lsum = tl.load(l_ptr + part, mask=ok, other=0.0)
+        acc = tl.load(acc_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :],
+                      mask=ok[:, :, None] & dmask[None, None, :], other=0.0)  # [ROWS, BLOCK_S, BLOCK_D]
+        live = ok & (lsum > 0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        alpha = tl.math.exp2(m_run - m_new)
+        w = tl.where(live, tl.math.exp2(m - m_new[:, None]), 0.0)
+        total = total * alpha + tl.sum(w * lsum, 1)
+        o = o * alpha[:, None] + tl.sum(w[:, :, None] * tl.where(live[:, :, None], acc, 0.0), 1)
+        m_run = m_new
+    o = o / tl.where(total > 0.0, total, 1.0)[:, None]  # a row that saw no key (seq_len 0, padding) gives zeros
+    tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])
 
 
 # rows per combine program: one row per program while that still fills the GPU several times over

@@ -207,39 +207,6 @@ def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n, mode) -> None:
     torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, window), **TOL[dtype])
 
 
-@pytest.mark.usefixtures("poison_empty")
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits", "block_n"), [
-    ([40, 123, 16], 4, 4, 64, None, 3, 16),
-    ([300, 5], 8, 2, 128, 50, 5, 16),
-    ([1, 64, 300], 8, 2, 128, None, 37, 16),  # 37 splits, 8 loaded at once: five rounds
-    ([50, 96, 129], 4, 2, 80, None, 2, 32),
-])
-def test_decode_fused_combine(monkeypatch, dtype, ctx, hq, hk, d, window, splits, block_n) -> None:
-    """FIRSTTOKEN_FUSED_COMBINE=1: the last split program of a (sequence, head chunk) to arrive combines
-    the partials (no second launch: combine_splits is never called), the reference's answer, an fp8
-    cache too; the arrival counters are back at zero after each launch, so a second launch is right."""
-    import kernels.decode_attention as da
-    from kernels._triton import ARRIVAL_COUNTERS
-
-    monkeypatch.setenv("FIRSTTOKEN_FUSED_COMBINE", "1")
-    monkeypatch.setattr(da, "combine_splits", lambda *a, **k: pytest.fail("a second launch"))
-    kc, vc, bt = make_paged_kv(ctx, hk, d, 16, dtype)
-    sl = torch.tensor(ctx, dtype=torch.int32)
-    for k_cache, v_cache in ((kc, vc), (kc.to(FP8), vc.to(FP8))):
-        for seed in (0, 1):
-            q = torch.randn(len(ctx), hq + 2 * hk, d, generator=torch.Generator().manual_seed(seed)).to(dtype)[:, :hq]
-            out = decode_attention_triton(q, k_cache, v_cache, bt, sl, d**-0.5, window, num_splits=splits,
-                                          block_n=block_n)
-            assert not out.isnan().any(), "a row the combine did not write"
-            want = decode_attention_ref(q, k_cache, v_cache, bt, sl, d**-0.5, window)
-            torch.testing.assert_close(out, want, **TOL[dtype])
-            assert int(ARRIVAL_COUNTERS[q.device].abs().sum()) == 0
-    monkeypatch.delenv("FIRSTTOKEN_FUSED_COMBINE")
-    with pytest.raises(pytest.fail.Exception, match="a second launch"):  # the switch off: two launches
-        decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n)
-
-
 def test_decode_catches_window_and_paging_bugs() -> None:
     ctx, window = [70, 45], 20
     kc, vc, bt = make_paged_kv(ctx, 1, 64, 16, F32)

@@ -97,7 +97,7 @@ from kernels import argmax, decode_attention
 jitted = decode_attention._decode_partial_kernel.jitted()
 PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "bt_ptr": "*i32",
         "seq_lens_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
-        "count_ptr": "*i32", "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
+        "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
         "qk_scale": "fp32"}
 # what the launcher's specialisation tells Triton of these (16-divisible pointers and strides): it lets the
 # cache tiles load as 16-byte runs, as on the device
@@ -105,11 +105,11 @@ DIV16 = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "m_ptr", "l_ptr", "acc_ptr", "ou
          "stride_kt", "stride_kh", "stride_vt", "stride_vh", "num_q_heads", "stride_qb", "stride_qh", "stride_cb",
          "stride_cs", "stride_ch", "stride_vcb", "stride_vch"}
 out = []
-for rope, split, window, maxnreg, v_t, fused in json.loads(sys.argv[1]):
+for rope, split, window, maxnreg, v_t in json.loads(sys.argv[1]):
     consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": 64, "HEAD_DIM": 128,
               "BLOCK_D": 128, "BLOCK_SIZE": 16, "SPLIT": split, "HAS_WINDOW": window, "PRECISION": None,
               "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope,
-              "V_T": v_t, "V_MAX": 448.0, "FUSED": fused, "C_ROWS": 4, "C_SPLITS": 8}
+              "V_T": v_t, "V_MAX": 448.0}
     sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names) if n in DIV16}
     c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts, attrs=attrs),
@@ -118,8 +118,7 @@ for rope, split, window, maxnreg, v_t, fused in json.loads(sys.argv[1]):
     ptx = c.asm["ptx"]
     out.append({"cubin": len(c.asm["cubin"]), "mma": "mma" in ptx,
                 "maxnreg": f".maxnreg {maxnreg}" in ptx if maxnreg else None,
-                "byte_lds": ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8"), "atom": "atom." in ptx,
-                "ld_cg": "ld.global.cg" in ptx})
+                "byte_lds": ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8")})
 for k, cst in ((argmax._chunk_argmax_kernel, {"CHUNK_": 2048}), (argmax._rows_argmax_kernel, {"BLOCK_C": 64})):
     j = k.jitted()
     types = {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "out_ptr": "*i64"}
@@ -133,16 +132,15 @@ print(json.dumps(out))
 
 def test_decode_attention_and_argmax_compile_for_sm90():
     """Decode attention over an fp8 cache with rope_and_cache fused in (or not), split or not, with a
-    window or not, the combine fused in or not, one under a register cap (the launcher's maxnreg, which must reach ptxas), and
+    window or not, one under a register cap (the launcher's maxnreg, which must reach ptxas), and
     the two argmax kernels: Triton's sm90 passes and ptxas, no device. The V cache in rows (as K) has
     the fp8 V tile read from shared memory a byte at a time (each tensor-core operand register holds
     two consecutive keys, Hk x D bytes apart there): 128 byte loads a thread a tile (Triton 3.6 and
     3.9: 1350 and 1017 instructions a tile in all); with its keys innermost (kernels/kv_layout.py),
     none in the loop (791 and 706). On an H100 that was not faster (bench/results/2026-12-06-v-layout-h100.md)."""
-    cases = [(True, True, False, 0, False, False), (True, False, True, 0, False, False),
-             (False, True, False, 0, False, False), (False, False, False, 128, False, False),
-             (True, False, False, 0, True, False), (True, True, True, 0, True, False),
-             (False, False, False, 0, True, False), (True, True, False, 0, False, True)]
+    cases = [(True, True, False, 0, False), (True, False, True, 0, False), (False, True, False, 0, False),
+             (False, False, False, 128, False), (True, False, False, 0, True), (True, True, True, 0, True),
+             (False, False, False, 0, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", DECODE_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
@@ -154,8 +152,6 @@ def test_decode_attention_and_argmax_compile_for_sm90():
     rows = [g["byte_lds"] for c, g in zip(cases, got) if not c[4]]
     inner = [g["byte_lds"] for c, g in zip(cases, got) if c[4]]
     assert min(rows) >= 128 and max(inner) <= 8, (rows, inner)  # (8 elsewhere in the split + rope variant)
-    # the fused combine (FIRSTTOKEN_FUSED_COMBINE): a ticket (atomic) and the others' partials read past L1
-    assert [(g["atom"], g["ld_cg"]) for g in got[: len(cases)]] == [(c[5], c[5]) for c in cases]
 
 
 PREFILL_SCRIPT = r'''
