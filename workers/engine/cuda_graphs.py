@@ -6,6 +6,7 @@ from workers/engine/step_inputs.py, as the eager step's do."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from workers.engine.attention import AttentionMetadata
-from workers.engine.step_inputs import CacheLayout, PendingInputs, fill_pending, host_batch
+from workers.engine.step_inputs import CacheLayout, PackedInputs, PendingInputs, fill_pending, host_batch
 
 if TYPE_CHECKING:
     from workers.engine.scheduler import SchedulerOutput
@@ -217,15 +218,32 @@ class PrefillGraphs:
         self.buckets = token_buckets(min(max_tokens, max_seqs * lay.max_blocks_per_seq * lay.block_size))
         dev = lay.device
         t = self.buckets[-1]
-        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((t,), lay.pad_slot, dtype=torch.int64, device=dev)
-        self.block_tables = torch.full(
-            (max_seqs, lay.max_blocks_per_seq), lay.num_blocks, dtype=torch.int32, device=dev
-        )
-        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
-        self.logit_rows = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
+        # FIRSTTOKEN_PACKED_INPUTS=1 (an A/B switch): the static inputs are views of one buffer and a
+        # step sends them in one copy (step_inputs.PackedInputs), the block tables last so that the
+        # copy stops after the step's rows
+        self.packed: PackedInputs | None = None
+        if os.environ.get("FIRSTTOKEN_PACKED_INPUTS") == "1":
+            self.packed = PackedInputs([
+                ("input_ids", torch.int64, (t,)), ("positions", torch.int64, (t,)),
+                ("slot_mapping", torch.int64, (t,)), ("logit_rows", torch.int64, (max_seqs,)),
+                ("query_start_loc", torch.int32, (max_seqs + 1,)), ("seq_lens", torch.int32, (max_seqs,)),
+                ("block_tables", torch.int32, (max_seqs, lay.max_blocks_per_seq)),
+            ], dev)
+            for name in ("input_ids", "positions", "slot_mapping", "logit_rows", "query_start_loc", "seq_lens",
+                         "block_tables"):
+                setattr(self, name, self.packed.view(name))
+            self.slot_mapping.fill_(lay.pad_slot)
+            self.block_tables.fill_(lay.num_blocks)
+        else:
+            self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+            self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+            self.slot_mapping = torch.full((t,), lay.pad_slot, dtype=torch.int64, device=dev)
+            self.block_tables = torch.full(
+                (max_seqs, lay.max_blocks_per_seq), lay.num_blocks, dtype=torch.int32, device=dev
+            )
+            self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
+            self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
+            self.logit_rows = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (t, splits)
         self.split_of: dict[int, int] = {}  # bucket -> split count of its worst-case graph
         self.last_splits = 0  # split count of the last replayed graph (diagnostics, tests)
@@ -236,6 +254,7 @@ class PrefillGraphs:
     def close(self) -> None:
         """Free the captured graphs and the static buffers."""
         _close_graphs(self)
+        self.packed = None  # (its buffer is the static inputs' storage)
 
     def _splits(self, t: int, ctx_bound: int) -> int:
         """Prefill key-range splits the kernel picks for bucket t at contexts up to ctx_bound."""
@@ -285,13 +304,18 @@ class PrefillGraphs:
                     logits = self._forward(t, splits)
                 self.graphs[(t, splits)] = (g, logits)
 
-    def run(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> torch.Tensor:
-        """Replay the smallest graph that holds the step; returns logits of the sampling rows."""
+    def load(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> tuple[int, int, int]:
+        """Copy the step's inputs into the static buffers; returns (token bucket, rows that sample,
+        the longest context)."""
         lay = self.ctx.layout
         input_ids, positions, slots, tables, qsl, seq_lens, logit_rows = host_batch(out, lay.block_size)
         n = len(input_ids)
         s = len(seq_lens)
         t = next(x for x in self.buckets if x >= n)
+        if self.packed is not None:
+            self._load_packed(t, input_ids, positions, slots, tables, qsl, seq_lens, logit_rows)
+            fill_pending(self.input_ids, pending)
+            return t, len(logit_rows), int(seq_lens.max())
         self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
         fill_pending(self.input_ids, pending)
         self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
@@ -309,13 +333,42 @@ class PrefillGraphs:
         rows = np.zeros(self.max_seqs, dtype=np.int64)
         rows[: len(logit_rows)] = logit_rows
         self.logit_rows.copy_(torch.from_numpy(rows), non_blocking=True)
+        return t, len(logit_rows), int(seq_lens.max())
+
+    def _load_packed(self, t: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                     tables: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray, logit_rows: np.ndarray) -> None:
+        """load()'s inputs staged in one host buffer and sent in one copy: every byte sent is written
+        (the staging buffer comes uninitialised), padding as the copies pad."""
+        pk = self.packed
+        assert pk is not None
+        n, s, w = len(input_ids), len(seq_lens), tables.shape[1]
+        v = pk.stage()
+        v["input_ids"][:n] = input_ids
+        v["input_ids"][n:] = 0  # (the graph of bucket t reads [:t]; past it too, so no byte sent is unset)
+        v["positions"][:n] = positions
+        v["positions"][n:] = 0
+        v["slot_mapping"][:n] = slots
+        v["slot_mapping"][n:] = self.ctx.layout.pad_slot
+        v["logit_rows"][: len(logit_rows)] = logit_rows
+        v["logit_rows"][len(logit_rows) :] = 0
+        v["query_start_loc"][: s + 1] = qsl
+        v["query_start_loc"][s + 1 :] = n
+        v["seq_lens"][:s] = seq_lens
+        v["seq_lens"][s:] = 0
+        v["block_tables"][:s, :w] = tables
+        v["block_tables"][:s, w:] = self.ctx.layout.num_blocks
+        pk.send(pk.end("block_tables", s))  # the rows past the step's keep their device values
+
+    def run(self, out: SchedulerOutput, pending: PendingInputs | None = None) -> torch.Tensor:
+        """Replay the smallest graph that holds the step; returns logits of the sampling rows."""
+        t, n_rows, longest = self.load(out, pending)
         splits = self.split_of[t]
-        if splits > 1 and self._splits(t, int(seq_lens.max())) == 1:
+        if splits > 1 and self._splits(t, longest) == 1:
             splits = 1
         self.last_splits = splits
         g, logits = self.graphs[(t, splits)]
         g.replay()
-        return logits[: len(logit_rows)]
+        return logits[:n_rows]
 
 
 def dense_buckets(min_tokens: int, max_tokens: int, step: int = 128) -> list[int]:

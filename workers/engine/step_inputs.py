@@ -129,3 +129,54 @@ def fill_pending(input_ids: torch.Tensor, pending: PendingInputs | None) -> None
         return
     idx = torch.tensor((pending.dst, pending.src), dtype=torch.int64).to(input_ids.device, non_blocking=True)
     input_ids.index_copy_(0, idx[0], pending.tokens.index_select(0, idx[1]))  # one copy to the device
+
+
+_NP = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+class PackedInputs:
+    """A graph's static inputs as views of one device buffer, staged on the host in one buffer of the
+    same layout and sent by one copy: one host-to-device copy a step instead of one per input (the
+    prefill graphs made seven from pageable memory, each a synchronous staging by the driver).
+
+    Each step stages into a fresh buffer from torch's caching pinned allocator (on CUDA), which hands
+    a block out again only after the copy that read it has run: safe while the step before is still
+    queued (async scheduling). Fields are laid out in the order given, each on a 16-byte boundary;
+    `end(name, rows)` is where a copy may stop (the fields after it keep their device values)."""
+
+    ALIGN = 16
+
+    def __init__(self, fields: list[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device) -> None:
+        self._at: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}  # name -> (offset, bytes, dtype, shape)
+        off = 0
+        for name, dtype, shape in fields:
+            size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            self._at[name] = (off, size, dtype, shape)
+            off += -(-size // self.ALIGN) * self.ALIGN
+        self.nbytes = off
+        self.buffer = torch.zeros(off, dtype=torch.uint8, device=device)
+        self._pin = self.buffer.device.type == "cuda"
+        self._host: torch.Tensor | None = None
+
+    def view(self, name: str) -> torch.Tensor:
+        """The field's static tensor: a view of the device buffer (what a graph captures)."""
+        off, size, dtype, shape = self._at[name]
+        return self.buffer[off : off + size].view(dtype).view(shape)
+
+    def stage(self) -> dict[str, np.ndarray]:
+        """A new host staging buffer; the fields as numpy views of it, every byte unset until written."""
+        self._host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        a = self._host.numpy()
+        return {name: a[off : off + size].view(_NP[dtype]).reshape(shape)
+                for name, (off, size, dtype, shape) in self._at.items()}
+
+    def end(self, name: str, rows: int) -> int:
+        """The byte just past the field's first `rows` rows."""
+        off, size, _dtype, shape = self._at[name]
+        return off + size // shape[0] * rows
+
+    def send(self, upto: int | None = None) -> None:
+        """Copy the staged bytes [0, upto) (all by default) to the device buffer, in stream order."""
+        assert self._host is not None, "stage() first"
+        n = self.nbytes if upto is None else upto
+        self.buffer[:n].copy_(self._host[:n], non_blocking=True)
