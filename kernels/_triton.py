@@ -154,9 +154,7 @@ class LazyKernel:
             spec = tuple(f(a) for f, a in zip(self._spec_fns, args))
         else:
             spec = tuple(map(_spec, args))
-        a0 = args[0]  # a kernel whose first argument is an address (an int) runs on the current device
-        dev = a0.device.index if hasattr(a0, "device") else _current_device()
-        key = (spec, *consts.values(), num_warps, num_stages, maxnreg, dev)
+        key = (spec, *consts.values(), num_warps, num_stages, maxnreg, args[0].device.index)
         hit = self._compiled.get(key)
         if hit is not None:
             try:
@@ -255,8 +253,3 @@ def bounded_put(cache: dict, key: Any, value: Any, limit: int = 1024) -> Any:
     cache[key] = value
     return value
 
-
-def _current_device() -> int:
-    import torch
-
-    return torch.cuda.current_device()
