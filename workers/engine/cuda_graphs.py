@@ -218,32 +218,20 @@ class PrefillGraphs:
         self.buckets = token_buckets(min(max_tokens, max_seqs * lay.max_blocks_per_seq * lay.block_size))
         dev = lay.device
         t = self.buckets[-1]
-        # FIRSTTOKEN_PACKED_INPUTS=1 (an A/B switch): the static inputs are views of one buffer and a
-        # step sends them in one copy (step_inputs.PackedInputs), the block tables last so that the
-        # copy stops after the step's rows
-        self.packed: PackedInputs | None = None
-        if os.environ.get("FIRSTTOKEN_PACKED_INPUTS") == "1":
-            self.packed = PackedInputs([
-                ("input_ids", torch.int64, (t,)), ("positions", torch.int64, (t,)),
-                ("slot_mapping", torch.int64, (t,)), ("logit_rows", torch.int64, (max_seqs,)),
-                ("query_start_loc", torch.int32, (max_seqs + 1,)), ("seq_lens", torch.int32, (max_seqs,)),
-                ("block_tables", torch.int32, (max_seqs, lay.max_blocks_per_seq)),
-            ], dev)
-            for name in ("input_ids", "positions", "slot_mapping", "logit_rows", "query_start_loc", "seq_lens",
-                         "block_tables"):
-                setattr(self, name, self.packed.view(name))
-            self.slot_mapping.fill_(lay.pad_slot)
-            self.block_tables.fill_(lay.num_blocks)
-        else:
-            self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
-            self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
-            self.slot_mapping = torch.full((t,), lay.pad_slot, dtype=torch.int64, device=dev)
-            self.block_tables = torch.full(
-                (max_seqs, lay.max_blocks_per_seq), lay.num_blocks, dtype=torch.int32, device=dev
-            )
-            self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
-            self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
-            self.logit_rows = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
+        # the static inputs: views of one buffer (step_inputs.PackedInputs), the block tables last so
+        # that one copy can stop after a step's rows; FIRSTTOKEN_PACKED_INPUTS=1 (an A/B switch) sends
+        # a step's inputs that way, else one copy per input
+        self.packed = PackedInputs([
+            ("input_ids", torch.int64, (t,)), ("positions", torch.int64, (t,)),
+            ("slot_mapping", torch.int64, (t,)), ("logit_rows", torch.int64, (max_seqs,)),
+            ("query_start_loc", torch.int32, (max_seqs + 1,)), ("seq_lens", torch.int32, (max_seqs,)),
+            ("block_tables", torch.int32, (max_seqs, lay.max_blocks_per_seq)),
+        ], dev)
+        self.packed_load = os.environ.get("FIRSTTOKEN_PACKED_INPUTS") == "1"
+        for name in self.packed.names:
+            setattr(self, name, self.packed.view(name))
+        self.slot_mapping.fill_(lay.pad_slot)
+        self.block_tables.fill_(lay.num_blocks)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (t, splits)
         self.split_of: dict[int, int] = {}  # bucket -> split count of its worst-case graph
         self.last_splits = 0  # split count of the last replayed graph (diagnostics, tests)
@@ -309,15 +297,21 @@ class PrefillGraphs:
         the longest context)."""
         lay = self.ctx.layout
         input_ids, positions, slots, tables, qsl, seq_lens, logit_rows = host_batch(out, lay.block_size)
-        n = len(input_ids)
-        s = len(seq_lens)
-        t = next(x for x in self.buckets if x >= n)
-        if self.packed is not None:
+        t = next(x for x in self.buckets if x >= len(input_ids))
+        if self.packed_load:
             self._load_packed(t, input_ids, positions, slots, tables, qsl, seq_lens, logit_rows)
-            fill_pending(self.input_ids, pending)
-            return t, len(logit_rows), int(seq_lens.max())
-        self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        else:
+            self._load_copies(t, input_ids, positions, slots, tables, qsl, seq_lens, logit_rows)
         fill_pending(self.input_ids, pending)
+        return t, len(logit_rows), int(seq_lens.max())
+
+    def _load_copies(self, t: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                     tables: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray, logit_rows: np.ndarray) -> None:
+        """load()'s inputs, one copy each from pageable memory (a padded row's id and position keep the
+        last step's values: its K/V go to the scratch slot and its logits are not read)."""
+        lay = self.ctx.layout
+        n, s = len(input_ids), len(seq_lens)
+        self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
         self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
         pad_slots = np.full(t, lay.pad_slot, dtype=np.int64)
         pad_slots[:n] = slots
@@ -333,14 +327,12 @@ class PrefillGraphs:
         rows = np.zeros(self.max_seqs, dtype=np.int64)
         rows[: len(logit_rows)] = logit_rows
         self.logit_rows.copy_(torch.from_numpy(rows), non_blocking=True)
-        return t, len(logit_rows), int(seq_lens.max())
 
     def _load_packed(self, t: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                      tables: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray, logit_rows: np.ndarray) -> None:
         """load()'s inputs staged in one host buffer and sent in one copy: every byte sent is written
         (the staging buffer comes uninitialised), padding as the copies pad."""
         pk = self.packed
-        assert pk is not None
         n, s, w = len(input_ids), len(seq_lens), tables.shape[1]
         v = pk.stage()
         v["input_ids"][:n] = input_ids

@@ -150,13 +150,17 @@ class PackedInputs:
         self._at: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}  # name -> (offset, bytes, dtype, shape)
         off = 0
         for name, dtype, shape in fields:
-            size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            size = int(np.prod(shape)) * dtype.itemsize
             self._at[name] = (off, size, dtype, shape)
             off += -(-size // self.ALIGN) * self.ALIGN
         self.nbytes = off
         self.buffer = torch.zeros(off, dtype=torch.uint8, device=device)
         self._pin = self.buffer.device.type == "cuda"
         self._host: torch.Tensor | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._at)
 
     def view(self, name: str) -> torch.Tensor:
         """The field's static tensor: a view of the device buffer (what a graph captures)."""

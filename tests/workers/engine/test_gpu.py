@@ -180,7 +180,7 @@ def test_cuda_packed_prefill_graph_inputs_change_no_token(llama_dir, monkeypatch
         eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton",
                                                      num_blocks=256, max_model_len=512, quantization=quantization,
                                                      kv_cache_dtype="fp8", prefill_graph_max_tokens=64))
-        assert (eng.runner.prefill_graphs.packed is not None) == (flag == "1")
+        assert eng.runner.prefill_graphs.packed_load == (flag == "1")
         sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
         outs[flag] = [run_prompts(eng, [p], sp, tag=f"p{k}-")[0].output_token_ids for k, p in enumerate(prompts)]
         assert eng.runner.path_steps.get("prefill_graph", 0) >= len(prompts), eng.runner.path_steps

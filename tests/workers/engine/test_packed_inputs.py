@@ -70,7 +70,7 @@ def test_prefill_graphs_packed_load_equals_the_copies(monkeypatch):
     plain = PrefillGraphs(_ctx(lay), max_tokens=64, max_seqs=4)
     monkeypatch.setenv("FIRSTTOKEN_PACKED_INPUTS", "1")
     packed = PrefillGraphs(_ctx(lay), max_tokens=64, max_seqs=4)
-    assert packed.packed is not None and plain.packed is None
+    assert packed.packed_load and not plain.packed_load
     steps = [[(40, 0, 33), (9, 2, 7)], [(20, 16, 4)], [(5, 0, 5), (30, 20, 10), (17, 16, 1)], [(3, 0, 3)]]
     for specs in steps:
         out = _step(specs, lay.block_size)
