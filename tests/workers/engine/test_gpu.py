@@ -168,10 +168,10 @@ def test_cuda_fp8_kv_cache_kernels_match_reference(llama_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_cuda_packed_prefill_graph_inputs_change_no_token(llama_dir, monkeypatch, quantization):
-    """FIRSTTOKEN_PACKED_INPUTS=1: the prefill graphs' inputs staged in one pinned buffer and sent in one
-    copy a step (under async scheduling: a staging buffer is reused only after its copy ran). Each prompt
-    alone, so its prefill replays a prefill graph, some over a cached prefix (a 40-token hit + 3 new):
-    the greedy tokens of the seven copies."""
+    """The prefill graphs' inputs staged in one pinned buffer and sent in one copy a step (the default;
+    under async scheduling a staging buffer is reused only after its copy ran). Each prompt alone, so
+    its prefill replays a prefill graph, some over a cached prefix (a 40-token hit + 3 new): the greedy
+    tokens of the seven copies (FIRSTTOKEN_PACKED_INPUTS=0)."""
     prompts = prompt_set(8, seed=7, min_len=5, max_len=60)
     prompts += [p[:40] + [9, 8, 7] for p in prompts if len(p) >= 40][:3]
     outs = {}

@@ -1,5 +1,5 @@
 """One host-to-device copy of a graph's static inputs (step_inputs.PackedInputs), and the prefill
-graphs' load through it (FIRSTTOKEN_PACKED_INPUTS=1) against their seven copies, on the CPU."""
+graphs' load through it (the default) against their seven copies (FIRSTTOKEN_PACKED_INPUTS=0), on the CPU."""
 
 from __future__ import annotations
 
@@ -67,9 +67,10 @@ def test_prefill_graphs_packed_load_equals_the_copies(monkeypatch):
     stale row would show): the bucket's tokens, ids, positions, slots (padding to the scratch slot),
     the sequences' starts, lengths, block-table rows and sampling rows."""
     lay = CacheLayout(device=CPU, block_size=4, num_blocks=64, max_blocks_per_seq=12)
+    monkeypatch.setenv("FIRSTTOKEN_PACKED_INPUTS", "0")
     plain = PrefillGraphs(_ctx(lay), max_tokens=64, max_seqs=4)
-    monkeypatch.setenv("FIRSTTOKEN_PACKED_INPUTS", "1")
-    packed = PrefillGraphs(_ctx(lay), max_tokens=64, max_seqs=4)
+    monkeypatch.delenv("FIRSTTOKEN_PACKED_INPUTS")
+    packed = PrefillGraphs(_ctx(lay), max_tokens=64, max_seqs=4)  # the default
     assert packed.packed_load and not plain.packed_load
     steps = [[(40, 0, 33), (9, 2, 7)], [(20, 16, 4)], [(5, 0, 5), (30, 20, 10), (17, 16, 1)], [(3, 0, 3)]]
     for specs in steps:
