@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import header
+from bench.fp8_calibrate import calibration_documents, gptq_fp8, input_statistics, smooth
 from kernels.fp8_linear import FP8_MAX, dequantize
 from workers.engine.downloads import ensure_model
 from workers.engine.quantization import Fp8Linear
@@ -262,6 +263,11 @@ def main() -> None:
                     help="emulate FP8 with scales per N columns on both sides (GroupFp8Emulation): an upper bound")
     ap.add_argument("--weight-only", action="store_true",
                     help="quantize the weights only (activations stay as they are): which side the error comes from")
+    ap.add_argument("--calibrate", default="none", choices=["none", "gptq", "smooth", "smooth+gptq"],
+                    help="calibrated weights (bench/fp8_calibrate.py; an experiment, the engine does neither): GPTQ's "
+                         "error feedback on the e4m3 grid, SmoothQuant's migration, or both")
+    ap.add_argument("--calibration-tokens", type=int, default=8192)
+    ap.add_argument("--smooth-alpha", type=float, default=0.5)
     ap.add_argument("--engine", action="store_true",
                     help="through firsttoken's engine instead (its kernels, fused quantization, paged attention): "
                          "prompt log-probabilities (top 20) of each FP8 variant against the fp32 engine on the CPU")
@@ -277,6 +283,12 @@ def main() -> None:
     t0 = time.perf_counter()
     ref_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(args.device).eval()
     ref = logprobs(ref_model, batches)
+    stats = None
+    if args.calibrate != "none":  # the fp32 model's inputs to each projection, over text the bench does not score
+        names = {n for n, m in ref_model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in PROJECTIONS}
+        docs = [torch.tensor(d, device=args.device) for d in calibration_documents(tok, args.calibration_tokens)]
+        stats = input_statistics(ref_model, names, docs)
     bf16 = logprobs(ref_model.to(torch.bfloat16), batches)
     keep = tuple(k for k in args.keep.split(",") if k)
     keep_layers = frozenset(int(k) for k in args.keep_layers.split(",") if k)
@@ -286,7 +298,18 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(args.device).eval()
         if args.groups:
             return model, swap_projections(model, lambda lin: GroupFp8Emulation(lin, args.groups))
+        gptq = {}
+        if stats is not None:
+            hess, amax = stats
+            if "smooth" in args.calibrate:  # x / s into the weights' columns: H of the new input is H / (s s^T)
+                factors = smooth(model, amax, args.smooth_alpha)
+                hess = {k: h / torch.outer(factors[k], factors[k]).to(h) if k in factors else h for k, h in hess.items()}
+            if "gptq" in args.calibrate:
+                gptq = {name: m.weight for name, m in model.named_modules() if name in hess}
         n = swap_fp8(model, keep, args.weight_scale == "search", keep_layers)
+        for name, m in model.named_modules():
+            if name in gptq and isinstance(m, Fp8Linear):  # the same row scales, GPTQ's rounding
+                m.weight_fp8.copy_(gptq_fp8(gptq[name], hess[name].to(gptq[name].device), m.weight_scale))
         if args.lm_head:  # the engine's fp8_lm_head (a tied embedding's lookup keeps the bf16 weight)
             model.lm_head = Fp8Linear(model.lm_head, args.weight_scale == "search")
             n += 1
@@ -312,6 +335,10 @@ def main() -> None:
         "weight_only": args.weight_only,
         "groups": args.groups,
         "weight_scale": args.weight_scale,
+        "calibrate": args.calibrate,
+        **({"calibration_tokens": args.calibration_tokens, "calibration_text": "README.md, docs/*.md"}
+           if args.calibrate != "none" else {}),
+        **({"smooth_alpha": args.smooth_alpha} if "smooth" in args.calibrate else {}),
         "fp8_lm_head": args.lm_head,
         "fp8_kernel": kernels,
         "reference": "fp32 activations over the checkpoint's weights",
