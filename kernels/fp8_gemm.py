@@ -203,13 +203,15 @@ def _rowwise_operands(name: str, a_q: torch.Tensor, a_scale: torch.Tensor, b_q: 
 
 # fp8_gemm_rowwise_tma's tiles (block_m, block_n, block_k, warps, stages, split) for 65-128 and 129-256
 # rows of a Llama-3.1-8B-shaped weight, None where torch._scaled_mm stays faster: the
-# `bench_fp8_decode.py --tma` sweep on the H100 at f8a6a19 (bench/results/2026-12-06-session14-h100.md),
-# us, TMA against the best of _scaled_mm and the pointer kernel: 128 rows qkv 12.9 / 14.3, o 9.8 /
-# 12.0, down 29.0 / 34.7, gate_up 51.3 / 49.9 (not taken); 256 rows o 11.2 / 13.9, down 33.8 / 37.9,
-# qkv 16.5 / 15.9 and gate_up 72.6 / 63.3 (not taken). TTFT 2048 cached + 128, fp8+kv8: 6.52 -> 6.38 ms.
-_TMA_QKV = ((64, 64, 128, 4, 6, 1), None)
-_TMA_O = ((64, 32, 256, 4, 4, 1), (64, 64, 128, 4, 6, 1))
-_TMA_DOWN = ((64, 32, 256, 4, 4, 1), (128, 64, 128, 4, 6, 1))
+# `bench_fp8_decode.py --tma` sweep on the H100 at 47d791b (fifteen tiles; bench/results/2026-12-06-session15-h100.md),
+# us, TMA against the best of _scaled_mm and the pointer kernel: 128 rows qkv 12.8 / 14.4, o 9.6 / 12.0,
+# down 27.2 / 35.0, gate_up 49.3 / 48.0 (not taken); 256 rows o 10.8 / 13.8, down 29.8 / 37.9, qkv 15.3 /
+# 15.1 and gate_up 66.3 / 61.9 (not taken). Against session 14's seven-tile picks (f8a6a19): down 128 rows
+# 28.6 -> 27.2, 256 rows 33.5 -> 29.8, o 256 rows 11.2 -> 10.8; TTFT 2048 cached + 128 (fp8+kv8) 5.99 ms with
+# those, 5.91 with these, 7.07 with no TMA (three processes, one call).
+_TMA_QKV = ((128, 64, 128, 4, 8, 1), None)
+_TMA_O = ((64, 32, 256, 4, 4, 1), (128, 64, 128, 4, 8, 1))
+_TMA_DOWN = ((64, 64, 128, 4, 8, 1), (128, 64, 128, 4, 8, 1))
 
 
 def tma_default(n: int, k: int) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None] | None:

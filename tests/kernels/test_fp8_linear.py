@@ -397,8 +397,8 @@ def test_tma_tiles_built_in(monkeypatch):
     from kernels.fp8_gemm import tma_tiles
 
     monkeypatch.delenv("FIRSTTOKEN_FP8_TMA_CONFIG", raising=False)
-    assert tma_tiles(6144, 4096) == ((64, 64, 128, 4, 6, 1), None)
-    assert tma_tiles(4096, 4096) == ((64, 32, 256, 4, 4, 1), (64, 64, 128, 4, 6, 1))
-    assert tma_tiles(4096, 14336) == ((64, 32, 256, 4, 4, 1), (128, 64, 128, 4, 6, 1))
+    assert tma_tiles(6144, 4096) == ((128, 64, 128, 4, 8, 1), None)
+    assert tma_tiles(4096, 4096) == ((64, 32, 256, 4, 4, 1), (128, 64, 128, 4, 8, 1))
+    assert tma_tiles(4096, 14336) == ((64, 64, 128, 4, 8, 1), (128, 64, 128, 4, 8, 1))
     assert tma_tiles(28672, 4096) is None
     assert tma_tiles(4096, 4104) is None

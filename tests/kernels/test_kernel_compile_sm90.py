@@ -258,8 +258,11 @@ def test_tma_gemm_compiles_for_sm90():
     """The few-row FP8 GEMM with TMA loads (kernels/fp8_gemm.py's candidate for 65-256 rows): A and B come
     by bulk tensor copies (cp.async.bulk.tensor), not per-thread loads, into the e4m3 wgmma; the split's
     arrival counter only when split."""
-    cases = [(128, 64, 128, 4, 4, 1), (128, 32, 128, 4, 6, 2), (128, 128, 128, 8, 4, 1),
-             (64, 64, 128, 4, 6, 1), (64, 32, 256, 4, 4, 1)]  # the last two: built-in tiles (tma_default)
+    from kernels.fp8_gemm import tma_default
+
+    builtin = {t for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)) for t in tma_default(n, k) or () if t}
+    assert len(builtin) == 3  # qkv, o and down's tiles at 128 and 256 rows (some shared)
+    cases = [(128, 64, 128, 4, 4, 1), (128, 32, 128, 4, 6, 2), (128, 128, 128, 8, 4, 1), *sorted(builtin)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
     p = subprocess.run([sys.executable, "-c", TMA_SCRIPT, json.dumps(cases)], capture_output=True, text=True, env=env,
