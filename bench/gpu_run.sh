@@ -105,6 +105,17 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, record the exit status
   echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/$name.log"
   tail -25 "$OUT/$name.log" | grep -v "^===" || true
 }
+issue_table() {  # issue 18's table: TTFT and decode of bf16 and fp8+kv8 beside their floors (stages table, h200)
+  run engine 170 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
+    --engines bf16,fp8+kv8 --no-hf "${ENGINE_ARGS[@]}"
+}
+vtpf3_throughput() {  # vtpf3_throughput SECONDS: offline throughput of fp8-vtpf3, then the default (dec_pipe_short, h200)
+  local e
+  for e in fp8-vtpf3+kv8 fp8+kv8; do
+    run "throughput_${e%%+*}" "$1" $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
+      --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
+  done
+}
 
 $PY - <<'EOF' >"$OUT/machine.txt" 2>&1
 import torch, triton
@@ -200,16 +211,11 @@ for stage in "${STAGES[@]}"; do
       run tma_ab 200 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
         --engines fp8-notma+kv8,fp8+kv8 --no-hf ;;
     table)  # the issue's table alone: TTFT and decode for bf16 and fp8+kv8 beside their floors      ~3 min
-      run engine 170 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
-        --engines bf16,fp8+kv8 --no-hf "${ENGINE_ARGS[@]}" ;;
+      issue_table ;;
     h200)  # one H200 call: throughput of keys-inner V + prefetch (fp8-vtpf3) and the default, then TTFT and decode for
       # bf16 and fp8+kv8 beside their floors (the issue's table)                                       ~8.5 min
-      for e in fp8-vtpf3+kv8 fp8+kv8; do
-        run "throughput_${e%%+*}" 190 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
-          --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
-      done
-      run engine 170 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
-        --engines bf16,fp8+kv8 --no-hf "${ENGINE_ARGS[@]}" ;;
+      vtpf3_throughput 190
+      issue_table ;;
     gemm_tma)  # the 128/256-row FP8 GEMMs with TMA loads against _scaled_mm and the pointer kernel (bench_fp8_decode
       # --tma), then TTFT 2048 cached + 128 without TMA (FIRSTTOKEN_FP8_TMA_CONFIG=off), with the built-in tiles and
       # with the sweep's picks                                                                           ~5 min
@@ -224,10 +230,7 @@ for stage in "${STAGES[@]}"; do
           --preset $PRESET --sections ttft --ttft-lengths 2048 --engines fp8+kv8 --no-hf
       fi ;;
     dec_pipe_short)  # the candidate's throughput and the default's, nothing else (~4.5 min; each ran 107-123 s)
-      for e in fp8-vtpf3+kv8 fp8+kv8; do
-        run "throughput_${e%%+*}" 170 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
-          --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
-      done ;;
+      vtpf3_throughput 170 ;;
     vt_all)  # one H200 call: the tiles over both V layouts, the fp8-cache GPU tests, throughput keys inner then rows
       [ "${SMOKE:-0}" = 1 ] || run decode_tiles 75 $PY bench/bench_decode_tiles.py --layouts shuffled \
         --cases 1x2048,256x1100,1000x1500
