@@ -342,8 +342,6 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # tensor cores (q rounded to e4m3 per row)
     "fp8-k8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "k8"}},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
-    # A/B: the prefill graphs' inputs in seven pageable copies a step, as before the packed default (FIRSTTOKEN_PACKED_INPUTS=0)
-    "fp8-copies": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PACKED_INPUTS": "0"}},
 }
 
 

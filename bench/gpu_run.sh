@@ -25,7 +25,6 @@
 #               V-layout variants (tiles), then throughput with the default, fp8-vt and fp8-vtpf4 (an H100 with
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
-#   packed      TTFT 2048 (cached + 128) with the prefill graphs' inputs in seven copies, then in one (the default); its GPU test  ~3 min
 #   tma_ab      TTFT 2048 (cached + 128), fp8+kv8 with the TMA GEMM off and on, one process          ~1.5 min
 #   table       TTFT / decode of bf16 and fp8+kv8 beside their floors (the issue's table; no transformers)  ~3 min
 #   h200        throughput of fp8-vtpf3 and fp8+kv8, then TTFT / decode of bf16 and fp8+kv8 (no transformers)  ~8.5 min
@@ -201,12 +200,6 @@ for stage in "${STAGES[@]}"; do
       [ "${SMOKE:-0}" = 1 ] || run prefill_cached 150 $PY bench/ncu_prefill_cached.py --variants "$PREFILL_VARIANTS"
       run ttft_k8 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
         --decode-batches 1 --engines fp8+kv8,fp8-k8+kv8 --no-hf ;;
-    packed)  # the prefill graphs' inputs in seven pageable copies (FIRSTTOKEN_PACKED_INPUTS=0), then one pinned copy (the
-      # default), in one process: TTFT 2048 (cached + 128 is a prefill-graph step); its GPU test  ~3 min
-      run packed 240 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
-        --engines fp8-copies+kv8,fp8+kv8 --no-hf
-      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_packed 120 $PY -m pytest -q -s -m gpu \
-        tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "packed" ;;
     tma_ab)  # TTFT 2048 (cached + 128) with the TMA GEMM off, then on, in one process                ~1.5 min
       run tma_ab 200 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
         --engines fp8-notma+kv8,fp8+kv8 --no-hf ;;

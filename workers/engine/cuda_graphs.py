@@ -6,7 +6,6 @@ from workers/engine/step_inputs.py, as the eager step's do."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -221,14 +220,13 @@ class PrefillGraphs:
         # the static inputs: views of one buffer (step_inputs.PackedInputs), the block tables last so
         # that one copy can stop after a step's rows; a step's inputs are staged in one pinned buffer and
         # sent in one copy (0.22-0.47 ms off TTFT 2048 cached + 128 on an H100 against seven pageable
-        # copies); FIRSTTOKEN_PACKED_INPUTS=0 (an A/B switch) sends one copy per input instead
+        # copies, the load before 6143b4c)
         self.packed = PackedInputs([
             ("input_ids", torch.int64, (t,)), ("positions", torch.int64, (t,)),
             ("slot_mapping", torch.int64, (t,)), ("logit_rows", torch.int64, (max_seqs,)),
             ("query_start_loc", torch.int32, (max_seqs + 1,)), ("seq_lens", torch.int32, (max_seqs,)),
             ("block_tables", torch.int32, (max_seqs, lay.max_blocks_per_seq)),
         ], dev)
-        self.packed_load = os.environ.get("FIRSTTOKEN_PACKED_INPUTS", "1") != "0"
         for name in self.packed.names:
             setattr(self, name, self.packed.view(name))
         self.slot_mapping.fill_(lay.pad_slot)
@@ -299,40 +297,16 @@ class PrefillGraphs:
         lay = self.ctx.layout
         input_ids, positions, slots, tables, qsl, seq_lens, logit_rows = host_batch(out, lay.block_size)
         t = next(x for x in self.buckets if x >= len(input_ids))
-        if self.packed_load:
-            self._load_packed(t, input_ids, positions, slots, tables, qsl, seq_lens, logit_rows)
-        else:
-            self._load_copies(t, input_ids, positions, slots, tables, qsl, seq_lens, logit_rows)
+        self._load_packed(t, input_ids, positions, slots, tables, qsl, seq_lens, logit_rows)
         fill_pending(self.input_ids, pending)
         return t, len(logit_rows), int(seq_lens.max())
-
-    def _load_copies(self, t: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                     tables: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray, logit_rows: np.ndarray) -> None:
-        """load()'s inputs, one copy each from pageable memory (a padded row's id and position keep the
-        last step's values: its K/V go to the scratch slot and its logits are not read)."""
-        lay = self.ctx.layout
-        n, s = len(input_ids), len(seq_lens)
-        self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
-        pad_slots = np.full(t, lay.pad_slot, dtype=np.int64)
-        pad_slots[:n] = slots
-        self.slot_mapping[:t].copy_(torch.from_numpy(pad_slots), non_blocking=True)
-        w = tables.shape[1]
-        self.block_tables[:s, :w].copy_(torch.from_numpy(tables), non_blocking=True)
-        q = np.full(self.max_seqs + 1, n, dtype=np.int32)
-        q[: s + 1] = qsl
-        self.query_start_loc.copy_(torch.from_numpy(q), non_blocking=True)
-        sl = np.zeros(self.max_seqs, dtype=np.int32)
-        sl[:s] = seq_lens
-        self.seq_lens.copy_(torch.from_numpy(sl), non_blocking=True)
-        rows = np.zeros(self.max_seqs, dtype=np.int64)
-        rows[: len(logit_rows)] = logit_rows
-        self.logit_rows.copy_(torch.from_numpy(rows), non_blocking=True)
 
     def _load_packed(self, t: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                      tables: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray, logit_rows: np.ndarray) -> None:
         """load()'s inputs staged in one host buffer and sent in one copy: every byte sent is written
-        (the staging buffer comes uninitialised), padding as the copies pad."""
+        (the staging buffer comes uninitialised); padded tokens get id and position 0 and the scratch
+        slot, padded sequences no tokens (starts at n, length 0), and table columns past the step's
+        widest row the out-of-range block id num_blocks."""
         pk = self.packed
         n, s, w = len(input_ids), len(seq_lens), tables.shape[1]
         v = pk.stage()

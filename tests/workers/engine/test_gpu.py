@@ -166,26 +166,24 @@ def test_cuda_fp8_kv_cache_kernels_match_reference(llama_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_cuda_packed_prefill_graph_inputs_change_no_token(llama_dir, monkeypatch, quantization):
-    """The prefill graphs' inputs staged in one pinned buffer and sent in one copy a step (the default;
-    under async scheduling a staging buffer is reused only after its copy ran). Each prompt alone, so
-    its prefill replays a prefill graph, some over a cached prefix (a 40-token hit + 3 new): the greedy
-    tokens of the seven copies (FIRSTTOKEN_PACKED_INPUTS=0)."""
+def test_cuda_packed_prefill_graph_inputs_match_transformers(llama_dir):
+    """The prefill graphs' inputs staged in one pinned buffer and sent in one copy a step, under async
+    scheduling (a staging buffer is reused only after its copy ran). Each prompt alone replays a prefill
+    graph, some over a cached prefix (a 40-token hit + 3 new), a short step after a longer one; then all
+    at once, back to back. fp32: the greedy tokens are transformers'."""
     prompts = prompt_set(8, seed=7, min_len=5, max_len=60)
     prompts += [p[:40] + [9, 8, 7] for p in prompts if len(p) >= 40][:3]
-    outs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("FIRSTTOKEN_PACKED_INPUTS", flag)
-        eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton",
-                                                     num_blocks=256, max_model_len=512, quantization=quantization,
-                                                     kv_cache_dtype="fp8", prefill_graph_max_tokens=64))
-        assert eng.runner.prefill_graphs.packed_load == (flag == "1")
-        sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-        outs[flag] = [run_prompts(eng, [p], sp, tag=f"p{k}-")[0].output_token_ids for k, p in enumerate(prompts)]
-        assert eng.runner.path_steps.get("prefill_graph", 0) >= len(prompts), eng.runner.path_steps
-        eng.close()
-    assert outs["1"] == outs["0"]
+    want = hf_greedy_cuda(llama_dir, prompts)
+    eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="float32", kernel_backend="triton",
+                                                 num_blocks=256, max_model_len=512, prefill_graph_max_tokens=64,
+                                                 async_scheduling=True))
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    alone = [run_prompts(eng, [p], sp, tag=f"p{k}-")[0].output_token_ids for k, p in enumerate(prompts)]
+    assert eng.runner.path_steps.get("prefill_graph", 0) >= len(prompts), eng.runner.path_steps
+    together = [f.output_token_ids for f in run_prompts(eng, prompts, sp, tag="all-")]
+    eng.close()
+    assert alone == want
+    assert together == want
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,5 +1,5 @@
-"""One host-to-device copy of a graph's static inputs (step_inputs.PackedInputs), and the prefill
-graphs' load through it (the default) against their seven copies (FIRSTTOKEN_PACKED_INPUTS=0), on the CPU."""
+"""One host-to-device copy of a graph's static inputs (step_inputs.PackedInputs), and what the prefill
+graphs' load through it leaves in their static buffers, on the CPU."""
 
 from __future__ import annotations
 
@@ -47,46 +47,59 @@ def _ctx(layout: CacheLayout) -> GraphContext:
     return GraphContext(layout=layout, forward=unused, logits=unused, decode_splits=unused, prefill_splits=unused)
 
 
-def _step(specs: list[tuple[int, int, int]], block_size: int) -> SchedulerOutput:
-    """(tokens known, computed before the step, computed now) per sequence; blocks numbered backwards."""
+def _step(specs: list[tuple[int, int, int]], block_size: int) -> tuple[SchedulerOutput, dict]:
+    """(tokens known, computed before the step, computed now) per sequence, token i of a prompt being
+    3 + i and blocks numbered backwards from 200; returns the step and, computed here from the specs
+    alone, what a replayed graph must read: each token's id, position and slot, each sequence's start,
+    context length and block-table row, and the flat row of each sampling sequence's last token."""
     out = SchedulerOutput()
+    want = {"input_ids": [], "positions": [], "slot_mapping": [], "query_start_loc": [0], "seq_lens": [],
+            "block_tables": [], "logit_rows": []}
     nxt = 200
     for i, (known, done, new) in enumerate(specs):
         req = Request(f"r{i}", list(range(3, 3 + known)), known, SamplingParams(max_tokens=1), 0, i, RequestTimes(0.0))
         nb = -(-(done + new) // block_size)
-        req.block_ids = list(range(nxt, nxt - nb, -1))
+        blocks = list(range(nxt, nxt - nb, -1))
+        req.block_ids = list(blocks)
         nxt -= nb
         out.scheduled.append(ScheduledRequest(req, new, done))
         out.num_batched_tokens += new
-    return out
+        for pos in range(done, done + new):
+            want["input_ids"].append(3 + pos)
+            want["positions"].append(pos)
+            want["slot_mapping"].append(blocks[pos // block_size] * block_size + pos % block_size)
+        want["query_start_loc"].append(want["query_start_loc"][-1] + new)
+        want["seq_lens"].append(done + new)
+        want["block_tables"].append(blocks)
+        if done + new == known:
+            want["logit_rows"].append(want["query_start_loc"][-1] - 1)
+    return out, want
 
 
-def test_prefill_graphs_packed_load_equals_the_copies(monkeypatch):
-    """What a replayed prefill graph reads after load(): the same with one packed copy as with the seven
-    copies, over steps of different shapes one after another (a shorter step after a longer one, so a
-    stale row would show): the bucket's tokens, ids, positions, slots (padding to the scratch slot),
-    the sequences' starts, lengths, block-table rows and sampling rows."""
+def test_prefill_graphs_load_what_the_step_holds():
+    """What a replayed prefill graph reads after load(), over steps of different shapes one after
+    another (a shorter step after a longer one, so a stale row or a stale padding value would show):
+    the step's tokens (ids, positions, slots) then padding to the bucket (id and position 0, the scratch
+    slot), the sequences' starts then padded sequences' (no tokens: all at n), their lengths then 0,
+    their block-table rows (0s to the widest row, then the out-of-range id), and the sampling rows then 0."""
     lay = CacheLayout(device=CPU, block_size=4, num_blocks=64, max_blocks_per_seq=12)
-    monkeypatch.setenv("FIRSTTOKEN_PACKED_INPUTS", "0")
-    plain = PrefillGraphs(_ctx(lay), max_tokens=64, max_seqs=4)
-    monkeypatch.delenv("FIRSTTOKEN_PACKED_INPUTS")
-    packed = PrefillGraphs(_ctx(lay), max_tokens=64, max_seqs=4)  # the default
-    assert packed.packed_load and not plain.packed_load
-    steps = [[(40, 0, 33), (9, 2, 7)], [(20, 16, 4)], [(5, 0, 5), (30, 20, 10), (17, 16, 1)], [(3, 0, 3)]]
+    pg = PrefillGraphs(_ctx(lay), max_tokens=64, max_seqs=4)
+    steps = [[(40, 0, 33), (9, 2, 7)], [(20, 16, 4)], [(5, 0, 5), (30, 20, 10), (17, 16, 1)], [(3, 0, 3)],
+             [(12, 4, 8), (25, 0, 24)]]  # the last: no sequence samples its first (a chunk), one sampler
     for specs in steps:
-        out = _step(specs, lay.block_size)
-        got = packed.load(out)
-        want = plain.load(out)
-        assert got == want
-        t, _rows, _longest = got
-        s = len(specs)
-        w = max(-(-(d + n) // lay.block_size) for _k, d, n in specs)
-        n = sum(new for *_x, new in specs)
-        # the copies leave a padded row's id and position as the last step left them (its K/V go to the
-        # scratch slot and its logits are not read); the packed load sets them to 0
-        for name, upto in (("input_ids", n), ("positions", n), ("slot_mapping", t), ("logit_rows", 4),
-                           ("query_start_loc", 5), ("seq_lens", 4)):
-            assert torch.equal(getattr(packed, name)[:upto], getattr(plain, name)[:upto]), (specs, name)
-        assert torch.equal(packed.block_tables[:s, :w], plain.block_tables[:s, :w]), specs
-        assert (packed.slot_mapping[n:t] == lay.pad_slot).all()
-        assert (packed.input_ids[n:t] == 0).all() and (packed.positions[n:t] == 0).all()
+        out, want = _step(specs, lay.block_size)
+        t, rows, longest = pg.load(out)
+        n, s = len(want["input_ids"]), len(specs)
+        assert t == next(b for b in pg.buckets if b >= n) and t >= n, (specs, t)
+        assert (rows, longest) == (len(want["logit_rows"]), max(want["seq_lens"])), specs
+        pad = t - n
+        assert pg.input_ids[:t].tolist() == want["input_ids"] + [0] * pad, specs
+        assert pg.positions[:t].tolist() == want["positions"] + [0] * pad, specs
+        assert pg.slot_mapping[:t].tolist() == want["slot_mapping"] + [lay.pad_slot] * pad, specs
+        assert pg.query_start_loc.tolist() == want["query_start_loc"] + [n] * (4 - s), specs
+        assert pg.seq_lens.tolist() == want["seq_lens"] + [0] * (4 - s), specs
+        assert pg.logit_rows.tolist() == want["logit_rows"] + [0] * (4 - len(want["logit_rows"])), specs
+        w = max(len(b) for b in want["block_tables"])  # the step's widest row; shorter rows end in 0s to it
+        for i, blocks in enumerate(want["block_tables"]):
+            assert pg.block_tables[i].tolist() == blocks + [0] * (w - len(blocks)) + [lay.num_blocks] * (12 - w), (
+                specs, i)
