@@ -160,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         if side is not None:
             side.wait_stream(cur)  # the inputs were written on the capturing stream
         state: list[list] = []
-        for ids, pos, _meta, stream in halves:
+        for ids, _pos, _meta, stream in halves:
             with on(stream):
                 state.append([self.embed_tokens(ids), None])
         other_attn: torch.cuda.Event | None = None  # the other half's last attention part, done
