@@ -345,6 +345,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # decode graphs of 128+ sequences as two halves in turns on two streams, attention beside GEMMs
     "fp8-tbo": {"quantization": "fp8", "decode_overlap_min_batch": 128},
     "bf16-tbo": {"decode_overlap_min_batch": 128},
+    "fp8-tbofree": {"quantization": "fp8", "decode_overlap_min_batch": 128,  # the halves' streams without turns
+                    "_env": {"FIRSTTOKEN_DECODE_OVERLAP_TURNS": "0"}},
 }
 
 

@@ -25,8 +25,8 @@
 #               V-layout variants (tiles), then throughput with the default, fp8-vt and fp8-vtpf4 (an H100 with
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
-#   tbo         decode graphs as two overlapped halves (fp8-tbo, from 128 sequences) against one batch: its GPU
-#               test, then decode b64 / b256 / b512, one process                                    ~4.5 min
+#   tbo         decode graphs as two overlapped halves (fp8-tbo, from 128 sequences; fp8-tbofree: no turns)
+#               against one batch: its GPU test, then decode b64 / b256 / b512, one process         ~6 min
 #   tma_ab      TTFT 2048 (cached + 128), fp8+kv8 with the TMA GEMM off and on, one process          ~1.5 min
 #   table       TTFT / decode of bf16 and fp8+kv8 beside their floors (the issue's table; no transformers)  ~3 min
 #   h200        throughput of fp8-vtpf3 and fp8+kv8, then TTFT / decode of bf16 and fp8+kv8 (no transformers)  ~8.5 min
@@ -209,7 +209,7 @@ for stage in "${STAGES[@]}"; do
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_tbo 150 $PY -m pytest -q -s -m gpu \
         tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "overlapped or packed"
       run tbo 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode --decode-batches "$TBO_BATCHES" \
-        --engines fp8+kv8,fp8-tbo+kv8 --no-hf --max-num-seqs 512 ;;
+        --engines fp8+kv8,fp8-tbo+kv8,fp8-tbofree+kv8 --no-hf --max-num-seqs 512 ;;
     tma_ab)  # TTFT 2048 (cached + 128) with the TMA GEMM off, then on, in one process                ~1.5 min
       run tma_ab 200 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
         --engines fp8-notma+kv8,fp8+kv8 --no-hf ;;

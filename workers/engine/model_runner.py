@@ -463,7 +463,11 @@ class ModelRunner:
             side = None  # (a CPU: one stream, the same order)
             if self.device.type == "cuda":
                 side = side_stream(self.device.index if self.device.index is not None else torch.cuda.current_device())
-            return self.model.forward_pair(input_ids, positions, self.cos_sin, self.kv_caches, metas, split, side)
+            return self.model.forward_pair(input_ids, positions, self.cos_sin, self.kv_caches, metas, split, side,
+                                           turns)
+
+        # FIRSTTOKEN_DECODE_OVERLAP_TURNS=0 (an A/B switch): the halves' streams run free, no turns
+        turns = os.environ.get("FIRSTTOKEN_DECODE_OVERLAP_TURNS", "1") != "0"
 
         return GraphContext(self.layout, forward, logits, self.decode_num_splits, prefill_splits, forward_pair)
 

@@ -187,10 +187,12 @@ def test_cuda_packed_prefill_graph_inputs_match_transformers(llama_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_overlapped_decode_halves_match_transformers(llama_dir):
-    """Decode graphs of 4+ sequences as two halves in turns on two streams (decode_overlap_min_batch):
-    captured with their events, replayed under async scheduling, a prefix hit among them; fp32 greedy
-    tokens are transformers'."""
+@pytest.mark.parametrize("turns", ["1", "0"])
+def test_cuda_overlapped_decode_halves_match_transformers(llama_dir, monkeypatch, turns):
+    """Decode graphs of 4+ sequences as two halves in turns on two streams (decode_overlap_min_batch),
+    or with the streams free (FIRSTTOKEN_DECODE_OVERLAP_TURNS=0): captured with their events, replayed
+    under async scheduling, a prefix hit among them; fp32 greedy tokens are transformers'."""
+    monkeypatch.setenv("FIRSTTOKEN_DECODE_OVERLAP_TURNS", turns)
     prompts = prompt_set(13, seed=5, min_len=3, max_len=150)
     prompts.append(prompts[-1][:100] + [5, 6, 7])  # a prefix hit
     want = hf_greedy_cuda(llama_dir, prompts)

@@ -135,14 +135,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_pair(self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: tuple[AttentionMetadata, ...],
-                     split: int, side: torch.cuda.Stream | None) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+                     split: int, side: torch.cuda.Stream | None,
+                     turns: bool = True) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """`forward` of a decode batch as two halves (tokens [:split] with metas[0], [split:] with metas[1],
         which hold different sequences), the second on the `side` stream, in turns: each layer's
         attention part (qkv_proj, the attention's pass over the cache, o_proj) of one half runs while the
         other half's MLP runs, never the two attention parts at once. At a large decode batch the
         attention reads the cache at the memory's rate and the GEMMs are bound by the tensor cores, so
         each hides behind the other. Returns ((hidden, residual) of the first half, of the second).
-        side None (a CPU): one stream, the same order."""
+        turns False: the two streams run free (an A/B of the schedule). side None (a CPU): one stream,
+        the same order."""
         cur = torch.cuda.current_stream() if side is not None else None
 
         def on(stream: torch.cuda.Stream | None):
@@ -169,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
                 with on(stream):
                     wait(stream, other_attn)
                     x, residual = layer.attention_part(state[i][0], state[i][1], pos, cos_sin, kc, vc, meta)
-                    other_attn = mark(stream)
+                    other_attn = mark(stream) if turns else None
                     state[i] = list(layer.mlp_part(x, residual))
         if side is not None:
             # (the second half's outputs, made on the side stream, are read next on this one; the side
