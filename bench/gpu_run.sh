@@ -27,6 +27,7 @@
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
 #   tbo         decode graphs as two overlapped halves (fp8-tbo, from 128 sequences; fp8-tbofree: no turns)
 #               against one batch: its GPU test, then decode b64 / b256 / b512, one process         ~6 min
+#   tbo_tput    offline throughput with the overlapped decode halves (fp8-tbo), then the default       ~5 min
 #   tma_ab      TTFT 2048 (cached + 128), fp8+kv8 with the TMA GEMM off and on, one process          ~1.5 min
 #   table       TTFT / decode of bf16 and fp8+kv8 beside their floors (the issue's table; no transformers)  ~3 min
 #   h200        throughput of fp8-vtpf3 and fp8+kv8, then TTFT / decode of bf16 and fp8+kv8 (no transformers)  ~8.5 min
@@ -112,10 +113,12 @@ issue_table() {  # issue 18's table: TTFT and decode of bf16 and fp8+kv8 beside 
   run engine 170 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
     --engines bf16,fp8+kv8 --no-hf "${ENGINE_ARGS[@]}"
 }
-vtpf3_throughput() {  # vtpf3_throughput SECONDS: offline throughput of fp8-vtpf3, then the default (dec_pipe_short, h200)
-  local e
-  for e in fp8-vtpf3+kv8 fp8+kv8; do
-    run "throughput_${e%%+*}" "$1" $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
+throughputs() {  # throughputs SECONDS ENGINE...: offline throughput of each engine, one process each (h200,
+  # dec_pipe_short: fp8-vtpf3 then the default; tbo_tput)
+  local limit=$1 e
+  shift
+  for e in "$@"; do
+    run "throughput_${e%%+*}" "$limit" $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
       --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
   done
 }
@@ -210,6 +213,9 @@ for stage in "${STAGES[@]}"; do
         tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "overlapped or packed"
       run tbo 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode --decode-batches "$TBO_BATCHES" \
         --engines fp8+kv8,fp8-tbo+kv8,fp8-tbofree+kv8 --no-hf --max-num-seqs 512 ;;
+    tbo_tput)  # offline throughput (TensorRT-LLM's shape) with the overlapped decode halves, then without, one
+      # engine a process as dec_pipe_short runs them                                                    ~5 min
+      throughputs 170 fp8-tbo+kv8 fp8+kv8 ;;
     tma_ab)  # TTFT 2048 (cached + 128) with the TMA GEMM off, then on, in one process                ~1.5 min
       run tma_ab 200 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
         --engines fp8-notma+kv8,fp8+kv8 --no-hf ;;
@@ -217,7 +223,7 @@ for stage in "${STAGES[@]}"; do
       issue_table ;;
     h200)  # one H200 call: throughput of keys-inner V + prefetch (fp8-vtpf3) and the default, then TTFT and decode for
       # bf16 and fp8+kv8 beside their floors (the issue's table)                                       ~8.5 min
-      vtpf3_throughput 190
+      throughputs 190 fp8-vtpf3+kv8 fp8+kv8
       issue_table ;;
     gemm_tma)  # the 128/256-row FP8 GEMMs with TMA loads against _scaled_mm and the pointer kernel (bench_fp8_decode
       # --tma), then TTFT 2048 cached + 128 without TMA (FIRSTTOKEN_FP8_TMA_CONFIG=off), with the built-in tiles and
@@ -233,7 +239,7 @@ for stage in "${STAGES[@]}"; do
           --preset $PRESET --sections ttft --ttft-lengths 2048 --engines fp8+kv8 --no-hf
       fi ;;
     dec_pipe_short)  # the candidate's throughput and the default's, nothing else (~4.5 min; each ran 107-123 s)
-      vtpf3_throughput 170 ;;
+      throughputs 170 fp8-vtpf3+kv8 fp8+kv8 ;;
     vt_all)  # one H200 call: the tiles over both V layouts, the fp8-cache GPU tests, throughput keys inner then rows
       [ "${SMOKE:-0}" = 1 ] || run decode_tiles 75 $PY bench/bench_decode_tiles.py --layouts shuffled \
         --cases 1x2048,256x1100,1000x1500
