@@ -210,7 +210,7 @@ for stage in "${STAGES[@]}"; do
     tbo)  # decode graphs of 128+ sequences as two halves in turns on two streams (attention beside the other half's
       # GEMMs) against one batch: the GPU test, then decode b64 (below the threshold) / b256 / b512, one process
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_tbo 150 $PY -m pytest -q -s -m gpu \
-        tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "overlapped or packed"
+        tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "overlapped or packed or gemv or one_row"
       run tbo 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode --decode-batches "$TBO_BATCHES" \
         --engines fp8+kv8,fp8-tbo+kv8,fp8-tbofree+kv8 --no-hf --max-num-seqs 512 ;;
     tbo_tput)  # offline throughput (TensorRT-LLM's shape) with the overlapped decode halves, then without, one
