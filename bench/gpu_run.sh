@@ -212,7 +212,7 @@ for stage in "${STAGES[@]}"; do
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_tbo 150 $PY -m pytest -q -s -m gpu \
         tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "overlapped or packed or gemv or one_row"
       run tbo 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode --decode-batches "$TBO_BATCHES" \
-        --engines fp8+kv8,fp8-tbo+kv8,fp8-tbofree+kv8 --no-hf --max-num-seqs 512 ;;
+        --engines "${TBO_ENGINES:-fp8+kv8,fp8-tbo+kv8,fp8-tbofree+kv8}" --no-hf --max-num-seqs 512 ;;
     tbo_tput)  # offline throughput (TensorRT-LLM's shape) with the overlapped decode halves, then without, one
       # engine a process as dec_pipe_short runs them                                                    ~5 min
       throughputs 170 fp8-tbo+kv8 fp8+kv8 ;;
