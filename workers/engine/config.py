@@ -184,7 +184,9 @@ class EngineConfig:
     cuda_graph_max_batch: int | None = None  # None: max_num_seqs
     # decode graphs of at least this many sequences run the batch as two halves on two streams, in
     # turns: one half's attention (bound by reading the cache) beside the other's GEMMs (bound by the
-    # tensor cores); None: one batch, one stream. Opt-in until measured (bench_engine --engines fp8-tbo)
+    # tensor cores); None: one batch, one stream. Off by default: on an H100 decode b256 / b512 ran 9.31 /
+    # 16.0 ms without, 11.9 / 17.6 with (bench/results/2026-12-06-session17.md); the H200's throughput
+    # shape is unmeasured (bench/gpu_run.sh tbo_tput)
     decode_overlap_min_batch: int | None = None
     # steps of at most this many tokens and sequences replay a captured graph (CPU launch cost
     # dominates them); larger steps run eagerly
