@@ -28,6 +28,7 @@
 #   tbo         decode graphs as two overlapped halves (fp8-tbo, from 128 sequences; fp8-tbofree: no turns)
 #               against one batch: its GPU test, then decode b64 / b256 / b512, one process         ~6 min
 #   tbo_tput    offline throughput with the overlapped decode halves (fp8-tbo), then the default       ~5 min
+#   prefill_tiles  cached + 128's paged attention over more splits and other tiles (ncu_prefill_cached) ~1.5 min
 #   tma_ab      TTFT 2048 (cached + 128), fp8+kv8 with the TMA GEMM off and on, one process          ~1.5 min
 #   table       TTFT / decode of bf16 and fp8+kv8 beside their floors (the issue's table; no transformers)  ~3 min
 #   h200        throughput of fp8-vtpf3 and fp8+kv8, then TTFT / decode of bf16 and fp8+kv8 (no transformers)  ~8.5 min
@@ -135,6 +136,9 @@ cat "$OUT/machine.txt"
 PREFILL_VARIANTS='{"k8": {"widen": "k8"}, "k8_s3": {"widen": "k8", "num_stages": 3},
  "k8_n128": {"widen": "k8", "block_n": 128}, "k8_m128": {"widen": "k8", "block_m": 128, "block_n": 64, "num_warps": 8,
  "num_stages": 2, "num_splits": 4}}'
+PREFILL_TILES='{"s6": {"num_splits": 6}, "s8": {"num_splits": 8}, "n128_s4": {"block_n": 128, "num_splits": 4},
+ "m128n128w8_s8": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "num_splits": 8},
+ "w8_s4": {"num_warps": 8, "num_splits": 4}, "m32_s8": {"block_m": 32, "num_splits": 8}}'
 for stage in "${STAGES[@]}"; do
   case $stage in
     tests)
@@ -216,6 +220,9 @@ for stage in "${STAGES[@]}"; do
     tbo_tput)  # offline throughput (TensorRT-LLM's shape) with the overlapped decode halves, then without, one
       # engine a process as dec_pipe_short runs them                                                    ~5 min
       throughputs 170 fp8-tbo+kv8 fp8+kv8 ;;
+    prefill_tiles)  # 2048 cached + 128's paged attention (fp16-widened fp8 cache) over more splits and other tiles than
+      # the default's M64 N64 w4 s2 x 4 splits (ncu_prefill_cached, graph-replayed)                    ~1.5 min
+      [ "${SMOKE:-0}" = 1 ] || run prefill_tiles 150 $PY bench/ncu_prefill_cached.py --variants "$PREFILL_TILES" ;;
     tma_ab)  # TTFT 2048 (cached + 128) with the TMA GEMM off, then on, in one process                ~1.5 min
       run tma_ab 200 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
         --engines fp8-notma+kv8,fp8+kv8 --no-hf ;;
