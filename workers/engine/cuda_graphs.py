@@ -70,34 +70,25 @@ def graph_buckets(max_bs: int) -> list[int]:
     return out
 
 
-_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}
 
 
-def _capture_stream(device: int) -> torch.cuda.Stream:
-    """One capture stream per device for every engine of the process: torch keeps a cuBLAS
-    workspace (32 MiB on sm90) for each stream cuBLAS ran on, so a new stream per engine would
-    leave one behind each time an engine closes."""
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return _CAPTURE_STREAMS[device]
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def side_stream(device: int) -> torch.cuda.Stream:
-    """The second stream of the overlapped decode halves (DecodeGraphs.overlaps), one per device
-    for the process (as _capture_stream, for its cuBLAS workspace)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+def process_stream(role: str, device: int) -> torch.cuda.Stream:
+    """One stream per role ("capture": where every graph is captured; "side": the second stream of the
+    overlapped decode halves) and device for every engine of the process: torch keeps a cuBLAS workspace
+    (32 MiB on sm90) for each stream cuBLAS ran on, so a new stream per engine would leave one behind
+    each time an engine closes."""
+    key = (role, device)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device)
+    return _STREAMS[key]
 
 
 def capture_graphs(*graph_sets: DecodeGraphs | PrefillGraphs | MixedGraphs | DenseGraphs) -> None:
     """Capture every graph set on one side stream, sharing one memory pool (largest graphs first)."""
     t0 = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
-    stream = _capture_stream(torch.cuda.current_device())
+    stream = process_stream("capture", torch.cuda.current_device())
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for gs in graph_sets:

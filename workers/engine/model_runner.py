@@ -25,7 +25,7 @@ from workers.engine.cuda_graphs import (
     MixedGraphs,
     PrefillGraphs,
     capture_graphs,
-    side_stream,
+    process_stream,
 )
 from workers.engine.downloads import resolve_model, unknown_model_message
 from workers.engine.errors import CheckpointError
@@ -458,16 +458,15 @@ class ModelRunner:
                 raise ValueError(f"a graph samples {hidden.shape[0]} rows; its logits buffer holds {logit_rows}")
             return self.model.compute_logits(hidden, residual, logits_buf[: hidden.shape[0]])
 
-        def forward_pair(input_ids: torch.Tensor, positions: torch.Tensor, metas: tuple[AttentionMetadata, ...],
-                         split: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-            side = None  # (a CPU: one stream, the same order)
-            if self.device.type == "cuda":
-                side = side_stream(self.device.index if self.device.index is not None else torch.cuda.current_device())
-            return self.model.forward_pair(input_ids, positions, self.cos_sin, self.kv_caches, metas, split, side,
-                                           turns)
-
         # FIRSTTOKEN_DECODE_OVERLAP_TURNS=0 (an A/B switch): the halves' streams run free, no turns
         turns = os.environ.get("FIRSTTOKEN_DECODE_OVERLAP_TURNS", "1") != "0"
+
+        def forward_pair(input_ids: torch.Tensor, positions: torch.Tensor, metas: tuple[AttentionMetadata, ...],
+                         split: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+            # (a CPU: no side stream, one stream in the same order)
+            side = process_stream("side", torch.cuda.current_device()) if self.device.type == "cuda" else None
+            return self.model.forward_pair(input_ids, positions, self.cos_sin, self.kv_caches, metas, split, side,
+                                           turns)
 
         return GraphContext(self.layout, forward, logits, self.decode_num_splits, prefill_splits, forward_pair)
 

@@ -6,7 +6,6 @@ Triton kernels replace goes through the `KernelOps` bound at construction.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -145,33 +144,24 @@ class LlamaForCausalLM(nn.Module):
         each hides behind the other. Returns ((hidden, residual) of the first half, of the second).
         turns False: the two streams run free (an A/B of the schedule). side None (a CPU): one stream,
         the same order."""
-        cur = torch.cuda.current_stream() if side is not None else None
-
-        def on(stream: torch.cuda.Stream | None):
-            return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-        def mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-            return stream.record_event() if stream is not None else None
-
-        def wait(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
-            if stream is not None and event is not None:
-                stream.wait_event(event)
-
+        cur = torch.cuda.current_stream() if side is not None else None  # (torch.cuda.stream(None): no switch)
         halves = ((input_ids[:split], positions[:split], metas[0], cur), (input_ids[split:], positions[split:], metas[1],
                                                                           side))
         if side is not None:
             side.wait_stream(cur)  # the inputs were written on the capturing stream
         state: list[list] = []
         for ids, _pos, _meta, stream in halves:
-            with on(stream):
+            with torch.cuda.stream(stream):
                 state.append([self.embed_tokens(ids), None])
+        turns = turns and side is not None  # (one stream keeps the order by itself)
         other_attn: torch.cuda.Event | None = None  # the other half's last attention part, done
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             for i, (_ids, pos, meta, stream) in enumerate(halves):
-                with on(stream):
-                    wait(stream, other_attn)
+                with torch.cuda.stream(stream):
+                    if other_attn is not None:
+                        stream.wait_event(other_attn)
                     x, residual = layer.attention_part(state[i][0], state[i][1], pos, cos_sin, kc, vc, meta)
-                    other_attn = mark(stream) if turns else None
+                    other_attn = stream.record_event() if turns else None
                     state[i] = list(layer.mlp_part(x, residual))
         if side is not None:
             # (the second half's outputs, made on the side stream, are read next on this one; the side
