@@ -342,11 +342,6 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # tensor cores (q rounded to e4m3 per row)
     "fp8-k8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "k8"}},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
-    # decode graphs of 128+ sequences as two halves in turns on two streams, attention beside GEMMs
-    "fp8-tbo": {"quantization": "fp8", "decode_overlap_min_batch": 128},
-    "bf16-tbo": {"decode_overlap_min_batch": 128},
-    "fp8-tbofree": {"quantization": "fp8", "decode_overlap_min_batch": 128,  # the halves' streams without turns
-                    "_env": {"FIRSTTOKEN_DECODE_OVERLAP_TURNS": "0"}},
 }
 
 

@@ -25,9 +25,6 @@
 #               V-layout variants (tiles), then throughput with the default, fp8-vt and fp8-vtpf4 (an H100 with
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
-#   tbo         decode graphs as two overlapped halves (fp8-tbo, from 128 sequences; fp8-tbofree: no turns)
-#               against one batch: its GPU test, then decode b64 / b256 / b512, one process         ~6 min
-#   tbo_tput    offline throughput with the overlapped decode halves (fp8-tbo), then the default       ~5 min
 #   prefill_tiles  cached + 128's paged attention over more splits and other tiles (ncu_prefill_cached) ~1.5 min
 #   tma_ab      TTFT 2048 (cached + 128), fp8+kv8 with the TMA GEMM off and on, one process          ~1.5 min
 #   table       TTFT / decode of bf16 and fp8+kv8 beside their floors (the issue's table; no transformers)  ~3 min
@@ -89,14 +86,12 @@ if [ "${SMOKE:-0}" = 1 ]; then  # a CPU run of the same commands, small
   LOAD_ARGS=(--rates 8 --duration 2 --max-prompt 256)
   GOODPUT_ARGS=(--duration 2 --max-prompt 256 --search-rates 2,4 --search-steps 1)
   LOAD_TARGETS=none,50
-  TBO_BATCHES=2,4
 else
   DEV=(); PRESET=llama3-8b
   ENGINE_ARGS=(); TPUT_ARGS=(--hf-prompts 32 --max-num-seqs 1024)
   LOAD_ARGS=(--rates 8,16,24,32 --duration 8)
   GOODPUT_ARGS=(--duration 12 --search-steps 1)
   LOAD_TARGETS=none,15,20,30
-  TBO_BATCHES=64,256,512
 fi
 
 declare -A STATUS
@@ -115,7 +110,7 @@ issue_table() {  # issue 18's table: TTFT and decode of bf16 and fp8+kv8 beside 
     --engines bf16,fp8+kv8 --no-hf "${ENGINE_ARGS[@]}"
 }
 throughputs() {  # throughputs SECONDS ENGINE...: offline throughput of each engine, one process each (h200,
-  # dec_pipe_short: fp8-vtpf3 then the default; tbo_tput)
+  # dec_pipe_short: fp8-vtpf3 then the default)
   local limit=$1 e
   shift
   for e in "$@"; do
@@ -211,15 +206,6 @@ for stage in "${STAGES[@]}"; do
       [ "${SMOKE:-0}" = 1 ] || run prefill_cached 150 $PY bench/ncu_prefill_cached.py --variants "$PREFILL_VARIANTS"
       run ttft_k8 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
         --decode-batches 1 --engines fp8+kv8,fp8-k8+kv8 --no-hf ;;
-    tbo)  # decode graphs of 128+ sequences as two halves in turns on two streams (attention beside the other half's
-      # GEMMs) against one batch: the GPU test, then decode b64 (below the threshold) / b256 / b512, one process
-      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_tbo 150 $PY -m pytest -q -s -m gpu \
-        tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "overlapped or packed or gemv or one_row"
-      run tbo 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode --decode-batches "$TBO_BATCHES" \
-        --engines "${TBO_ENGINES:-fp8+kv8,fp8-tbo+kv8,fp8-tbofree+kv8}" --no-hf --max-num-seqs 512 ;;
-    tbo_tput)  # offline throughput (TensorRT-LLM's shape) with the overlapped decode halves, then without, one
-      # engine a process as dec_pipe_short runs them                                                    ~5 min
-      throughputs 170 fp8-tbo+kv8 fp8+kv8 ;;
     prefill_tiles)  # 2048 cached + 128's paged attention (fp16-widened fp8 cache) over more splits and other tiles than
       # the default's M64 N64 w4 s2 x 4 splits (ncu_prefill_cached, graph-replayed)                    ~1.5 min
       [ "${SMOKE:-0}" = 1 ] || run prefill_tiles 150 $PY bench/ncu_prefill_cached.py --variants "$PREFILL_TILES" ;;

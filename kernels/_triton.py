@@ -227,18 +227,16 @@ _MIN_COUNTERS = 1 << 16
 def arrival_counters(device: Any, n: int) -> Any:
     """At least n zeroed int32 counters on `device` for kernels whose programs take a ticket
     (`tl.atomic_add`) and whose last arrival finishes the work and sets its counter back to zero:
-    one buffer per device and stream, shared by every such kernel on that stream, since launches on
-    one stream run one after the other (the overlapped decode halves run two streams at once). Made
-    before any graph capture, at the eager warm-up launch on the same stream (a capture cannot
-    allocate a zeroed buffer for later)."""
+    one buffer per device, shared by every such kernel, since launches on one stream run one after
+    the other (two streams running them at once would need their own). Made before any graph
+    capture, at the eager warm-up launch (a capture cannot allocate a zeroed buffer for later)."""
     import torch
 
-    key = (device, torch.cuda.current_stream(device).stream_id) if device.type == "cuda" else device
-    buf = ARRIVAL_COUNTERS.get(key)
+    buf = ARRIVAL_COUNTERS.get(device)
     if buf is None or buf.numel() < n:
         check(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
               "arrival counters must exist before a graph capture (launch the kernel once eagerly)")
-        buf = ARRIVAL_COUNTERS[key] = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
+        buf = ARRIVAL_COUNTERS[device] = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
     return buf
 
 

@@ -182,12 +182,6 @@ class EngineConfig:
     kernel_backend: str | None = None  # "triton" | "torch"; None: triton on CUDA, torch elsewhere
     cuda_graphs: bool = True  # capture the decode step (CUDA + triton only)
     cuda_graph_max_batch: int | None = None  # None: max_num_seqs
-    # decode graphs of at least this many sequences run the batch as two halves on two streams, in
-    # turns: one half's attention (bound by reading the cache) beside the other's GEMMs (bound by the
-    # tensor cores); None: one batch, one stream. Off by default: on an H100 decode b256 / b512 ran 9.31 /
-    # 16.0 ms without, 11.9 / 17.6 with (bench/results/2026-12-06-session17.md); the H200's throughput
-    # shape is unmeasured (bench/gpu_run.sh tbo_tput)
-    decode_overlap_min_batch: int | None = None
     # steps of at most this many tokens and sequences replay a captured graph (CPU launch cost
     # dominates them); larger steps run eagerly
     prefill_graph_max_tokens: int = 1024
@@ -260,8 +254,6 @@ class EngineConfig:
             raise ValueError("kv_cache_v_layout must be 'rows' or 'keys_inner'")
         if self.tpot_target_ms is not None and self.tpot_target_ms <= 0:
             raise ValueError("tpot_target_ms must be positive")
-        if self.decode_overlap_min_batch is not None and self.decode_overlap_min_batch < 2:
-            raise ValueError("decode_overlap_min_batch must be at least 2 (two halves) or None")
         if self.dense_graph_max_tokens < 0:
             raise ValueError("dense_graph_max_tokens must be >= 0")
         if self.mixed_graph_max_tokens < 0 or self.mixed_graph_max_prefills < 1:

@@ -41,9 +41,6 @@ class GraphContext:
     logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     decode_splits: Callable[[int], int]
     prefill_splits: Callable[[int, int, int], int]
-    # forward_pair(input_ids, positions, (meta, meta), split) -> ((hidden, residual), (hidden, residual)):
-    # the forward of a decode batch as two halves in turns on two streams (LlamaForCausalLM.forward_pair)
-    forward_pair: Callable[..., tuple[tuple[torch.Tensor, torch.Tensor], ...]] | None = None
 
 
 def _close_graphs(gs: DecodeGraphs | PrefillGraphs | MixedGraphs | DenseGraphs) -> None:
@@ -70,25 +67,23 @@ def graph_buckets(max_bs: int) -> list[int]:
     return out
 
 
-_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def process_stream(role: str, device: int) -> torch.cuda.Stream:
-    """One stream per role ("capture": where every graph is captured; "side": the second stream of the
-    overlapped decode halves) and device for every engine of the process: torch keeps a cuBLAS workspace
-    (32 MiB on sm90) for each stream cuBLAS ran on, so a new stream per engine would leave one behind
-    each time an engine closes."""
-    key = (role, device)
-    if key not in _STREAMS:
-        _STREAMS[key] = torch.cuda.Stream(device)
-    return _STREAMS[key]
+def _capture_stream(device: int) -> torch.cuda.Stream:
+    """One capture stream per device for every engine of the process: torch keeps a cuBLAS
+    workspace (32 MiB on sm90) for each stream cuBLAS ran on, so a new stream per engine would
+    leave one behind each time an engine closes."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
 
 
 def capture_graphs(*graph_sets: DecodeGraphs | PrefillGraphs | MixedGraphs | DenseGraphs) -> None:
     """Capture every graph set on one side stream, sharing one memory pool (largest graphs first)."""
     t0 = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
-    stream = process_stream("capture", torch.cuda.current_device())
+    stream = _capture_stream(torch.cuda.current_device())
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for gs in graph_sets:
@@ -102,12 +97,10 @@ def capture_graphs(*graph_sets: DecodeGraphs | PrefillGraphs | MixedGraphs | Den
 class DecodeGraphs:
     """One captured decode graph per bucket; prefill and mixed steps stay eager."""
 
-    def __init__(self, ctx: GraphContext, max_bs: int, overlap_min_batch: int | None = None) -> None:
+    def __init__(self, ctx: GraphContext, max_bs: int) -> None:
         self.ctx = ctx
         lay = ctx.layout
         self.max_bs = max_bs
-        # batches from this size run as two halves whose attention and GEMMs overlap (ctx.forward_pair)
-        self.overlap_min_batch = overlap_min_batch if ctx.forward_pair is not None else None
         self.buckets = graph_buckets(max_bs)
         dev = lay.device
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
@@ -126,32 +119,21 @@ class DecodeGraphs:
         """Free the captured graphs (their memory pool goes with the last of them) and the static buffers."""
         _close_graphs(self)
 
-    def _meta(self, lo: int, hi: int) -> AttentionMetadata:
-        """The decodes of rows [lo, hi) of the static inputs."""
+    def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[lo:hi],
-            num_decodes=hi - lo,
-            num_decode_tokens=hi - lo,
-            decode_block_tables=self.block_tables[lo:hi],
-            decode_seq_lens=self.seq_lens[lo:hi],
+            slot_mapping=self.slot_mapping[:bs],
+            num_decodes=bs,
+            num_decode_tokens=bs,
+            decode_block_tables=self.block_tables[:bs],
+            decode_seq_lens=self.seq_lens[:bs],
             prefill_block_tables=None,
             prefill_query_start_loc=None,
             prefill_seq_lens=None,
-            decode_num_splits=self.ctx.decode_splits(hi - lo),
+            decode_num_splits=self.ctx.decode_splits(bs),
         )
 
-    def overlaps(self, bs: int) -> bool:
-        """Whether bucket bs runs as two overlapped halves."""
-        return self.overlap_min_batch is not None and bs >= self.overlap_min_batch
-
     def _forward(self, bs: int) -> torch.Tensor:
-        if self.overlaps(bs):
-            h = (bs + 1) // 2
-            assert self.ctx.forward_pair is not None
-            (ha, ra), (hb, rb) = self.ctx.forward_pair(self.input_ids[:bs], self.positions[:bs],
-                                                       (self._meta(0, h), self._meta(h, bs)), h)
-            return self.ctx.logits(torch.cat([ha, hb]), torch.cat([ra, rb]))
-        hidden, residual = self.ctx.forward(self.input_ids[:bs], self.positions[:bs], self._meta(0, bs))
+        hidden, residual = self.ctx.forward(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
         return self.ctx.logits(hidden, residual)
 
     @torch.inference_mode()

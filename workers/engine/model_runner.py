@@ -25,7 +25,6 @@ from workers.engine.cuda_graphs import (
     MixedGraphs,
     PrefillGraphs,
     capture_graphs,
-    process_stream,
 )
 from workers.engine.downloads import resolve_model, unknown_model_message
 from workers.engine.errors import CheckpointError
@@ -126,7 +125,7 @@ class ModelRunner:
             max_bs = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
             prefill_seqs = min(config.prefill_graph_max_seqs, config.max_num_seqs)
             ctx = self.graph_context(max(max_bs, prefill_seqs))  # the most rows a graph samples
-            self.graphs = DecodeGraphs(ctx, max_bs, config.decode_overlap_min_batch)
+            self.graphs = DecodeGraphs(ctx, max_bs)
             max_t = min(config.prefill_graph_max_tokens, config.max_num_batched_tokens)
             self.prefill_graphs = PrefillGraphs(ctx, max_t, prefill_seqs)
             mixed_t = min(config.mixed_graph_max_tokens, config.max_num_batched_tokens)
@@ -458,17 +457,7 @@ class ModelRunner:
                 raise ValueError(f"a graph samples {hidden.shape[0]} rows; its logits buffer holds {logit_rows}")
             return self.model.compute_logits(hidden, residual, logits_buf[: hidden.shape[0]])
 
-        # FIRSTTOKEN_DECODE_OVERLAP_TURNS=0 (an A/B switch): the halves' streams run free, no turns
-        turns = os.environ.get("FIRSTTOKEN_DECODE_OVERLAP_TURNS", "1") != "0"
-
-        def forward_pair(input_ids: torch.Tensor, positions: torch.Tensor, metas: tuple[AttentionMetadata, ...],
-                         split: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-            # (a CPU: no side stream, one stream in the same order)
-            side = process_stream("side", torch.cuda.current_device()) if self.device.type == "cuda" else None
-            return self.model.forward_pair(input_ids, positions, self.cos_sin, self.kv_caches, metas, split, side,
-                                           turns)
-
-        return GraphContext(self.layout, forward, logits, self.decode_num_splits, prefill_splits, forward_pair)
+        return GraphContext(self.layout, forward, logits, self.decode_num_splits, prefill_splits)
 
     def decode_num_splits(self, batch: int) -> int:
         """Flash-decoding splits for a graph-captured batch: enough programs to fill the GPU."""

@@ -82,18 +82,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.attention_part(x, residual, positions, cos_sin, k_cache, v_cache, meta)
-        return self.mlp_part(h, residual)
-
-    def attention_part(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The norm, qkv_proj, the attention over the cache and o_proj: (attention output, residual)."""
         h, residual = self.input_layernorm(x, residual)
-        return self.self_attn(h, positions, cos_sin, k_cache, v_cache, meta), residual
-
-    def mlp_part(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The second norm and the MLP: (layer output, residual)."""
+        h = self.self_attn(h, positions, cos_sin, k_cache, v_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -131,43 +121,6 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, cos_sin, kc, vc, meta)
         assert residual is not None
         return x, residual
-
-    def forward_pair(self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: tuple[AttentionMetadata, ...],
-                     split: int, side: torch.cuda.Stream | None,
-                     turns: bool = True) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        """`forward` of a decode batch as two halves (tokens [:split] with metas[0], [split:] with metas[1],
-        which hold different sequences), the second on the `side` stream, in turns: each layer's
-        attention part (qkv_proj, the attention's pass over the cache, o_proj) of one half runs while the
-        other half's MLP runs, never the two attention parts at once. At a large decode batch the
-        attention reads the cache at the memory's rate and the GEMMs are bound by the tensor cores, so
-        each hides behind the other. Returns ((hidden, residual) of the first half, of the second).
-        turns False: the two streams run free (an A/B of the schedule). side None (a CPU): one stream,
-        the same order."""
-        cur = torch.cuda.current_stream() if side is not None else None  # (torch.cuda.stream(None): no switch)
-        halves = ((input_ids[:split], positions[:split], metas[0], cur), (input_ids[split:], positions[split:], metas[1],
-                                                                          side))
-        if side is not None:
-            side.wait_stream(cur)  # the inputs were written on the capturing stream
-        state: list[list] = []
-        for ids, _pos, _meta, stream in halves:
-            with torch.cuda.stream(stream):
-                state.append([self.embed_tokens(ids), None])
-        turns = turns and side is not None  # (one stream keeps the order by itself)
-        other_attn: torch.cuda.Event | None = None  # the other half's last attention part, done
-        for layer, (kc, vc) in zip(self.layers, kv_caches):
-            for i, (_ids, pos, meta, stream) in enumerate(halves):
-                with torch.cuda.stream(stream):
-                    if other_attn is not None:
-                        stream.wait_event(other_attn)
-                    x, residual = layer.attention_part(state[i][0], state[i][1], pos, cos_sin, kc, vc, meta)
-                    other_attn = stream.record_event() if turns else None
-                    state[i] = list(layer.mlp_part(x, residual))
-        if side is not None:
-            # (the second half's outputs, made on the side stream, are read next on this one; the side
-            # stream's next allocation comes after its next wait on this stream, so no record_stream)
-            cur.wait_stream(side)
-        return tuple((x, residual) for x, residual in state)
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
