@@ -35,6 +35,7 @@
 #               then TTFT 2048 / cached + 128 and decode b1 with and without it in the engine      ~3 min
 #   fp8attn     cuDNN's FP8 dense prefill attention (bench_fp8_attention), its GPU tests, then TTFT 2048 / 8192 /
 #               32768 with it (fp8+kv8) and without (fp8-bf16attn+kv8)                             ~6 min
+#   cached_probe  cached + 128's paged attention: block-table rows 1 against the graph's 16, then ncu's warp states  ~1.5 min
 #   ncu_layouts ncu of one decode-attention launch per V layout                                        ~2 min
 #   vt_all      one H200 call: decode tiles (3 cases), throughput with each V layout, the fp8-cache GPU tests  ~8 min
 #   throughput_mem  the same shape, FP8 + fp8 KV alone, at gpu_memory_utilization 0.90 then 0.95 (fewer
@@ -206,6 +207,15 @@ for stage in "${STAGES[@]}"; do
       [ "${SMOKE:-0}" = 1 ] || run prefill_cached 150 $PY bench/ncu_prefill_cached.py --variants "$PREFILL_VARIANTS"
       run ttft_k8 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
         --decode-batches 1 --engines fp8+kv8,fp8-k8+kv8 --no-hf ;;
+    cached_probe)  # why cached + 128's paged attention takes ~26 us against ~6 of FLOPs: the graph's 15 padding rows
+      # (block-table rows 1 against 16), then ncu's warp states and occupancy of one launch          ~1.5 min
+      [ "${SMOKE:-0}" = 1 ] && continue
+      run prefill_rows1 60 $PY bench/ncu_prefill_cached.py --rows 1
+      run prefill_rows16 60 $PY bench/ncu_prefill_cached.py --rows 16
+      NCU=$(ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      run ncu_prefill 150 "${NCU:-ncu}" --clock-control none -k regex:_paged_attention --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+        --section Occupancy --section LaunchStats --section SourceCounters $PY bench/ncu_prefill_cached.py --ncu ;;
     prefill_tiles)  # 2048 cached + 128's paged attention (fp16-widened fp8 cache) over more splits and other tiles than
       # the default's M64 N64 w4 s2 x 4 splits (ncu_prefill_cached, graph-replayed)                    ~1.5 min
       [ "${SMOKE:-0}" = 1 ] || run prefill_tiles 150 $PY bench/ncu_prefill_cached.py --variants "$PREFILL_TILES" ;;

