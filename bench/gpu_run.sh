@@ -35,6 +35,7 @@
 #               then TTFT 2048 / cached + 128 and decode b1 with and without it in the engine      ~3 min
 #   fp8attn     cuDNN's FP8 dense prefill attention (bench_fp8_attention), its GPU tests, then TTFT 2048 / 8192 /
 #               32768 with it (fp8+kv8) and without (fp8-bf16attn+kv8)                             ~6 min
+#   dec_w1      decode attention tiles of one warp a program (keys inner + prefetch), H100: 40 SMs held  ~1.5 min
 #   cached_probe  cached + 128's paged attention: block-table rows 1 against the graph's 16, then ncu's warp states  ~1.5 min
 #   ncu_layouts ncu of one decode-attention launch per V layout                                        ~2 min
 #   vt_all      one H200 call: decode tiles (3 cases), throughput with each V layout, the fp8-cache GPU tests  ~8 min
@@ -207,6 +208,14 @@ for stage in "${STAGES[@]}"; do
       [ "${SMOKE:-0}" = 1 ] || run prefill_cached 150 $PY bench/ncu_prefill_cached.py --variants "$PREFILL_VARIANTS"
       run ttft_k8 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
         --decode-batches 1 --engines fp8+kv8,fp8-k8+kv8 --no-hf ;;
+    dec_w1)  # decode attention with one warp a program (keys inner, block ids a tile ahead): 15% fewer warp
+      # instructions a key than the two-warp candidate in Triton 3.6's sm_90 SASS (no P exchange through shared
+      # memory), then with 2 / 4 stages and 32-key tiles; beside the default and the candidate. On an H100, 40 SMs
+      # held (the H200's bandwidth per SM)                                                         ~1.5 min
+      [ "${SMOKE:-0}" = 1 ] && continue
+      HOG=(); nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || HOG=(--hog-sms 40)
+      run decode_w1 150 $PY bench/bench_decode_tiles.py "${HOG[@]}" --cases 256x1100,1000x1500,1000x1900 --variants \
+        '{"vt_pf":{"v_layout":"keys_inner","prefetch":true},"vt_pf_w1":{"v_layout":"keys_inner","prefetch":true,"num_warps":1},"vt_pf_w1_s2":{"v_layout":"keys_inner","prefetch":true,"num_warps":1,"num_stages":2},"vt_pf_w1_s4":{"v_layout":"keys_inner","prefetch":true,"num_warps":1,"num_stages":4},"vt_pf_w1_n32":{"v_layout":"keys_inner","prefetch":true,"num_warps":1,"block_n":32}}' ;;
     cached_probe)  # why cached + 128's paged attention takes ~26 us against ~6 of FLOPs: the graph's 15 padding rows
       # (block-table rows 1 against 16), then ncu's warp states and occupancy of one launch          ~1.5 min
       [ "${SMOKE:-0}" = 1 ] && continue
