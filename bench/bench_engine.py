@@ -344,6 +344,9 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B of the paged prefill attention over an fp8 cache (a cached prefix's new tokens): QK^T on FP8
     # tensor cores (q rounded to e4m3 per row)
     "fp8-k8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "k8"}},
+    # A/B: the paged prefill attention's small tiles capped at 168 registers (three programs an SM, six splits at
+    # 2048 cached + 128 where the default's 170 allow two and four)
+    "fp8-r168": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_MAX_REGS": "168"}},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
 }
 

@@ -36,6 +36,7 @@
 #   fp8attn     cuDNN's FP8 dense prefill attention (bench_fp8_attention), its GPU tests, then TTFT 2048 / 8192 /
 #               32768 with it (fp8+kv8) and without (fp8-bf16attn+kv8)                             ~6 min
 #   dec_w1      decode attention tiles of one warp a program (keys inner + prefetch), H100: 40 SMs held  ~1.5 min
+#   prefill_regs  cached + 128's attention with a register cap (3 programs an SM, 6 splits), then TTFT A/B  ~3 min
 #   cached_probe  cached + 128's paged attention: block-table rows 1 against the graph's 16, then ncu's warp states  ~1.5 min
 #   ncu_layouts ncu of one decode-attention launch per V layout                                        ~2 min
 #   vt_all      one H200 call: decode tiles (3 cases), throughput with each V layout, the fp8-cache GPU tests  ~8 min
@@ -130,6 +131,8 @@ if torch.cuda.is_available():
 EOF
 cat "$OUT/machine.txt"
 
+PREFILL_REGS='{"r168": {"max_regs": 168}, "r168_s4": {"max_regs": 168, "num_splits": 4}, "r168_s5": {"max_regs": 168,
+ "num_splits": 5}, "s6": {"num_splits": 6}, "r168_st3": {"max_regs": 168, "num_stages": 3}, "r128": {"max_regs": 128}}'
 PREFILL_VARIANTS='{"k8": {"widen": "k8"}, "k8_s3": {"widen": "k8", "num_stages": 3},
  "k8_n128": {"widen": "k8", "block_n": 128}, "k8_m128": {"widen": "k8", "block_m": 128, "block_n": 64, "num_warps": 8,
  "num_stages": 2, "num_splits": 4}}'
@@ -216,6 +219,13 @@ for stage in "${STAGES[@]}"; do
       HOG=(); nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || HOG=(--hog-sms 40)
       run decode_w1 150 $PY bench/bench_decode_tiles.py "${HOG[@]}" --cases 256x1100,1000x1500,1000x1900 --variants \
         '{"vt_pf":{"v_layout":"keys_inner","prefetch":true},"vt_pf_w1":{"v_layout":"keys_inner","prefetch":true,"num_warps":1},"vt_pf_w1_s2":{"v_layout":"keys_inner","prefetch":true,"num_warps":1,"num_stages":2},"vt_pf_w1_s4":{"v_layout":"keys_inner","prefetch":true,"num_warps":1,"num_stages":4},"vt_pf_w1_n32":{"v_layout":"keys_inner","prefetch":true,"num_warps":1,"block_n":32}}' ;;
+    prefill_regs)  # cached + 128's paged attention with its small tiles capped at 168 registers (three programs an
+      # SM, so six splits in one wave) and other caps / splits, graph rows 16 then 1; then TTFT 2048 and cached + 128
+      # with the cap in the engine against without, one process                                       ~3 min
+      [ "${SMOKE:-0}" = 1 ] || for rows in 16 1; do
+        run "prefill_regs_rows$rows" 90 $PY bench/ncu_prefill_cached.py --rows $rows --variants "$PREFILL_REGS"; done
+      run ttft_r168 240 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
+        --engines fp8+kv8,fp8-r168+kv8 --no-hf ;;
     cached_probe)  # why cached + 128's paged attention takes ~26 us against ~6 of FLOPs: the graph's 15 padding rows
       # (block-table rows 1 against 16), then ncu's warp states and occupancy of one launch          ~1.5 min
       [ "${SMOKE:-0}" = 1 ] && continue
