@@ -37,6 +37,7 @@
 #               32768 with it (fp8+kv8) and without (fp8-bf16attn+kv8)                             ~6 min
 #   dec_w1      decode attention tiles of one warp a program (keys inner + prefetch), H100: 40 SMs held  ~1.5 min
 #   prefill_regs  cached + 128's attention with a register cap (3 programs an SM, 6 splits), then TTFT A/B  ~3 min
+#   vtpf3_ab    TTFT 2048 (cached + 128) and decode of fp8-vtpf3 against the default, one process  ~2.5 min
 #   cached_probe  cached + 128's paged attention: block-table rows 1 against the graph's 16, then ncu's warp states  ~1.5 min
 #   ncu_layouts ncu of one decode-attention launch per V layout                                        ~2 min
 #   vt_all      one H200 call: decode tiles (3 cases), throughput with each V layout, the fp8-cache GPU tests  ~8 min
@@ -226,6 +227,10 @@ for stage in "${STAGES[@]}"; do
         run "prefill_regs_rows$rows" 90 $PY bench/ncu_prefill_cached.py --rows $rows --variants "$PREFILL_REGS"; done
       run ttft_r168 240 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
         --engines fp8+kv8,fp8-r168+kv8 --no-hf ;;
+    vtpf3_ab)  # keys-inner V with block ids a tile ahead (fp8-vtpf3, +2.1% offline throughput on the H200 in session 19)
+      # against the default on TTFT 2048 / cached + 128 and decode b1-b256, one process              ~2.5 min
+      run vtpf3_ab 280 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
+        --engines fp8+kv8,fp8-vtpf3+kv8 --no-hf ;;
     cached_probe)  # why cached + 128's paged attention takes ~26 us against ~6 of FLOPs: the graph's 15 padding rows
       # (block-table rows 1 against 16), then ncu's warp states and occupancy of one launch          ~1.5 min
       [ "${SMOKE:-0}" = 1 ] && continue
