@@ -335,18 +335,12 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # per SM (bench/results/2026-12-06-session11-h100.md)
     "fp8-vtpf3": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner",
                   "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true}'}},
-    # the same with one warp a program: 15% fewer warp instructions a key in Triton 3.6's sm_90 SASS
-    "fp8-vtpfw1": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner",
-                   "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true, "num_warps": 1}'}},
     # A/B: a long uncached prompt's dense attention in bf16 (cuDNN through SDPA), not on FP8 tensor cores
     # (EngineConfig.fp8_attention, on by default with +kv8 where cuDNN's FP8 forward runs)
     "fp8-bf16attn": {"quantization": "fp8", "fp8_attention": False},
     # A/B of the paged prefill attention over an fp8 cache (a cached prefix's new tokens): QK^T on FP8
     # tensor cores (q rounded to e4m3 per row)
     "fp8-k8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "k8"}},
-    # A/B: the paged prefill attention's small tiles capped at 168 registers (three programs an SM, six splits at
-    # 2048 cached + 128 where the default's 170 allow two and four)
-    "fp8-r168": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_MAX_REGS": "168"}},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
 }
 

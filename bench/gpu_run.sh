@@ -35,8 +35,6 @@
 #               then TTFT 2048 / cached + 128 and decode b1 with and without it in the engine      ~3 min
 #   fp8attn     cuDNN's FP8 dense prefill attention (bench_fp8_attention), its GPU tests, then TTFT 2048 / 8192 /
 #               32768 with it (fp8+kv8) and without (fp8-bf16attn+kv8)                             ~6 min
-#   dec_w1      decode attention tiles of one warp a program (keys inner + prefetch), H100: 40 SMs held  ~1.5 min
-#   prefill_regs  cached + 128's attention with a register cap (3 programs an SM, 6 splits), then TTFT A/B  ~3 min
 #   vtpf3_ab    TTFT 2048 (cached + 128) and decode of fp8-vtpf3 against the default, one process  ~2.5 min
 #   cached_probe  cached + 128's paged attention: block-table rows 1 against the graph's 16, then ncu's warp states  ~1.5 min
 #   ncu_layouts ncu of one decode-attention launch per V layout                                        ~2 min
@@ -132,8 +130,6 @@ if torch.cuda.is_available():
 EOF
 cat "$OUT/machine.txt"
 
-PREFILL_REGS='{"r168": {"max_regs": 168}, "r168_s4": {"max_regs": 168, "num_splits": 4}, "r168_s5": {"max_regs": 168,
- "num_splits": 5}, "s6": {"num_splits": 6}, "r168_st3": {"max_regs": 168, "num_stages": 3}, "r128": {"max_regs": 128}}'
 PREFILL_VARIANTS='{"k8": {"widen": "k8"}, "k8_s3": {"widen": "k8", "num_stages": 3},
  "k8_n128": {"widen": "k8", "block_n": 128}, "k8_m128": {"widen": "k8", "block_m": 128, "block_n": 64, "num_warps": 8,
  "num_stages": 2, "num_splits": 4}}'
@@ -212,21 +208,6 @@ for stage in "${STAGES[@]}"; do
       [ "${SMOKE:-0}" = 1 ] || run prefill_cached 150 $PY bench/ncu_prefill_cached.py --variants "$PREFILL_VARIANTS"
       run ttft_k8 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
         --decode-batches 1 --engines fp8+kv8,fp8-k8+kv8 --no-hf ;;
-    dec_w1)  # decode attention with one warp a program (keys inner, block ids a tile ahead): 15% fewer warp
-      # instructions a key than the two-warp candidate in Triton 3.6's sm_90 SASS (no P exchange through shared
-      # memory), then with 2 / 4 stages and 32-key tiles; beside the default and the candidate. On an H100, 40 SMs
-      # held (the H200's bandwidth per SM)                                                         ~1.5 min
-      [ "${SMOKE:-0}" = 1 ] && continue
-      HOG=(); nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || HOG=(--hog-sms 40)
-      run decode_w1 150 $PY bench/bench_decode_tiles.py "${HOG[@]}" --cases 256x1100,1000x1500,1000x1900 --variants \
-        '{"vt_pf":{"v_layout":"keys_inner","prefetch":true},"vt_pf_w1":{"v_layout":"keys_inner","prefetch":true,"num_warps":1},"vt_pf_w1_s2":{"v_layout":"keys_inner","prefetch":true,"num_warps":1,"num_stages":2},"vt_pf_w1_s4":{"v_layout":"keys_inner","prefetch":true,"num_warps":1,"num_stages":4},"vt_pf_w1_n32":{"v_layout":"keys_inner","prefetch":true,"num_warps":1,"block_n":32}}' ;;
-    prefill_regs)  # cached + 128's paged attention with its small tiles capped at 168 registers (three programs an
-      # SM, so six splits in one wave) and other caps / splits, graph rows 16 then 1; then TTFT 2048 and cached + 128
-      # with the cap in the engine against without, one process                                       ~3 min
-      [ "${SMOKE:-0}" = 1 ] || for rows in 16 1; do
-        run "prefill_regs_rows$rows" 90 $PY bench/ncu_prefill_cached.py --rows $rows --variants "$PREFILL_REGS"; done
-      run ttft_r168 240 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
-        --engines fp8+kv8,fp8-r168+kv8 --no-hf ;;
     vtpf3_ab)  # keys-inner V with block ids a tile ahead (fp8-vtpf3, +2.1% offline throughput on the H200 in session 19)
       # against the default on TTFT 2048 / cached + 128 and decode b1-b256, one process              ~2.5 min
       run vtpf3_ab 280 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \

@@ -68,13 +68,7 @@ def get_ops(backend: str) -> KernelOps:
             tiles_from_env,
         )
         from kernels.fp8_quant import rms_norm_quant_triton, silu_and_mul_quant_triton
-        from kernels.prefill_attention import (
-            keywords_from_env,
-            paged_attention_triton,
-            plan_prefill_splits,
-            regs_from_env,
-            set_small_tile_regs,
-        )
+        from kernels.prefill_attention import keywords_from_env, paged_attention_triton, plan_prefill_splits
         from kernels.rmsnorm import rms_norm_triton
         from kernels.rope_cache import rope_and_cache_triton
         from kernels.silu_mul import silu_and_mul_triton
@@ -82,8 +76,6 @@ def get_ops(backend: str) -> KernelOps:
         # FIRSTTOKEN_PREFILL_WIDEN: what the prefill attention widens an fp8 cache to, or k8 (QK^T in FP8)
         # (kernels.prefill_attention.keywords_from_env; an A/B switch)
         prefill_kw = keywords_from_env()
-        # FIRSTTOKEN_PREFILL_MAX_REGS: a register cap on the prefill attention's small tiles (an A/B switch)
-        set_small_tile_regs(regs_from_env())
         # FIRSTTOKEN_DECODE_TILES: decode attention's tile keywords, for every launch and the warm-up (an A/B switch)
         tiles = tiles_from_env()
         return KernelOps(

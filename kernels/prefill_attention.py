@@ -353,7 +353,7 @@ def check_paged_inputs(
     return hq, hk, d, bs
 
 
-def prefill_splits(work_programs: int, sms: int, key_tiles: int, resident: int = 2) -> int:
+def prefill_splits(work_programs: int, sms: int, key_tiles: int) -> int:
     """Key-range splits for a prefill grid of `work_programs` programs that do work (shapes only).
 
     One split (one launch, no partials) once the programs fill the SMs; otherwise as many splits
@@ -365,7 +365,7 @@ def prefill_splits(work_programs: int, sms: int, key_tiles: int, resident: int =
     """
     if work_programs >= sms:
         return 1
-    return max(1, min(resident * sms // work_programs, key_tiles // 4, 16))
+    return max(1, min(2 * sms // work_programs, key_tiles // 4, 16))
 
 
 # launch plans: static checks per (shapes but T, strides, dtypes, devices); tiles per dynamic shapes
@@ -404,32 +404,13 @@ def _static_plan(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, s
 # small to fill the chip with the large tiles (see _tile_plan)
 GPU_TILES_LARGE = (128, 128, 8, 3)
 GPU_TILES_SMALL = (64, 64, 4, 2)
-# A register cap on the small tiles over an fp8 cache (Triton's maxnreg; None: Triton's 170 registers a
-# thread, two programs an SM, ncu's limit by registers and by the shared memory carveout alike, H200): 168
-# fits three (167 registers, no spill in Triton 3.6's sm_90 SASS; 48 KB of shared memory each), so the
-# split rule may fill an SM with three. An A/B switch, FIRSTTOKEN_PREFILL_MAX_REGS, bound by kernels.ops.
-SMALL_TILE_REGS: int | None = None
-
-
-def set_small_tile_regs(regs: int | None) -> None:
-    """The small tiles' register cap for every launch and split plan from now on (None: none)."""
-    global SMALL_TILE_REGS
-    check(regs is None or 64 <= regs <= 255, "prefill attention: a register cap of {} is not in [64, 255]", regs)
-    SMALL_TILE_REGS = regs
-    _TILES.clear()
-
-
-def resident_programs(max_regs: int | None) -> int:
-    """Small-tile programs an SM holds at once: 65536 registers over 128 threads of max_regs (Triton's own 170
-    allow two) and, past three, the shared memory (48 KB a program)."""
-    return 2 if max_regs is None or max_regs > 168 else 3 if max_regs > 128 else 4
 
 
 def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound: int, has_window: bool,
                sms: int, over: tuple) -> tuple:
-    """(grid, consts, num_warps, num_stages, num_splits, num_m_tiles, max_regs) of one launch."""
+    """(grid, consts, num_warps, num_stages, num_splits, num_m_tiles) of one launch."""
     hq, hk, d, bs, b, on_gpu, fp8_cache, v_t = static
-    block_m, block_n, num_warps, num_stages, num_splits, widen, max_regs = over
+    block_m, block_n, num_warps, num_stages, num_splits, widen = over
     check(widen in (None, "q", "fp16", "k8"), "paged_attention: widen must be 'q', 'fp16' or 'k8', not {!r}", widen)
     if widen is None:
         widen = default_widen(dtype, fp8_cache, on_gpu)
@@ -461,8 +442,6 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
     stages = num_stages or stages
     check(bm >= 16 and bm & (bm - 1) == 0 and bn >= 16 and bn & (bn - 1) == 0,
           "paged_attention: block_m and block_n must be powers of two >= 16")
-    if max_regs is None and on_gpu and fp8_cache and (bm, bn, warps, stages) == GPU_TILES_SMALL:
-        max_regs = SMALL_TILE_REGS  # (a 16-bit cache's tiles take 80 KB of shared memory: two an SM regardless)
     g_pack = min(g_pack, bm)
     block_q = bm // g_pack
     head_chunks = cdiv(group, g_pack)
@@ -471,7 +450,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
         # programs that can do work: at least the T tokens' tiles (padded sequences of a captured
         # graph have none, so B x tiles would overstate them)
         work = min(num_m_tiles * b, cdiv(t, block_q)) * hk * head_chunks
-        num_splits = prefill_splits(work, sms, cdiv(ctx_bound, bn), resident_programs(max_regs))
+        num_splits = prefill_splits(work, sms, cdiv(ctx_bound, bn))
     check(1 <= num_splits <= 256, "paged_attention: num_splits {} not in [1, 256]", num_splits)
     grid = (num_m_tiles * num_splits, hk * head_chunks, b)
     consts = {
@@ -483,7 +462,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
         "QK_FP8": fp8_cache and widen == "k8" and dtype != torch.float32,
         "V_T": v_t,
     }
-    return grid, consts, warps, stages, num_splits, num_m_tiles, max_regs
+    return grid, consts, warps, stages, num_splits, num_m_tiles
 
 
 def plan_prefill_splits(q_dtype: torch.dtype, num_heads: int, k_cache: torch.Tensor, batch: int, num_tokens: int,
@@ -497,7 +476,7 @@ def plan_prefill_splits(q_dtype: torch.dtype, num_heads: int, k_cache: torch.Ten
     static = (num_heads, hk, d, bs, batch, k_cache.device.type == "cuda", k_cache.dtype == torch.float8_e4m3fn,
               False)  # the V layout changes no split count
     plan = _tile_plan(static, q_dtype, num_tokens, min(max_query_len, num_tokens), ctx_bound,
-                      sliding_window is not None, num_sms(k_cache.device), (None,) * 7)
+                      sliding_window is not None, num_sms(k_cache.device), (None,) * 6)
     return plan[4]
 
 
@@ -519,7 +498,6 @@ def paged_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     widen: str | None = None,
-    max_regs: int | None = None,
 ) -> torch.Tensor:
     """Triton `paged_attention_ref`: the whole varlen batch in one launch (two when split), no host sync.
 
@@ -537,8 +515,9 @@ def paged_attention_triton(
     128 new tokens graph-replayed: 23.0 against 27.5 us; relative error from exact 0.026 against 0.001:
     bench/results/2026-12-06-session13-prefill-cached-variants-h100-13b18df.jsonl). Loading the next
     key tile's K and block ids a tile ahead in registers (Triton leaves these gathers synchronous) was
-    no faster there: 28.0 us alone, 27.3 with k8, so it is not kept. max_regs: a register cap a thread
-    (Triton's maxnreg): the small tiles take 170 registers, so two programs fit an SM where 168 fit three.
+    no faster there: 28.0 us alone, 27.3 with k8, so it is not kept. Nor a register cap of 168 on the small tiles
+    (Triton's 170 let two programs share an SM, 168 three, so six splits fit one wave): 27.0 against 27.5 us,
+    the engine's cached + 128 6.04 against 5.99 ms on an H100 (bench/results/2026-12-06-session19.md).
     """
     # q: [T, Hq, D]; out: [T, Hq, D]; split partials: [T * Hq, S] and [T * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -559,13 +538,13 @@ def paged_attention_triton(
     ctx_bound = block_tables.shape[1] * bs
     if max_seq_len is not None:
         ctx_bound = min(ctx_bound, max_seq_len)
-    over = (block_m, block_n, num_warps, num_stages, num_splits, widen, max_regs)
+    over = (block_m, block_n, num_warps, num_stages, num_splits, widen)
     tkey = (skey, t, max_q, ctx_bound, over)
     plan = _TILES.get(tkey)
     if plan is None:
         plan = bounded_put(_TILES, tkey, _tile_plan(static, q.dtype, t, max_q, ctx_bound, sliding_window is not None,
                                                     num_sms(q.device), over))
-    grid, consts, warps, stages, splits, num_m_tiles, regs = plan
+    grid, consts, warps, stages, splits, num_m_tiles = plan
     if splits > 1:
         m, lsum, acc = split_partials(t * hq, splits, d, q.device)
         dst = (out, m, lsum, acc)
@@ -579,7 +558,7 @@ def paged_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
         block_tables.stride(0),
-    ), consts, warps, stages, on_gpu, regs)
+    ), consts, warps, stages, on_gpu)
     if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
@@ -594,17 +573,6 @@ def q_as_e4m3_ref(q: torch.Tensor, scale: float) -> torch.Tensor:
     amax = qf.abs().amax(-1, keepdim=True)
     sc = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
     return (qf / sc).to(torch.float8_e4m3fn).float() * sc / qk_scale
-
-
-def regs_from_env() -> int | None:
-    """FIRSTTOKEN_PREFILL_MAX_REGS: the small tiles' register cap (`set_small_tile_regs`); unset or empty:
-    none. A bad value raises ValueError naming the variable."""
-    raw = os.environ.get("FIRSTTOKEN_PREFILL_MAX_REGS", "").strip()
-    if not raw:
-        return None
-    check(raw.isdigit() and 64 <= int(raw) <= 255, "FIRSTTOKEN_PREFILL_MAX_REGS must be an int in [64, 255], not {!r}",
-          raw)
-    return int(raw)
 
 
 def keywords_from_env() -> dict:

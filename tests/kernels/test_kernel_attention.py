@@ -134,37 +134,6 @@ def test_prefill_split_choice_depends_on_shapes_only() -> None:
     assert prefill_splits(64, 132, 2) == 1  # short context: nothing worth splitting
     assert prefill_splits(132, 132, 1000) == 1
     assert prefill_splits(2048, 132, 1000) == 1
-    # three programs an SM (a register cap of 168): 64 programs split in 6 (384 <= 396), still one wave
-    assert prefill_splits(64, 132, 17, resident=3) == 4  # bounded by the context's 17 key tiles
-    assert prefill_splits(64, 132, 1000, resident=3) == 6
-    assert prefill_splits(64, 132, 1000, resident=4) == 8
-
-
-def test_prefill_register_cap_sets_residency_and_splits() -> None:
-    """The small tiles' register cap: 168 lets three programs share an SM (170 allow two), 128 four; the split
-    plan follows it, only the small tiles take it, and a cap outside [64, 255] is refused."""
-    from kernels import prefill_attention as pa
-
-    assert [pa.resident_programs(r) for r in (None, 255, 169, 168, 129, 128, 96)] == [2, 2, 2, 3, 3, 4, 4]
-    static = (32, 8, 128, 16, 16, True, True, False)  # Llama heads, block 16, a 16-row prefill graph, fp8, GPU
-    over = (None,) * 7
-    try:
-        pa.set_small_tile_regs(None)
-        plan = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, over)
-        assert plan[4] == 4 and plan[6] is None  # 2048 cached + 128 new: 64 programs x 4 splits
-        pa.set_small_tile_regs(168)
-        plan = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, over)
-        assert plan[4] == 6 and plan[6] == 168
-        # the large tiles (a grid that fills the chip) keep Triton's registers
-        plan = pa._tile_plan(static, BF16, 8192, 8192, 33024, False, 132, over)
-        assert plan[4] == 1 and plan[6] is None
-        # a bf16 cache's small tiles hold 80 KB of shared memory: two an SM whatever the registers
-        plan = pa._tile_plan(static[:6] + (False, False), BF16, 128, 128, 33024, False, 132, over)
-        assert plan[4] == 4 and plan[6] is None
-        with pytest.raises(ValueError, match="register cap"):
-            pa.set_small_tile_regs(300)
-    finally:
-        pa.set_small_tile_regs(None)
 
 
 def test_prefill_split_default_and_graph_safety(monkeypatch: pytest.MonkeyPatch) -> None:

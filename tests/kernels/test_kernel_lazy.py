@@ -59,25 +59,6 @@ def test_get_ops_prefill_widen_switch(monkeypatch) -> None:
         get_ops("triton")
 
 
-def test_get_ops_prefill_max_regs_switch(monkeypatch) -> None:
-    """FIRSTTOKEN_PREFILL_MAX_REGS: the prefill attention's small tiles get the register cap from the next
-    binding on (its launches, split plans and warm-up alike); unset, none; a bad value fails, naming it."""
-    from kernels import prefill_attention as pa
-
-    try:
-        monkeypatch.setenv("FIRSTTOKEN_PREFILL_MAX_REGS", "168")
-        get_ops("triton")
-        assert pa.SMALL_TILE_REGS == 168
-        monkeypatch.delenv("FIRSTTOKEN_PREFILL_MAX_REGS")
-        get_ops("triton")
-        assert pa.SMALL_TILE_REGS is None
-        monkeypatch.setenv("FIRSTTOKEN_PREFILL_MAX_REGS", "lots")
-        with pytest.raises(ValueError, match="FIRSTTOKEN_PREFILL_MAX_REGS"):
-            get_ops("triton")
-    finally:
-        pa.set_small_tile_regs(None)
-
-
 def test_get_ops_decode_tiles_switch(monkeypatch) -> None:
     """FIRSTTOKEN_DECODE_TILES: decode attention's tile keywords, bound into both decode ops and the
     warm-up (which compiles what serving launches); the fused op runs with them as the reference does;
