@@ -66,7 +66,7 @@ def paged_attention_ref(
 tl: Any = None  # triton.language, bound at the first launch by kernels._triton.lazy_jit
 
 
-@lazy_jit(do_not_specialize=("window", "num_m_tiles", "num_splits", "stride_bt"),
+@lazy_jit(do_not_specialize=("window", "num_m_tiles", "num_splits", "num_seqs", "stride_bt"),
           do_not_specialize_on_alignment=("bt_ptr", "qsl_ptr", "seq_lens_ptr"))
 def _paged_attention_kernel(
     q_ptr,  # q: [T, Hq, D], last dim contiguous
@@ -83,6 +83,7 @@ def _paged_attention_kernel(
     window,  # sliding window W (read only when HAS_WINDOW)
     num_m_tiles,  # query tiles per sequence (an upper bound); axis 0 of the grid is num_m_tiles * num_splits
     num_splits,  # key-range parts per (query tile, head chunk, sequence); 1 unless SPLIT
+    num_seqs,  # B (read only when COMPACT)
     num_q_heads,  # Hq (row index of the partials)
     stride_qt,  # q token stride (elements)
     stride_qh,  # q head stride
@@ -110,19 +111,35 @@ def _paged_attention_kernel(
     WIDEN_F16: tl.constexpr,  # an fp8 cache: widen K/V (and q, P) to fp16 (one cvt per pair) instead of q's dtype
     QK_FP8: tl.constexpr,  # an fp8 cache: K stays e4m3, q is rounded to e4m3 per row (QK^T on FP8 tensor cores)
     V_T: tl.constexpr,  # v_cache holds each block's keys innermost: read in whole blocks (BLOCK_N % BLOCK_SIZE == 0)
+    COMPACT: tl.constexpr,  # axis 0 enumerates the batch's query tiles (num_m_tiles of them at most), axis 2 is 1
+    BLOCK_B: tl.constexpr,  # COMPACT: power of two > num_seqs
 ):
     pid0 = tl.program_id(0)
     pid_h = tl.program_id(1)
-    b = tl.program_id(2)
     kvh = pid_h // HEAD_CHUNKS
     chunk = pid_h % HEAD_CHUNKS
     split = pid0 % num_splits
+    slot = num_m_tiles - 1 - pid0 // num_splits  # the longest (last) tiles start first
+    if COMPACT:
+        # tile `slot` of the batch, counted over each sequence's cdiv(new tokens, BLOCK_Q) tiles in order: a
+        # captured graph's padded sequences (no new tokens) have none, so they launch no program at all
+        i = tl.arange(0, BLOCK_B)
+        lo = tl.load(qsl_ptr + i, mask=i < num_seqs, other=0)
+        hi = tl.load(qsl_ptr + i + 1, mask=i < num_seqs, other=0)
+        tiles = tl.cdiv(hi - lo, BLOCK_Q)  # [BLOCK_B], 0 past the batch
+        upto = tl.cumsum(tiles, 0)  # tiles of sequences 0..i
+        b = tl.sum((upto <= slot).to(tl.int32), 0)  # the first sequence whose tiles reach past `slot`
+        if b >= num_seqs:
+            return
+        m_tile = slot - tl.sum(tl.where(i == b, upto - tiles, 0), 0)
+    else:
+        b = tl.program_id(2)
+        m_tile = slot
 
     q_start = tl.load(qsl_ptr + b)
     n_new = tl.load(qsl_ptr + b + 1) - q_start
     ctx = tl.load(seq_lens_ptr + b)
     prefix = ctx - n_new  # cached tokens before the new ones
-    m_tile = num_m_tiles - 1 - pid0 // num_splits  # the longest (last) tiles start first
     if m_tile * BLOCK_Q >= n_new:
         return
 
@@ -368,6 +385,11 @@ def prefill_splits(work_programs: int, sms: int, key_tiles: int) -> int:
     return max(1, min(2 * sms // work_programs, key_tiles // 4, 16))
 
 
+# the compact grid's batch bound (the prefill graphs hold 16): each program finds its tile in a 32-wide vector
+# of the sequences' tile counts (Triton 3.6's sm_90 build: 170 registers as without, where a 16- or 64-wide
+# vector took 244 / 219)
+COMPACT_MAX_SEQS = 31
+
 # launch plans: static checks per (shapes but T, strides, dtypes, devices); tiles per dynamic shapes
 _STATIC: dict = {}
 _TILES: dict = {}
@@ -410,7 +432,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
                sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits, num_m_tiles) of one launch."""
     hq, hk, d, bs, b, on_gpu, fp8_cache, v_t = static
-    block_m, block_n, num_warps, num_stages, num_splits, widen = over
+    block_m, block_n, num_warps, num_stages, num_splits, widen, compact = over
     check(widen in (None, "q", "fp16", "k8"), "paged_attention: widen must be 'q', 'fp16' or 'k8', not {!r}", widen)
     if widen is None:
         widen = default_widen(dtype, fp8_cache, on_gpu)
@@ -446,13 +468,16 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
     block_q = bm // g_pack
     head_chunks = cdiv(group, g_pack)
     num_m_tiles = cdiv(max_q, block_q)
+    compact = bool(compact) and b <= COMPACT_MAX_SEQS
+    if compact:  # every tile the batch can hold (sum of cdiv(n_i, block_q) <= cdiv(t, block_q) + b - 1)
+        num_m_tiles = min(num_m_tiles * b, cdiv(t, block_q) + b - 1)
     if num_splits is None:
         # programs that can do work: at least the T tokens' tiles (padded sequences of a captured
         # graph have none, so B x tiles would overstate them)
         work = min(num_m_tiles * b, cdiv(t, block_q)) * hk * head_chunks
         num_splits = prefill_splits(work, sms, cdiv(ctx_bound, bn))
     check(1 <= num_splits <= 256, "paged_attention: num_splits {} not in [1, 256]", num_splits)
-    grid = (num_m_tiles * num_splits, hk * head_chunks, b)
+    grid = (num_m_tiles * num_splits, hk * head_chunks, 1 if compact else b)
     consts = {
         "GROUP": group, "G_PACK": g_pack, "HEAD_CHUNKS": head_chunks, "BLOCK_Q": block_q,
         "BLOCK_M": bm, "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs,
@@ -460,7 +485,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
         "PRECISION": "ieee" if dtype == torch.float32 or not on_gpu else None,
         "DOT_FP32": not on_gpu, "WIDEN_F16": fp8_cache and widen in ("fp16", "k8") and dtype != torch.float32,
         "QK_FP8": fp8_cache and widen == "k8" and dtype != torch.float32,
-        "V_T": v_t,
+        "V_T": v_t, "COMPACT": compact, "BLOCK_B": COMPACT_MAX_SEQS + 1,
     }
     return grid, consts, warps, stages, num_splits, num_m_tiles
 
@@ -476,7 +501,7 @@ def plan_prefill_splits(q_dtype: torch.dtype, num_heads: int, k_cache: torch.Ten
     static = (num_heads, hk, d, bs, batch, k_cache.device.type == "cuda", k_cache.dtype == torch.float8_e4m3fn,
               False)  # the V layout changes no split count
     plan = _tile_plan(static, q_dtype, num_tokens, min(max_query_len, num_tokens), ctx_bound,
-                      sliding_window is not None, num_sms(k_cache.device), (None,) * 6)
+                      sliding_window is not None, num_sms(k_cache.device), (None,) * 7)
     return plan[4]
 
 
@@ -498,6 +523,7 @@ def paged_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     widen: str | None = None,
+    compact: bool = False,
 ) -> torch.Tensor:
     """Triton `paged_attention_ref`: the whole varlen batch in one launch (two when split), no host sync.
 
@@ -518,6 +544,11 @@ def paged_attention_triton(
     no faster there: 28.0 us alone, 27.3 with k8, so it is not kept. Nor a register cap of 168 on the small tiles
     (Triton's 170 let two programs share an SM, 168 three, so six splits fit one wave): 27.0 against 27.5 us,
     the engine's cached + 128 6.04 against 5.99 ms on an H100 (bench/results/2026-12-06-session19.md).
+    compact (at most COMPACT_MAX_SEQS sequences): axis 0 enumerates the batch's query tiles, sequence after
+    sequence, and axis 2 is 1, so sequences with no new tokens (a captured graph's padding) launch no program:
+    the prefill graph's 15 padding rows of 16 cost 2.25 us a layer at 2048 cached + 128 on the H200 (27.25
+    against 25.0 us with one row: 3840 programs that exit at once beside 256 that work). An A/B switch for now
+    (FIRSTTOKEN_PREFILL_COMPACT=1).
     """
     # q: [T, Hq, D]; out: [T, Hq, D]; split partials: [T * Hq, S] and [T * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -538,7 +569,7 @@ def paged_attention_triton(
     ctx_bound = block_tables.shape[1] * bs
     if max_seq_len is not None:
         ctx_bound = min(ctx_bound, max_seq_len)
-    over = (block_m, block_n, num_warps, num_stages, num_splits, widen)
+    over = (block_m, block_n, num_warps, num_stages, num_splits, widen, compact)
     tkey = (skey, t, max_q, ctx_bound, over)
     plan = _TILES.get(tkey)
     if plan is None:
@@ -554,7 +585,7 @@ def paged_attention_triton(
         q, k_cache, v_cache, *dst, block_tables, query_start_loc, seq_lens,
         scale * 1.4426950408889634,
         sliding_window or 0,
-        num_m_tiles, splits, hq,
+        num_m_tiles, splits, b, hq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
         block_tables.stride(0),
@@ -576,21 +607,29 @@ def q_as_e4m3_ref(q: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def keywords_from_env() -> dict:
-    """The prefill attention's A/B switch, bound into every launch and the warm-up by kernels.ops:
-    FIRSTTOKEN_PREFILL_WIDEN (q, fp16 or k8: `paged_attention_triton`'s widen). Unset: the default.
-    A bad value raises ValueError naming the variable."""
+    """The prefill attention's A/B switches, bound into every launch and the warm-up by kernels.ops:
+    FIRSTTOKEN_PREFILL_WIDEN (q, fp16 or k8: `paged_attention_triton`'s widen) and FIRSTTOKEN_PREFILL_COMPACT=1
+    (its compact grid). Unset: the defaults. A bad value raises ValueError naming the variable."""
+    out: dict = {}
     widen = os.environ.get("FIRSTTOKEN_PREFILL_WIDEN")
-    if not widen:
-        return {}
-    check(widen in ("q", "fp16", "k8"), "FIRSTTOKEN_PREFILL_WIDEN must be q, fp16 or k8, not {!r}", widen)
-    return {"widen": widen}
+    if widen:
+        check(widen in ("q", "fp16", "k8"), "FIRSTTOKEN_PREFILL_WIDEN must be q, fp16 or k8, not {!r}", widen)
+        out["widen"] = widen
+    compact = os.environ.get("FIRSTTOKEN_PREFILL_COMPACT")
+    if compact:
+        check(compact in ("0", "1"), "FIRSTTOKEN_PREFILL_COMPACT must be 0 or 1, not {!r}", compact)
+        if compact == "1":
+            out["compact"] = True
+    return out
 
 
 def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
-                    sliding_window: int | None, q_dtype: torch.dtype, widen: str | None = None) -> None:
+                    sliding_window: int | None, q_dtype: torch.dtype, widen: str | None = None,
+                    compact: bool = False) -> None:
     """Compile every variant `paged_attention_triton` can pick on this GPU for these caches.
 
-    A variant is a tile configuration times split-or-not; the runtime ints are not specialised
+    A variant is a tile configuration times split-or-not (times compact grid or not, with compact: a batch of
+    more than COMPACT_MAX_SEQS sequences keeps the other); the runtime ints are not specialised
     on (see _triton), so serving never stops for a compile (about a second each on an H200).
     Reads block 0 of the caches; writes nothing there.
     """
@@ -606,6 +645,7 @@ def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
     warm_up_combine(d, q_dtype, dev)
     for bm, bn, warps, stages in (GPU_TILES_LARGE, GPU_TILES_SMALL):
         for splits in (1, 2):
-            paged_attention_triton(q, k_cache, v_cache, tables, qsl, lens, scale, sliding_window, t,
-                                   num_splits=splits, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-                                   widen=widen)
+            for c in sorted({False, compact}):
+                paged_attention_triton(q, k_cache, v_cache, tables, qsl, lens, scale, sliding_window, t,
+                                       num_splits=splits, block_m=bm, block_n=bn, num_warps=warps,
+                                       num_stages=stages, widen=widen, compact=c)

@@ -125,6 +125,43 @@ def test_paged_prefill_split(prefix, new, hq, hk, window, splits, dtype, v_layou
     torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, 0.125, window), **TOL[dtype])
 
 
+# (prefix lens, new lens): a captured graph's one real sequence before its padding (no new tokens, no
+# context), decodes beside prefills with padding between them, decodes alone, tiles of several sequences
+COMPACT_CASES = [
+    ([37, 0, 0, 0, 0, 0], [45, 0, 0, 0, 0, 0]),
+    ([20, 50, 3, 0, 70], [1, 33, 1, 0, 17]),
+    ([5, 9, 40, 2, 17, 33, 1], [1, 1, 1, 1, 1, 1, 1]),
+    ([0, 16, 0], [40, 23, 9]),
+]
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize(("prefix", "new"), COMPACT_CASES)
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_paged_prefill_compact_grid(prefix, new, splits) -> None:
+    """compact: the grid enumerates the batch's query tiles, sequence after sequence (padded sequences get
+    none); the output is the reference's, split or not, GQA packing included."""
+    q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, 8, 2, 64, 16, F16)
+    out = paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, None, max_query_len=max(new), block_m=32,
+                                 block_n=16, num_splits=splits, compact=True)
+    assert not out.isnan().any(), "unwritten (or NaN-polluted) output rows"
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, 0.125), **TOL[F16])
+
+
+def test_prefill_compact_grid_counts_only_the_batchs_tiles() -> None:
+    """2048 cached + 128 new in the prefill graph's 16 rows (15 padding): 23 tile slots, not 16 x 8, and one
+    along axis 2; past COMPACT_MAX_SEQS sequences the grid stays per sequence."""
+    from kernels import prefill_attention as pa
+
+    static = (32, 8, 128, 16, 16, True, True, False)  # Llama heads, block 16, 16 rows, an fp8 cache, a GPU
+    grid, consts, _, _, splits, tiles = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None,) * 6 + (True,))
+    assert consts["COMPACT"] and tiles == 8 + 15 and grid == (23 * splits, 8, 1)
+    grid, consts, _, _, splits, tiles = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None,) * 7)
+    assert not consts["COMPACT"] and tiles == 8 and grid == (8 * splits, 8, 16)
+    wide = static[:4] + (pa.COMPACT_MAX_SEQS + 1,) + static[5:]
+    assert not pa._tile_plan(wide, BF16, 128, 1, 33024, False, 132, (None,) * 6 + (True,))[1]["COMPACT"]
+
+
 def test_prefill_split_choice_depends_on_shapes_only() -> None:
     """Few programs on many SMs split (bounded by the context); a full grid keeps one launch."""
     assert prefill_splits(64, 132, 17) == 4  # 2048 cached + 128 new, M64 tiles: 64 programs

@@ -164,10 +164,11 @@ PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", 
         "l_ptr": "*fp32", "acc_ptr": "*fp32", "bt_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
         "qk_scale": "fp32"}
 out = []
-for widen, bm, bn, warps, stages in json.loads(sys.argv[1]):
+for widen, bm, bn, warps, stages, compact in json.loads(sys.argv[1]):
     consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_Q": bm // 4, "BLOCK_M": bm, "BLOCK_N": bn,
               "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "HAS_WINDOW": False, "SPLIT": True,
-              "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": widen != "q", "QK_FP8": widen == "k8", "V_T": False}
+              "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": widen != "q", "QK_FP8": widen == "k8", "V_T": False,
+              "COMPACT": compact, "BLOCK_B": prefill_attention.COMPACT_MAX_SEQS + 1}
     sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
     c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
@@ -184,9 +185,11 @@ def test_prefill_attention_fp8_cache_compiles_for_sm90():
     engine's two tile shapes: both on Hopper's MMA (wgmma); e4m3 widens in pairs to fp16 either way,
     and the fp16 path drops the per-value fp16 -> bf16 conversion that the bf16 path adds to each
     loaded K and V tile (what made an fp8 cache slower than a bf16 one on the H200). widen="k8":
-    QK^T on the e4m3 wgmma (q cast to e4m3 by the hardware's cvt), only V widened."""
-    cases = [("q", 64, 64, 4, 2), ("fp16", 64, 64, 4, 2), ("q", 128, 128, 8, 3), ("fp16", 128, 128, 8, 3),
-             ("k8", 64, 64, 4, 2), ("k8", 128, 128, 8, 3)]
+    QK^T on the e4m3 wgmma (q cast to e4m3 by the hardware's cvt), only V widened. The compact grid (each
+    program's tile found by a cumsum over the batch's tile counts) at both tile shapes."""
+    cases = [("q", 64, 64, 4, 2, False), ("fp16", 64, 64, 4, 2, False), ("q", 128, 128, 8, 3, False),
+             ("fp16", 128, 128, 8, 3, False), ("k8", 64, 64, 4, 2, False), ("k8", 128, 128, 8, 3, False),
+             ("fp16", 64, 64, 4, 2, True), ("fp16", 128, 128, 8, 3, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", PREFILL_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
@@ -272,3 +275,4 @@ def test_tma_gemm_compiles_for_sm90():
     for case, g in zip(cases, got, strict=True):
         assert g["tma"] > 0 and g["wgmma_e4m3"] > 0, (case, g)
         assert g["atom"] == (case[5] > 1), (case, g)
+

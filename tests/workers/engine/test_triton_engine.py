@@ -12,8 +12,12 @@ MAX_NEW = 6
 
 
 @pytest.mark.slow
-def test_triton_kernels_greedy_matches_transformers(llama_dir, monkeypatch):
+@pytest.mark.parametrize("compact", ["0", "1"])
+def test_triton_kernels_greedy_matches_transformers(llama_dir, monkeypatch, compact):
+    """compact=1: the prefill attention's compact grid (FIRSTTOKEN_PREFILL_COMPACT), its eager steps of
+    several sequences (chunked prefills beside a prefix hit) included."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("FIRSTTOKEN_PREFILL_COMPACT", compact)
     import kernels.decode_attention as da
 
     fused_calls = []
