@@ -137,7 +137,7 @@ COMPACT_CASES = [
 
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize(("prefix", "new"), COMPACT_CASES)
-@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("splits", [1, 3])
 def test_paged_prefill_compact_grid(prefix, new, splits) -> None:
     """compact: the grid enumerates the batch's query tiles, sequence after sequence (padded sequences get
     none); the output is the reference's, split or not, GQA packing included."""
