@@ -275,4 +275,3 @@ def test_tma_gemm_compiles_for_sm90():
     for case, g in zip(cases, got, strict=True):
         assert g["tma"] > 0 and g["wgmma_e4m3"] > 0, (case, g)
         assert g["atom"] == (case[5] > 1), (case, g)
-

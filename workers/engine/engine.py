@@ -180,20 +180,19 @@ class LLMEngine:
             if prompt is None:
                 raise InvalidRequestError(ErrorCode.INVALID_REQUEST, "give a prompt or prompt_token_ids")
             ids = self.tokenizer.encode(prompt)
+            packed = array("q", ids)
         else:
             try:
                 packed = array("q", prompt_token_ids)  # ints checked and converted in C
             except (TypeError, OverflowError, ValueError) as e:
                 raise InvalidRequestError(ErrorCode.INVALID_REQUEST, f"prompt_token_ids must be integers ({e})") from None
-            # the range check over the packed ids (numpy, no int objects): Python's min and max took 68 us
-            # for 2176 ids on the 2-core box, this 5
-            if packed:
-                a = np.frombuffer(packed, dtype=np.int64)
-                if int(a.min()) < 0 or int(a.max()) >= vocab:
-                    raise InvalidRequestError(*token_ids_problem(packed, vocab))  # type: ignore[misc]
             ids = packed.tolist()
-        if prompt_token_ids is None and ids and (min(ids) < 0 or max(ids) >= vocab):
-            raise InvalidRequestError(*token_ids_problem(ids, vocab))  # type: ignore[misc]
+        # the range check over the packed ids (numpy, no int objects): Python's min and max took 68 us for
+        # 2176 ids on the 2-core box, this 5
+        if packed:
+            a = np.frombuffer(packed, dtype=np.int64)
+            if int(a.min()) < 0 or int(a.max()) >= vocab:
+                raise InvalidRequestError(*token_ids_problem(ids, vocab))  # type: ignore[misc]
         n = len(ids)
         problem = length_problem(n, sp, max_model_len=self.max_model_len,
                                  kv_capacity=self.runner.num_blocks * self.config.block_size)
