@@ -73,7 +73,9 @@ OUT=${OUT:?set OUT to the results directory}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-export FIRSTTOKEN_COMMIT=${FIRSTTOKEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# a tree that differs from HEAD gets "+changes": the device's copy of the checkout can carry an older HEAD than
+# its files (session 19 printed 34dd708 for 072eece's tree); set FIRSTTOKEN_COMMIT to name the commit by hand
+export FIRSTTOKEN_COMMIT=${FIRSTTOKEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- . 2>/dev/null || echo +changes)}
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && ! $PY -c "import pydantic" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
