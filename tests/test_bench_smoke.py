@@ -174,17 +174,33 @@ def test_bench_guided_times_guided_against_plain_steps_on_cpu(tmp_path):
 
 
 def test_gpu_run_bundles_more_than_the_eight_files_a_device_call_returns(tmp_path):
-    """The device tool brings back 8 files from $OUT: past 8, gpu_run.sh leaves all.tgz and summary.txt."""
+    """The device tool brings back 8 files from $OUT: past 8, gpu_run.sh leaves all.tgz and summary.txt.
+    Eight results already there (one in a subfolder) and a stage that runs nothing on the CPU
+    (cached_probe) make ten files with machine.txt and summary.txt; at eight it leaves them as they are."""
     import tarfile
 
+    def gpu_run(out):
+        env = {**os.environ, "OUT": str(out), "SMOKE": "1", "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+        p = subprocess.run(["bash", "bench/gpu_run.sh", "cached_probe"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+
+    few = tmp_path / "few"
+    (few / "sub").mkdir(parents=True)
+    for i in range(6):
+        (few / ("sub" if i == 5 else ".") / f"r{i}.json").write_text(json.dumps({"i": i}))
+    gpu_run(few)  # 6 + machine.txt + summary.txt: 8, not bundled
+    assert sorted(str(f.relative_to(few)) for f in few.rglob("*") if f.is_file()) == [
+        "machine.txt", "r0.json", "r1.json", "r2.json", "r3.json", "r4.json", "sub/r5.json", "summary.txt"]
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "SMOKE": "1", "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
-    p = subprocess.run(["bash", "bench/gpu_run.sh", "fp8_head", "load_fp8", "engine"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
+    (out / "sub").mkdir(parents=True)
+    for i in range(8):
+        (out / ("sub" if i == 7 else ".") / f"r{i}.json").write_text(json.dumps({"i": i}))
+    gpu_run(out)
     assert sorted(f.name for f in out.iterdir()) == ["all.tgz", "summary.txt"]
     with tarfile.open(out / "all.tgz") as tar:
         names = {n.lstrip("./") for n in tar.getnames()}
-        data = json.loads(tar.extractfile("./bench_load_tiny_fp8_goodput.json").read())
-    assert len([n for n in names if n]) > 8 and {"machine.txt", "engine.log", "summary.txt"} <= names
-    assert data["quantization"] == "fp8"
+        data = json.loads(tar.extractfile("./sub/r7.json").read())
+        summary = tar.extractfile("./summary.txt").read().decode()
+    assert {f"r{i}.json" for i in range(7)} | {"sub/r7.json", "machine.txt", "summary.txt"} <= names
+    assert data == {"i": 7} and "=== summary" in summary
