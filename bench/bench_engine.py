@@ -341,9 +341,10 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B of the paged prefill attention over an fp8 cache (a cached prefix's new tokens): QK^T on FP8
     # tensor cores (q rounded to e4m3 per row)
     "fp8-k8": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_WIDEN": "k8"}},
-    # A/B: the paged prefill attention's compact grid (no programs for a captured graph's padded sequences)
-    "fp8-compact": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_COMPACT": "1"}},
-    "bf16-compact": {"_env": {"FIRSTTOKEN_PREFILL_COMPACT": "1"}},
+    # A/B: the paged prefill attention's grid per sequence (programs for a captured graph's padded sequences
+    # too), not the default compact one
+    "fp8-nocompact": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_COMPACT": "0"}},
+    "bf16-nocompact": {"_env": {"FIRSTTOKEN_PREFILL_COMPACT": "0"}},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
 }
 

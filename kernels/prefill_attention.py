@@ -523,7 +523,7 @@ def paged_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     widen: str | None = None,
-    compact: bool = False,
+    compact: bool = True,
 ) -> torch.Tensor:
     """Triton `paged_attention_ref`: the whole varlen batch in one launch (two when split), no host sync.
 
@@ -544,11 +544,13 @@ def paged_attention_triton(
     no faster there: 28.0 us alone, 27.3 with k8, so it is not kept. Nor a register cap of 168 on the small tiles
     (Triton's 170 let two programs share an SM, 168 three, so six splits fit one wave): 27.0 against 27.5 us,
     the engine's cached + 128 6.04 against 5.99 ms on an H100 (bench/results/2026-12-06-session19.md).
-    compact (at most COMPACT_MAX_SEQS sequences): axis 0 enumerates the batch's query tiles, sequence after
-    sequence, and axis 2 is 1, so sequences with no new tokens (a captured graph's padding) launch no program:
-    the prefill graph's 15 padding rows of 16 cost 2.25 us a layer at 2048 cached + 128 on the H200 (27.25
-    against 25.0 us with one row: 3840 programs that exit at once beside 256 that work). An A/B switch for now
-    (FIRSTTOKEN_PREFILL_COMPACT=1).
+    compact (the default; used for at most COMPACT_MAX_SEQS sequences, more keep the grid per sequence): axis 0
+    enumerates the batch's query tiles, sequence after sequence, and axis 2 is 1, so sequences with no new tokens
+    (a captured graph's padding) launch no program: the prefill graph's 15 padding rows of 16 cost 2.25 us a
+    layer at 2048 cached + 128 on the H200 (27.25 against 25.0 us with one row: 3840 programs that exit at once
+    beside 256 that work). In the engine on an H100 (one process): TTFT 2048 cached + 128 6.68 -> 6.42 ms, TTFT
+    512 8.61 -> 8.36, TTFT 2048 and decode unchanged (bench/results/2026-12-07-session20-ab20-h100-16ef669.md).
+    compact=False (FIRSTTOKEN_PREFILL_COMPACT=0) is the per-sequence grid: the A/B switch.
     """
     # q: [T, Hq, D]; out: [T, Hq, D]; split partials: [T * Hq, S] and [T * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -608,8 +610,9 @@ def q_as_e4m3_ref(q: torch.Tensor, scale: float) -> torch.Tensor:
 
 def keywords_from_env() -> dict:
     """The prefill attention's A/B switches, bound into every launch and the warm-up by kernels.ops:
-    FIRSTTOKEN_PREFILL_WIDEN (q, fp16 or k8: `paged_attention_triton`'s widen) and FIRSTTOKEN_PREFILL_COMPACT=1
-    (its compact grid). Unset: the defaults. A bad value raises ValueError naming the variable."""
+    FIRSTTOKEN_PREFILL_WIDEN (q, fp16 or k8: `paged_attention_triton`'s widen) and FIRSTTOKEN_PREFILL_COMPACT
+    (0: the grid per sequence instead of the default compact one; 1: compact). Unset: the defaults. A bad value
+    raises ValueError naming the variable."""
     out: dict = {}
     widen = os.environ.get("FIRSTTOKEN_PREFILL_WIDEN")
     if widen:
@@ -618,18 +621,17 @@ def keywords_from_env() -> dict:
     compact = os.environ.get("FIRSTTOKEN_PREFILL_COMPACT")
     if compact:
         check(compact in ("0", "1"), "FIRSTTOKEN_PREFILL_COMPACT must be 0 or 1, not {!r}", compact)
-        if compact == "1":
-            out["compact"] = True
+        out["compact"] = compact == "1"
     return out
 
 
 def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
                     sliding_window: int | None, q_dtype: torch.dtype, widen: str | None = None,
-                    compact: bool = False) -> None:
+                    compact: bool = True) -> None:
     """Compile every variant `paged_attention_triton` can pick on this GPU for these caches.
 
-    A variant is a tile configuration times split-or-not (times compact grid or not, with compact: a batch of
-    more than COMPACT_MAX_SEQS sequences keeps the other); the runtime ints are not specialised
+    A variant is a tile configuration times split-or-not times the grid (with compact, both: a batch of more
+    than COMPACT_MAX_SEQS sequences keeps the grid per sequence); the runtime ints are not specialised
     on (see _triton), so serving never stops for a compile (about a second each on an H200).
     Reads block 0 of the caches; writes nothing there.
     """

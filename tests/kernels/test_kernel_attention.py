@@ -80,11 +80,14 @@ def test_paged_prefill_without_max_query_len() -> None:
 
 
 @pytest.mark.parametrize(("window", "splits"), [(None, 1), (9, 1), (9, 4)])
-def test_paged_prefill_catches_mask_and_paging_bugs(window: int | None, splits: int) -> None:
-    """The tolerance fails an off-by-one causal mask, an off-by-one window, and a swapped block."""
+@pytest.mark.parametrize("compact", [True, False])
+def test_paged_prefill_catches_mask_and_paging_bugs(window: int | None, splits: int, compact: bool) -> None:
+    """The tolerance fails an off-by-one causal mask, an off-by-one window, and a swapped block; in both grids
+    (compact, the default, and per sequence: what batches of more than COMPACT_MAX_SEQS sequences get)."""
     prefix, new = [20, 0], [13, 30]
     q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, 4, 1, 64, 16, F32)
-    out = paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, window, block_m=32, block_n=16, num_splits=splits)
+    out = paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, window, block_m=32, block_n=16, num_splits=splits,
+                                 compact=compact)
     qsl_l, ctx = qsl.tolist(), sl.tolist()
     dense = dense_attention(q, kc, vc, bt, qsl_l, ctx, 0.125, window).float()
     torch.testing.assert_close(dense, paged_attention_ref(q, kc, vc, bt, qsl, sl, 0.125, window), **TOL[F32])
@@ -137,13 +140,14 @@ COMPACT_CASES = [
 
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize(("prefix", "new"), COMPACT_CASES)
-@pytest.mark.parametrize("splits", [1, 3])
-def test_paged_prefill_compact_grid(prefix, new, splits) -> None:
-    """compact: the grid enumerates the batch's query tiles, sequence after sequence (padded sequences get
-    none); the output is the reference's, split or not, GQA packing included."""
+@pytest.mark.parametrize(("splits", "compact"), [(1, True), (3, True), (1, False)])
+def test_paged_prefill_compact_grid(prefix, new, splits, compact) -> None:
+    """compact (the default): the grid enumerates the batch's query tiles, sequence after sequence (padded
+    sequences get none); the output is the reference's, split or not, GQA packing included. The grid per
+    sequence on the same batches too."""
     q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, 8, 2, 64, 16, F16)
     out = paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, None, max_query_len=max(new), block_m=32,
-                                 block_n=16, num_splits=splits, compact=True)
+                                 block_n=16, num_splits=splits, compact=compact)
     assert not out.isnan().any(), "unwritten (or NaN-polluted) output rows"
     torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, 0.125), **TOL[F16])
 

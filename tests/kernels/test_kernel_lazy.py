@@ -57,14 +57,15 @@ def test_get_ops_prefill_widen_switch(monkeypatch) -> None:
     monkeypatch.setenv("FIRSTTOKEN_PREFILL_WIDEN", "bf8")
     with pytest.raises(ValueError, match="FIRSTTOKEN_PREFILL_WIDEN"):
         get_ops("triton")
-    # the compact grid: bound into the launches and the warm-up (which then compiles both grids)
+    # the grid: compact by default (nothing bound), per sequence with 0, bound into the launches and the warm-up
     monkeypatch.delenv("FIRSTTOKEN_PREFILL_WIDEN")
-    monkeypatch.setenv("FIRSTTOKEN_PREFILL_COMPACT", "1")
-    ops = get_ops("triton")
-    assert ops.prefill_attention.keywords == {"compact": True}
-    assert ops.warm_up.keywords == {"compact": True, "decode_tiles": {}}
-    monkeypatch.setenv("FIRSTTOKEN_PREFILL_COMPACT", "0")
     assert not hasattr(get_ops("triton").prefill_attention, "keywords")
+    monkeypatch.setenv("FIRSTTOKEN_PREFILL_COMPACT", "0")
+    ops = get_ops("triton")
+    assert ops.prefill_attention.keywords == {"compact": False}
+    assert ops.warm_up.keywords == {"compact": False, "decode_tiles": {}}
+    monkeypatch.setenv("FIRSTTOKEN_PREFILL_COMPACT", "1")
+    assert get_ops("triton").prefill_attention.keywords == {"compact": True}
     monkeypatch.setenv("FIRSTTOKEN_PREFILL_COMPACT", "yes")
     with pytest.raises(ValueError, match="FIRSTTOKEN_PREFILL_COMPACT"):
         get_ops("triton")

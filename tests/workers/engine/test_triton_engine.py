@@ -14,8 +14,8 @@ MAX_NEW = 6
 @pytest.mark.slow
 @pytest.mark.parametrize("compact", ["0", "1"])
 def test_triton_kernels_greedy_matches_transformers(llama_dir, monkeypatch, compact):
-    """compact=1: the prefill attention's compact grid (FIRSTTOKEN_PREFILL_COMPACT), its eager steps of
-    several sequences (chunked prefills beside a prefix hit) included."""
+    """compact=1: the prefill attention's compact grid (the default), its eager steps of several sequences
+    (chunked prefills beside a prefix hit) included; 0: the grid per sequence (FIRSTTOKEN_PREFILL_COMPACT)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("FIRSTTOKEN_PREFILL_COMPACT", compact)
     import kernels.decode_attention as da
