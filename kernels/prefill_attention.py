@@ -548,8 +548,9 @@ def paged_attention_triton(
     enumerates the batch's query tiles, sequence after sequence, and axis 2 is 1, so sequences with no new tokens
     (a captured graph's padding) launch no program: the prefill graph's 15 padding rows of 16 cost 2.25 us a
     layer at 2048 cached + 128 on the H200 (27.25 against 25.0 us with one row: 3840 programs that exit at once
-    beside 256 that work). In the engine on an H100 (one process): TTFT 2048 cached + 128 6.68 -> 6.42 ms, TTFT
-    512 8.61 -> 8.36, TTFT 2048 and decode unchanged (bench/results/2026-12-07-session20-ab20-h100-16ef669.md).
+    beside 256 that work). In the engine on an H100 (one process): TTFT 2048 cached + 128 6.68 -> 6.42 ms (the
+    first figure above that card's 5.9-6.1 of earlier runs: part of the gain may be noise), TTFT 512 8.61 -> 8.36,
+    TTFT 2048 and decode unchanged (bench/results/2026-12-07-session20-ab20-h100-16ef669.md).
     compact=False (FIRSTTOKEN_PREFILL_COMPACT=0) is the per-sequence grid: the A/B switch.
     """
     # q: [T, Hq, D]; out: [T, Hq, D]; split partials: [T * Hq, S] and [T * Hq, S, D] fp32
