@@ -468,14 +468,14 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
     block_q = bm // g_pack
     head_chunks = cdiv(group, g_pack)
     num_m_tiles = cdiv(max_q, block_q)
+    if num_splits is None:
+        # programs that can do work, either grid: at least the T tokens' tiles (padded sequences of a
+        # captured graph have none, so B x tiles would overstate them)
+        work = min(num_m_tiles * b, cdiv(t, block_q)) * hk * head_chunks
+        num_splits = prefill_splits(work, sms, cdiv(ctx_bound, bn))
     compact = bool(compact) and b <= COMPACT_MAX_SEQS
     if compact:  # every tile the batch can hold (sum of cdiv(n_i, block_q) <= cdiv(t, block_q) + b - 1)
         num_m_tiles = min(num_m_tiles * b, cdiv(t, block_q) + b - 1)
-    if num_splits is None:
-        # programs that can do work: at least the T tokens' tiles (padded sequences of a captured
-        # graph have none, so B x tiles would overstate them)
-        work = min(num_m_tiles * b, cdiv(t, block_q)) * hk * head_chunks
-        num_splits = prefill_splits(work, sms, cdiv(ctx_bound, bn))
     check(1 <= num_splits <= 256, "paged_attention: num_splits {} not in [1, 256]", num_splits)
     grid = (num_m_tiles * num_splits, hk * head_chunks, 1 if compact else b)
     consts = {
