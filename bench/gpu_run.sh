@@ -40,9 +40,6 @@
 #   compact_ab  the prefill attention's compact grid (the default since session 20) against the grid per
 #               sequence: kernel at 16 / 1 graph rows, the GPU tests, TTFT A/B                     ~5 min
 #   vtpf3_ab    TTFT 2048 (cached + 128) and decode of fp8-vtpf3 against the default, one process  ~2.5 min
-#   ab20        one call for both A/Bs, the decision first: TTFT 512 / 2048 / cached + 128 and decode b1 / b64 / b256
-#               of fp8+kv8, fp8-nocompact+kv8 and fp8-vtpf3+kv8 in one process, then the GPU tests with the compact
-#               grid on                                                                               ~5.5 min
 #   cached_probe  cached + 128's paged attention: block-table rows 1 against the graph's 16, then ncu's warp states  ~1.5 min
 #   ncu_layouts ncu of one decode-attention launch per V layout                                        ~2 min
 #   vt_all      one H200 call: decode tiles (3 cases), throughput with each V layout, the fp8-cache GPU tests  ~8 min
@@ -227,12 +224,6 @@ for stage in "${STAGES[@]}"; do
         -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "prefill or graph or compiles or choices"
       run ttft_compact 280 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 512,2048 \
         --engines fp8+kv8,fp8-nocompact+kv8,bf16,bf16-nocompact --no-hf ;;
-    ab20)  # compact_ab's and vtpf3_ab's decisions in one call (device starts were scarce in session 20): the engines
-      # first, then the prefill/graph GPU tests with the compact grid on (what a default flip would need)
-      run ab20 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 512,2048 \
-        --decode-batches 1,64,256 --engines fp8+kv8,fp8-nocompact+kv8,fp8-vtpf3+kv8 --no-hf "${ENGINE_ARGS[@]}"
-      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_compact 230 $PY -m pytest -q -s \
-        -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "prefill or graph or compiles or choices" ;;
     vtpf3_ab)  # keys-inner V with block ids a tile ahead (fp8-vtpf3, +2.1% offline throughput on the H200 in session 19)
       # against the default on TTFT 2048 / cached + 128 and decode b1-b256, one process              ~2.5 min
       run vtpf3_ab 280 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
