@@ -28,6 +28,8 @@
 #   prefill_tiles  cached + 128's paged attention over more splits and other tiles (ncu_prefill_cached) ~1.5 min
 #   tma_ab      TTFT 2048 (cached + 128), fp8+kv8 with the TMA GEMM off and on, one process          ~1.5 min
 #   table       TTFT / decode of bf16 and fp8+kv8 beside their floors (the issue's table; no transformers)  ~3 min
+#   table_foq   one H200 call: the issue's table with fp8-nofoq+kv8 (o_proj quantizing its input itself, not the
+#               split combine) beside bf16 and fp8+kv8, one process, then the whole GPU test file    ~6.5 min
 #   table_vt    one H200 call: the issue's table with fp8-vtpf3+kv8 beside bf16 and fp8+kv8 (one process: the
 #               V-layout decision's TTFT on an H200), then the whole GPU test file                   ~6.5 min
 #   h200        throughput of fp8-vtpf3 and fp8+kv8, then TTFT / decode of bf16 and fp8+kv8 (no transformers)  ~8.5 min
@@ -248,6 +250,12 @@ for stage in "${STAGES[@]}"; do
       run engine_vt 300 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines bf16,fp8+kv8,fp8-vtpf3+kv8 --no-hf "${ENGINE_ARGS[@]}"
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 280 \
+        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
+    table_foq)  # the issue's table (the split combine quantizing o_proj's input: the default) with fp8-nofoq+kv8 (o_proj
+      # quantizing in its own launch) beside it in one process, then every GPU test                       ~6.5 min
+      run engine_foq 320 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
+        --engines bf16,fp8+kv8,fp8-nofoq+kv8 --no-hf "${ENGINE_ARGS[@]}"
+      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 250 \
         $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
     table)  # the issue's table alone: TTFT and decode for bf16 and fp8+kv8 beside their floors      ~3 min
       issue_table ;;

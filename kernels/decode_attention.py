@@ -8,7 +8,13 @@ import torch
 
 from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
 from kernels.kv_layout import v_keys_inner, v_max
-from kernels.prefill_attention import check_paged_inputs, combine_splits, paged_attention_ref, split_partials
+from kernels.prefill_attention import (
+    check_paged_inputs,
+    combine_splits,
+    combine_splits_quant,
+    paged_attention_ref,
+    split_partials,
+)
 
 
 def decode_attention_ref(
@@ -334,7 +340,8 @@ def decode_attention_triton(
     widen: str | None = None,
     prefetch: bool = False,
     rope: tuple[torch.Tensor, ...] | None = None,
-) -> torch.Tensor:
+    quant_out: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton `decode_attention_ref` (flash-decoding): q [B, Hq, D] -> [B, Hq, D].
 
     Grid (B, kv heads x head chunks, num_splits) computes partial (max, sum, acc) per split; a
@@ -356,6 +363,10 @@ def decode_attention_triton(
     q and k [B, Hk, D] arrive unrotated (strided views of the fused qkv output are fine), the kernel
     rotates them as `rope_and_cache_ref` does and writes k and v to their slots (a negative slot:
     nothing), and attends over the cache with the new key and value in it. q itself is not changed.
+
+    quant_out: when the step splits, the combine also quantizes each sequence's output for an FP8 o_proj
+    (`combine_splits_quant`: (e4m3 [B, Hq * D], scale [B, 1]), one launch a layer fewer); unsplit, the
+    output tensor as always.
     """
     # q: [B, Hq, D]; partials: [B * Hq, S] and [B * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride()[1:], q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -405,6 +416,8 @@ def decode_attention_triton(
         block_tables.stride(0),
     ), consts, warps, stages, on_gpu)
     if splits > 1:
+        if quant_out:
+            return combine_splits_quant(m, lsum, acc, hq, q.dtype, on_gpu)
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
 
@@ -442,12 +455,13 @@ def decode_rope_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                  scale: float, sliding_window: int | None = None,
-                                 num_splits: int | None = None, **tiles: Any) -> torch.Tensor:
+                                 num_splits: int | None = None, quant_out: bool = False,
+                                 **tiles: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`decode_rope_attention_ref` in the decode attention's launches: one kernel a layer fewer in a
     pure decode step (rope_and_cache took 2.5 us a layer at batch 1 on the H200, b9352b7's profile).
     tiles: `decode_attention_triton`'s tile keywords (block_n, num_warps, num_stages, prefetch)."""
     return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, num_splits,
-                                   rope=(k, v, positions, cos_sin, slot_mapping), **tiles)
+                                   rope=(k, v, positions, cos_sin, slot_mapping), quant_out=quant_out, **tiles)
 
 
 TILES_ENV = "FIRSTTOKEN_DECODE_TILES"

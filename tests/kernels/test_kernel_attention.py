@@ -398,3 +398,72 @@ def test_plan_prefill_splits_follows_the_context() -> None:
     assert short == 1 and long > 1
     # a sliding window does not change the count (the graphs ask without one)
     assert plan_prefill_splits(BF16, 8, kc, 16, 16, 16, 8192, 32) == long
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8)
+
+
+def assert_quantized_like(got: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
+    """got = (e4m3 [T, C], scale [T, 1]) quantizes out [T, C] as kernels.fp8_quant.quantize_triton does, up to
+    the last bits of a different sum order: the scales within fp32 rounding, every value within e4m3's
+    half step (2^-4 relative, 2^-10 of the scale below its normal range), nearly every byte the same."""
+    from kernels.fp8_quant import quantize_triton
+
+    q, s = got
+    want_q, want_s = quantize_triton(out)
+    assert q.shape == want_q.shape and q.dtype == torch.float8_e4m3fn and s.shape == want_s.shape
+    torch.testing.assert_close(s, want_s, rtol=2e-6, atol=0)
+    deq, x = q.float() * s, out.float()
+    assert ((deq - x).abs() <= x.abs() * 0.0626 + s * 2.0**-10 * 1.01).all()
+    assert (_bits(q) == _bits(want_q)).float().mean() >= 0.98
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize(("tokens", "heads", "splits", "d"), [(1, 32, 4, 128), (5, 9, 3, 72), (3, 3, 70, 64)])
+def test_combine_splits_quant_quantizes_what_combine_splits_writes(dtype, tokens, heads, splits, d) -> None:
+    """The combine with o_proj's per-token quantize fused in (kernels.prefill_attention.combine_splits_quant)
+    against combine_splits to `dtype` and then quantize_triton: heads not a power of two (masked rows), more
+    splits than a chunk reads at once, empty splits (NaN acc), a token whose every split is empty (zeros, the
+    1e-12 floor's scale). Each token's largest value maps to 448: its scale covers all its heads."""
+    from kernels.prefill_attention import combine_splits, combine_splits_quant, split_partials
+
+    rows = tokens * heads
+    g = torch.Generator().manual_seed(rows * 31 + splits)
+    m, lsum, acc = split_partials(rows, splits, d, torch.device("cpu"))
+    m.copy_(torch.randn(rows, splits, generator=g) * 4)
+    lsum.copy_(torch.rand(rows, splits, generator=g) + 0.1)
+    acc.copy_(torch.randn(rows, splits, d, generator=g) * torch.rand(rows, 1, 1, generator=g) * 8)
+    empty = torch.rand(rows, splits, generator=g) < 0.3
+    empty[:heads] = True  # token 0 saw no key at all
+    m[empty], lsum[empty] = -1.0e30, 0.0
+    acc[empty] = float("nan")
+    out = torch.empty(rows, d, dtype=dtype)
+    combine_splits(m, lsum, acc, out, False)
+    q, s = combine_splits_quant(m, lsum, acc, heads, dtype, False)
+    assert_quantized_like((q, s), out.view(tokens, heads * d))
+    assert not q[0].float().abs().any() and (q[1:].float().abs().amax(1) == 448.0).all()
+
+
+def test_attention_launchers_hand_o_proj_quantized_input_when_they_split() -> None:
+    """decode_attention_triton and paged_attention_triton with quant_out: split, (e4m3 [T, Hq * D], scale)
+    that quantize their own output; unsplit, the output as it is (o_proj quantizes it)."""
+    q, kc, vc, bt, qsl, sl = make_prefill([30, 0], [5, 40], 8, 2, 64, 16, BF16)
+    for splits in (1, 3):
+        want = paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, None, 40, num_splits=splits)
+        got = paged_attention_triton(q, kc, vc, bt, qsl, sl, 0.125, None, 40, num_splits=splits, quant_out=True)
+        if splits == 1:
+            assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+        else:
+            assert_quantized_like(got, want.reshape(q.shape[0], -1))
+    ctx = [37, 80, 1]
+    kc, vc, bt = make_paged_kv(ctx, 2, 64, 16, BF16)
+    qd = torch.randn(len(ctx), 8, 64).to(BF16)
+    sl = torch.tensor(ctx, dtype=torch.int32)
+    for splits in (1, 3):
+        want = decode_attention_triton(qd, kc, vc, bt, sl, 0.125, None, num_splits=splits)
+        got = decode_attention_triton(qd, kc, vc, bt, sl, 0.125, None, num_splits=splits, quant_out=True)
+        if splits == 1:
+            assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+        else:
+            assert_quantized_like(got, want.reshape(len(ctx), -1))

@@ -63,3 +63,47 @@ def test_fp8_cache_v_layouts_give_the_same_tokens(llama_dir, monkeypatch):
         assert done[4].usage.cached_prompt_tokens > 0
         got[layout] = [f.output_token_ids for f in done]
     assert got["rows"] == got["keys_inner"]
+
+
+@pytest.mark.slow
+def test_fused_combine_quantize_gives_the_tokens_of_o_proj_quantizing(llama_dir, monkeypatch):
+    """FP8 projections on the Triton ops: a split attention's combine hands o_proj its e4m3 input and scales
+    (kernels.prefill_attention.combine_splits_quant), in prefills over a cached prefix, chunked prefills and
+    decode, and the greedy tokens are those of o_proj quantizing the combined output itself
+    (FIRSTTOKEN_FUSED_O_QUANT=0)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import kernels.decode_attention as da
+    import kernels.prefill_attention as pa
+
+    calls = []
+    real = pa.combine_splits_quant
+
+    def counted(m, *args, **kwargs):
+        calls.append(m.shape)
+        return real(m, *args, **kwargs)
+
+    monkeypatch.setattr(pa, "combine_splits_quant", counted)
+    monkeypatch.setattr(da, "combine_splits_quant", counted)
+    import kernels.fp8_quant as fq
+    import kernels.rope_cache as rc
+
+    # the per-token ops on their references (bound by get_ops): nearly all of the interpreter's time here
+    monkeypatch.setattr(fq, "rms_norm_quant_triton", fq.rms_norm_quant_ref)
+    monkeypatch.setattr(fq, "silu_and_mul_quant_triton", fq.silu_and_mul_quant_ref)
+    monkeypatch.setattr(rc, "rope_and_cache_triton", rc.rope_and_cache_ref)
+    long = prompt_set(1, seed=8, min_len=150, max_len=150)[0]
+    prompts = [long + [5, 6, 7], long[:144] + [9] * 6]  # the second: 144 tokens (9 blocks) cached
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    got = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("FIRSTTOKEN_FUSED_O_QUANT", fused)
+        calls.clear()
+        eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="bfloat16", kernel_backend="triton",
+                                                     block_size=16, max_num_batched_tokens=128, quantization="fp8"))
+        attn = eng.runner.model.layers[0].self_attn.attn
+        assert attn.quant_out_above == (0 if fused == "1" else None)
+        done = run_prompts(eng, prompts, sp)
+        assert done[1].usage.cached_prompt_tokens == 144
+        got[fused] = ([f.output_token_ids for f in done], len(calls))
+    assert got["1"][0] == got["0"][0]
+    assert got["1"][1] > 0 and got["0"][1] == 0
