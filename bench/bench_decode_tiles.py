@@ -49,8 +49,10 @@ def copy_gbps(nbytes: int = 1 << 30) -> float:
         return 2 * nbytes / time_ms(lambda: b.copy_(a)) / 1e6
 
 
-def time_ms(fn, reps: int = 20) -> float:
-    """Median of reps CUDA-event timings, after two warm calls (stream syncs only: see bench/sm_hog.py)."""
+def time_ms(fn, reps: int = 20, inner: int = 4) -> float:
+    """Median of reps CUDA-event timings of `inner` calls back to back (a call's host launch then overlaps the
+    one before it, so the GPU time holds no host gap: Triton's own dispatch, which descriptor arguments take,
+    costs tens of us), per call, after two warm calls (stream syncs only: see bench/sm_hog.py)."""
     for _ in range(2):
         fn()
     torch.cuda.current_stream().synchronize()
@@ -58,10 +60,11 @@ def time_ms(fn, reps: int = 20) -> float:
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        for _ in range(inner):
+            fn()
         e.record()
         e.synchronize()
-        ts.append(s.elapsed_time(e))
+        ts.append(s.elapsed_time(e) / inner)
     return sorted(ts)[len(ts) // 2]
 
 

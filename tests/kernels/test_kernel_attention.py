@@ -467,3 +467,24 @@ def test_attention_launchers_hand_o_proj_quantized_input_when_they_split() -> No
             assert isinstance(got, torch.Tensor) and torch.equal(got, want)
         else:
             assert_quantized_like(got, want.reshape(len(ctx), -1))
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize(("dtype", "cache"), [(BF16, FP8), (F32, FP8), (BF16, BF16)])
+@pytest.mark.parametrize(("ctx", "hq", "hk", "d", "splits"), [([1, 17, 100, 32], 8, 2, 64, None),
+                                                               ([40, 123], 4, 4, 32, 3), ([70], 16, 1, 128, 2)])
+@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
+def test_decode_tma(dtype, cache, ctx, hq, hk, d, splits, v_layout) -> None:
+    """The decode attention with each block's K and V as one TMA copy (tma=True, an experiment): the reference's
+    answer over the same cache, partly filled last blocks whose other slots hold NaN (rows) or large finite
+    values (keys inner), splits of whole blocks, the block tables a random permutation of the pool."""
+    kc, vc, bt = make_paged_kv(ctx, hk, d, 16, dtype)
+    kc, vc = kc.to(cache), to_v_layout(vc.to(cache), v_layout, stale=448.0)
+    q = torch.randn(len(ctx), hq + 2 * hk, d).to(dtype)[:, :hq]
+    sl = torch.tensor(ctx, dtype=torch.int32)
+    out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, None, num_splits=splits, tma=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, None), **TOL[dtype])
+    bt[0, 0] = bt[-1, 1]  # the block ids are read: another sequence's block (or an unowned one) in the first's place
+    assert not torch.allclose(out[0], decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, None)[0].nan_to_num(),
+                              **TOL[dtype])
