@@ -346,11 +346,6 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-nocompact": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_COMPACT": "0"}},
     "bf16-nocompact": {"_env": {"FIRSTTOKEN_PREFILL_COMPACT": "0"}},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
-    # decode attention (steps of more than 16 sequences, those without the fused rope) through TMA copies of
-    # each block, 8 stages deep (kernels.decode_attention._decode_tma_kernel)
-    "fp8-tma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_DECODE_TILES": '{"tma": true, "num_stages": 8}'}},
-    # A/B: o_proj quantizes its input in its own launch after a split attention's combine, not in the combine
-    "fp8-nofoq": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FUSED_O_QUANT": "0"}},
 }
 
 

@@ -28,9 +28,6 @@
 #   prefill_tiles  cached + 128's paged attention over more splits and other tiles (ncu_prefill_cached) ~1.5 min
 #   tma_ab      TTFT 2048 (cached + 128), fp8+kv8 with the TMA GEMM off and on, one process          ~1.5 min
 #   table       TTFT / decode of bf16 and fp8+kv8 beside their floors (the issue's table; no transformers)  ~3 min
-#   tma_probe   decode attention through TMA copies (tma=True) against the default and fp8-vtpf3's tiles   ~1.5 min
-#   table_foq   one H200 call: the issue's table with fp8-nofoq+kv8 (o_proj quantizing its input itself, not the
-#               split combine) beside bf16 and fp8+kv8, one process, then the whole GPU test file    ~6.5 min
 #   table_vt    one H200 call: the issue's table with fp8-vtpf3+kv8 beside bf16 and fp8+kv8 (one process: the
 #               V-layout decision's TTFT on an H200), then the whole GPU test file                   ~6.5 min
 #   h200        throughput of fp8-vtpf3 and fp8+kv8, then TTFT / decode of bf16 and fp8+kv8 (no transformers)  ~8.5 min
@@ -251,18 +248,6 @@ for stage in "${STAGES[@]}"; do
       run engine_vt 300 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines bf16,fp8+kv8,fp8-vtpf3+kv8 --no-hf "${ENGINE_ARGS[@]}"
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 280 \
-        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
-    tma_probe)  # decode attention with each block's K/V as one TMA copy (tma=True), pipeline depths 4-10, 2 or 4
-      # warps, V rows or keys inner, against the default and keys-inner + prefetch, at B = 64-1000   ~1.5 min
-      [ "${SMOKE:-0}" = 1 ] || run decode_tma 150 $PY bench/bench_decode_tiles.py --cases 64x1500,256x1100,1000x1500,1000x1900 \
-        --variants '{"vtpf3": {"v_layout": "keys_inner", "prefetch": true}, "tma_s4": {"tma": true, "num_stages": 4},
- "tma_s6": {"tma": true, "num_stages": 6}, "tma_s8": {"tma": true, "num_stages": 8}, "tma_s10": {"tma": true, "num_stages": 10},
- "tma_w4_s8": {"tma": true, "num_stages": 8, "num_warps": 4}, "tma_vt_s8": {"v_layout": "keys_inner", "tma": true, "num_stages": 8}}' ;;
-    table_foq)  # the issue's table (the split combine quantizing o_proj's input: the default) with fp8-nofoq+kv8 (o_proj
-      # quantizing in its own launch) beside it in one process, then every GPU test                       ~6.5 min
-      run engine_foq 320 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
-        --engines bf16,fp8+kv8,fp8-nofoq+kv8 --no-hf "${ENGINE_ARGS[@]}"
-      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 250 \
         $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
     table)  # the issue's table alone: TTFT and decode for bf16 and fp8+kv8 beside their floors      ~3 min
       issue_table ;;

@@ -8,13 +8,7 @@ import torch
 
 from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
 from kernels.kv_layout import v_keys_inner, v_max
-from kernels.prefill_attention import (
-    check_paged_inputs,
-    combine_splits,
-    combine_splits_quant,
-    paged_attention_ref,
-    split_partials,
-)
+from kernels.prefill_attention import check_paged_inputs, combine_splits, paged_attention_ref, split_partials
 
 
 def decode_attention_ref(
@@ -252,108 +246,6 @@ def _decode_partial_kernel(
                  mask=(row_ok & (l_i > 0.0))[:, None] & dmask[None, :])
 
 
-@lazy_jit(do_not_specialize=("num_splits",))
-def _decode_tma_kernel(
-    q_ptr,  # q: [B, Hq, D], last dim contiguous
-    k_desc,  # K: the cache as [num_blocks * block_size, Hk * D], TMA blocks of [BLOCK_SIZE, HEAD_DIM]
-    v_desc,  # V: as K; V_T: [num_blocks * Hk * D, block_size], TMA blocks of [HEAD_DIM, BLOCK_SIZE]
-    bt_ptr,  # block_tables: [B, max_blocks] int32
-    seq_lens_ptr,  # seq_lens: [B] int32
-    m_ptr,  # partial row max: [B * Hq, num_splits] fp32 (exp2 domain); unused unless SPLIT
-    l_ptr,  # partial row sum: [B * Hq, num_splits] fp32
-    acc_ptr,  # partial unnormalised output: [B * Hq, num_splits, D] fp32
-    out_ptr,  # out: [B, Hq, D] contiguous, written directly unless SPLIT
-    qk_scale,  # softmax scale * log2(e)
-    num_splits,  # block ranges per (sequence, kv head) = grid axis 2
-    num_q_heads,  # Hq
-    num_kv_heads,  # Hk
-    stride_qb,  # q batch stride (elements)
-    stride_qh,  # q head stride
-    stride_bt,  # block_tables row stride
-    GROUP: tl.constexpr,  # q heads per kv head
-    G_PACK: tl.constexpr,  # q heads per program
-    HEAD_CHUNKS: tl.constexpr,  # programs per kv head along axis 1
-    BLOCK_H: tl.constexpr,  # rows of the score tile: power of two >= max(G_PACK, 16)
-    HEAD_DIM: tl.constexpr,  # D, a power of two
-    BLOCK_SIZE: tl.constexpr,  # KV cache block size: one block a tile
-    SPLIT: tl.constexpr,  # num_splits > 1
-    PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    WIDEN_F16: tl.constexpr,
-    V_T: tl.constexpr,  # the V cache holds each block's keys innermost
-):
-    """`_decode_partial_kernel` (no window, no fused rope) with each block's K and V brought to shared memory
-    by TMA (one bulk copy of BLOCK_SIZE x HEAD_DIM a tensor), the loop over a split's blocks pipelined by
-    Triton across num_stages: no per-thread address arithmetic or copies for the tiles."""
-    b = tl.program_id(0).to(tl.int64)
-    pid_h = tl.program_id(1)
-    split = tl.program_id(2)
-    kvh = pid_h // HEAD_CHUNKS
-    chunk = pid_h % HEAD_CHUNKS
-    ctx = tl.load(seq_lens_ptr + b)
-    n_blocks = tl.cdiv(ctx, BLOCK_SIZE)
-    per_split = tl.cdiv(n_blocks, num_splits)
-    b_start = split * per_split
-    b_stop = tl.minimum(b_start + per_split, n_blocks)
-
-    r = tl.arange(0, BLOCK_H)
-    g = chunk * G_PACK + r
-    row_ok = (r < G_PACK) & (g < GROUP)
-    qh = kvh * GROUP + g
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    if WIDEN_F16:
-        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    bt_row = bt_ptr + b * stride_bt
-    kcol = kvh * HEAD_DIM
-    offs = tl.arange(0, BLOCK_SIZE)
-    for i in range(b_start, b_stop):
-        blk = tl.load(bt_row + i)
-        k = k_desc.load([blk * BLOCK_SIZE, kcol])  # [BLOCK_SIZE, HEAD_DIM]
-        if V_T:
-            v = tl.trans(v_desc.load([(blk * num_kv_heads + kvh) * HEAD_DIM, 0]))
-        else:
-            v = v_desc.load([blk * BLOCK_SIZE, kcol])
-        k_ok = i * BLOCK_SIZE + offs < ctx  # the last block's slots past the context hold anything
-        if WIDEN_F16:
-            k = k.to(tl.float16)
-            v = v.to(tl.float16)
-        else:
-            k = k.to(q_ptr.dtype.element_ty)
-            v = v.to(q_ptr.dtype.element_ty)
-        v = tl.where(k_ok[:, None], v, 0.0)  # (NaN included: p = 0 there would not clear it)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_SIZE]
-        if not WIDEN_F16:
-            s = s * qk_scale
-        s = tl.where(k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    part = (b * num_q_heads + qh) * num_splits + split
-    if not SPLIT:
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + part[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-    else:
-        tl.store(m_ptr + part, m_i, mask=row_ok)
-        tl.store(l_ptr + part, l_i, mask=row_ok)
-        tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=(row_ok & (l_i > 0.0))[:, None])
-
-
 def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: int) -> int:
     """Context splits so that batch x kv programs x splits covers about eight programs per SM.
 
@@ -442,9 +334,7 @@ def decode_attention_triton(
     widen: str | None = None,
     prefetch: bool = False,
     rope: tuple[torch.Tensor, ...] | None = None,
-    quant_out: bool = False,
-    tma: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Triton `decode_attention_ref` (flash-decoding): q [B, Hq, D] -> [B, Hq, D].
 
     Grid (B, kv heads x head chunks, num_splits) computes partial (max, sum, acc) per split; a
@@ -460,20 +350,16 @@ def decode_attention_triton(
     register cap on this launch, 128 or 96 against Triton's 167, 13% and 45% slower at B = 1000 on the
     H200, bench/results/2026-12-04-session8-h200.md; tiles addressed by one block-table entry per block
     through tl.reshape, 305-324 GB/s against 1945-2570 at B = 256-1000 on an H100, Triton 3.6,
-    bench/results/2026-12-06-v-layout-h100.md.)
+    bench/results/2026-12-06-v-layout-h100.md; each block's K and V brought to shared memory by one TMA copy
+    (host descriptors over the cache as [blocks x block size, Hk x D], a block a loop iteration, 4-10 stages:
+    96 registers, no per-thread tile addressing), 2161-2266 against 2679-2739 GB/s at B = 1000 on an H100 and
+    1639-1786 against 2291 with 40 of its SMs held (an H200's bandwidth per SM), keys-inner V included,
+    bench/results/2026-12-07-session21-decode-tma-*.)
 
     rope = (k, v, positions, cos_sin, slot_mapping): `rope_and_cache` fused in (a pure decode step):
     q and k [B, Hk, D] arrive unrotated (strided views of the fused qkv output are fine), the kernel
     rotates them as `rope_and_cache_ref` does and writes k and v to their slots (a negative slot:
     nothing), and attends over the cache with the new key and value in it. q itself is not changed.
-
-    tma (an experiment; a contiguous cache, D a power of two): without a window or the fused rope (which
-    keep the kernel above), `_decode_tma_kernel`: each block's K and V brought in by one TMA copy, one block a
-    loop iteration, num_stages deep (default 4).
-
-    quant_out: when the step splits, the combine also quantizes each sequence's output for an FP8 o_proj
-    (`combine_splits_quant`: (e4m3 [B, Hq * D], scale [B, 1]), one launch a layer fewer); unsplit, the
-    output tensor as always.
     """
     # q: [B, Hq, D]; partials: [B * Hq, S] and [B * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride()[1:], q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -506,61 +392,25 @@ def decode_attention_triton(
         m, lsum, acc = split_partials(b * hq, splits, d, q.device)
     else:
         m = lsum = acc = out
-    if tma and rope is None and sliding_window is None:
-        _launch_tma(q, k_cache, v_cache, block_tables, seq_lens, scale, grid, consts, warps, num_stages or 4,
-                    (m, lsum, acc, out), splits)
+    if rope is not None:
+        kn, vn, positions, cos_sin, slots = rope
+        _check_rope(q, kn, vn, positions, cos_sin, slots, k_cache)
+        rope_args = (kn, vn, positions, cos_sin, slots, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1))
     else:
-        if rope is not None:
-            kn, vn, positions, cos_sin, slots = rope
-            _check_rope(q, kn, vn, positions, cos_sin, slots, k_cache)
-            rope_args = (kn, vn, positions, cos_sin, slots, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1))
-        else:
-            rope_args = (q, q, q, q, q, 0, 0, 0, 0)
-        _decode_partial_kernel.launch(grid, (
-            q, k_cache, v_cache, block_tables, seq_lens, m, lsum, acc, out, *rope_args,
-            scale * 1.4426950408889634,
-            sliding_window or 0,
-            splits,
-            hq,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
-            block_tables.stride(0),
-        ), consts, warps, stages, on_gpu)
+        rope_args = (q, q, q, q, q, 0, 0, 0, 0)
+    _decode_partial_kernel.launch(grid, (
+        q, k_cache, v_cache, block_tables, seq_lens, m, lsum, acc, out, *rope_args,
+        scale * 1.4426950408889634,
+        sliding_window or 0,
+        splits,
+        hq,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
+        block_tables.stride(0),
+    ), consts, warps, stages, on_gpu)
     if splits > 1:
-        if quant_out:
-            return combine_splits_quant(m, lsum, acc, hq, q.dtype, on_gpu)
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
-
-
-_TMA_CONSTS = ("GROUP", "G_PACK", "HEAD_CHUNKS", "BLOCK_H", "HEAD_DIM", "BLOCK_SIZE", "SPLIT", "PRECISION", "DOT_FP32",
-               "WIDEN_F16", "V_T")
-
-
-def _launch_tma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                seq_lens: torch.Tensor, scale: float, grid: tuple, consts: dict, warps: int, stages: int,
-                dst: tuple, splits: int) -> None:
-    """`_decode_tma_kernel` over the plan `decode_attention_triton` made (its tile size aside: a block a tile)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    nb, bs, hk, d = k_cache.shape
-    check(d & (d - 1) == 0 and k_cache.is_contiguous(), "decode_attention: tma needs a contiguous cache and D a "
-          "power of two")
-    k2 = k_cache.view(nb * bs, hk * d)
-    if consts["V_T"]:
-        v2 = v_cache.permute(0, 2, 3, 1).reshape(nb * hk * d, bs)  # the memory [blocks, Hk, D, block_size]
-        check(v2.data_ptr() == v_cache.data_ptr(), "decode_attention: tma needs V's storage "
-              "contiguous")
-        v_desc = TensorDescriptor.from_tensor(v2, [d, bs])
-    else:
-        check(v_cache.is_contiguous(), "decode_attention: tma needs a contiguous cache")
-        v_desc = TensorDescriptor.from_tensor(v_cache.view(nb * bs, hk * d), [bs, d])
-    k_desc = TensorDescriptor.from_tensor(k2, [bs, d])
-    m, lsum, acc, out = dst
-    _decode_tma_kernel.launch(grid, (
-        q, k_desc, v_desc, block_tables, seq_lens, m, lsum, acc, out, scale * 1.4426950408889634, splits,
-        q.shape[1], hk, q.stride(0), q.stride(1), block_tables.stride(0),
-    ), {k: consts[k] for k in _TMA_CONSTS}, warps, stages, False)
 
 
 def _check_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -596,17 +446,16 @@ def decode_rope_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                  scale: float, sliding_window: int | None = None,
-                                 num_splits: int | None = None, quant_out: bool = False,
-                                 **tiles: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                                 num_splits: int | None = None, **tiles: Any) -> torch.Tensor:
     """`decode_rope_attention_ref` in the decode attention's launches: one kernel a layer fewer in a
     pure decode step (rope_and_cache took 2.5 us a layer at batch 1 on the H200, b9352b7's profile).
     tiles: `decode_attention_triton`'s tile keywords (block_n, num_warps, num_stages, prefetch)."""
     return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, num_splits,
-                                   rope=(k, v, positions, cos_sin, slot_mapping), quant_out=quant_out, **tiles)
+                                   rope=(k, v, positions, cos_sin, slot_mapping), **tiles)
 
 
 TILES_ENV = "FIRSTTOKEN_DECODE_TILES"
-TILE_KEYWORDS = {"block_n": int, "num_warps": int, "num_stages": int, "prefetch": bool, "tma": bool}
+TILE_KEYWORDS = {"block_n": int, "num_warps": int, "num_stages": int, "prefetch": bool}
 
 
 def tiles_from_env() -> dict[str, Any]:

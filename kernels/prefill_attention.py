@@ -261,32 +261,21 @@ def _paged_attention_kernel(
         )
 
 
-@lazy_jit(do_not_specialize=("num_rows", "num_splits", "heads"))
+@lazy_jit(do_not_specialize=("num_rows", "num_splits"))
 def _combine_splits_kernel(
     m_ptr,  # partial row max: [R, num_splits] fp32 (exp2 domain), -1e30 where a split saw no key
     l_ptr,  # partial row sum: [R, num_splits] fp32
     acc_ptr,  # partial unnormalised output: [R, num_splits, D] fp32, read only where l > 0
-    out_ptr,  # out: [R, D], contiguous (e4m3 when QUANT)
-    scale_ptr,  # QUANT: [R / heads] fp32, one scale per token (else unused)
+    out_ptr,  # out: [R, D], contiguous
     num_rows,  # R
     num_splits,  # partitions to combine
-    heads,  # QUANT: rows per token (Hq); a program combines one token's rows
-    ROWS: tl.constexpr,  # output rows per program (QUANT: a power of two >= heads)
+    ROWS: tl.constexpr,  # output rows per program
     BLOCK_S: tl.constexpr,  # splits read at once (ROWS x BLOCK_S x BLOCK_D values in flight)
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_D: tl.constexpr,  # power of two >= D
-    QUANT: tl.constexpr,  # write each token's heads as e4m3 with one scale (the FP8 o_proj's input)
-    ROUND: tl.constexpr,  # QUANT: round to the model's dtype first (0 fp32, 1 bf16, 2 fp16), as the unfused path
-    FP8_MAX_: tl.constexpr,  # QUANT: 448
-    HW_CAST: tl.constexpr,  # QUANT: the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
 ):
-    if QUANT:
-        r = tl.arange(0, ROWS)
-        rows = tl.program_id(0).to(tl.int64) * heads + r  # token * Hq + head
-        rmask = r < heads
-    else:
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (token or sequence) * Hq + head
-        rmask = rows < num_rows
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (token or sequence) * Hq + head
+    rmask = rows < num_rows
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     sb = tl.arange(0, BLOCK_S)
@@ -311,17 +300,8 @@ def _combine_splits_kernel(
         o = o * alpha[:, None] + tl.sum(w[:, :, None] * tl.where(live[:, :, None], acc, 0.0), 1)
         m_run = m_new
     o = o / tl.where(total > 0.0, total, 1.0)[:, None]  # a row that saw no key (seq_len 0, padding) gives zeros
-    omask = rmask[:, None] & dmask[None, :]
-    if QUANT:  # kernels.fp8_quant's per-row quantize over the token's Hq x D values, on what it would read
-        if ROUND == 1:
-            o = o.to(tl.bfloat16).to(tl.float32)
-        elif ROUND == 2:
-            o = o.to(tl.float16).to(tl.float32)
-        o = tl.where(omask, o, 0.0)
-        sc = tl.maximum(tl.max(tl.max(tl.abs(o), axis=1), axis=0), 1e-12) / FP8_MAX_
-        o = _round_e4m3(tl.minimum(tl.maximum(o / sc, -FP8_MAX_), FP8_MAX_), HW_CAST)
-        tl.store(scale_ptr + tl.program_id(0), sc)
-    tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty), mask=omask)
+    tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])
 
 
 # rows per combine program: one row per program while that still fills the GPU several times over
@@ -346,55 +326,29 @@ def combine_splits(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, out: 
 
     m, lsum: [R, S]; acc: [R, S, D] fp32, contiguous (split_partials); out: contiguous, R * D
     elements. Used by the split prefill and by decode. fast: see LazyKernel.launch.
+    (Measured and removed: this launch quantizing an FP8 o_proj's input as well, one program a token for
+    the token's scale over all its heads, one launch a layer fewer. In the engine on an H100 it was slower
+    where it ran: decode b8 4.36 against 4.18 ms, TTFT 2048 cached + 128 6.21 against 6.00, the rest within
+    noise; 8 to 128 programs a launch each combining 32 heads wait on their loads one after another,
+    bench/results/2026-12-07-session21-engine-foq-h100-06a8890.md.)
     """
     rows, splits, d = acc.shape
     per = rows_per_program or combine_rows_per_program(rows)
     _combine_splits_kernel.launch(
-        (cdiv(rows, per),), (m, lsum, acc, out, out, rows, splits, 1),
-        {"ROWS": per, "BLOCK_S": 32 // per, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "QUANT": False, "ROUND": 0,
-         "FP8_MAX_": 448.0, "HW_CAST": False}, 4, 1, fast,
+        (cdiv(rows, per),), (m, lsum, acc, out, rows, splits),
+        {"ROWS": per, "BLOCK_S": 32 // per, "HEAD_DIM": d, "BLOCK_D": next_pow2(d)}, 4, 1, fast,
     )
 
 
-_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def combine_splits_quant(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, heads: int, dtype: torch.dtype,
-                         fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """combine_splits and then kernels.fp8_quant.quantize_triton of its [T, heads * D] output in one launch:
-    (e4m3 [T, heads * D], scale [T, 1]), the FP8 o_proj's input. The combined rows are rounded to `dtype`
-    first, as the output the unfused path writes, so both give the same bits. A program combines one
-    token's heads (the scale needs all of them), ~one per SM at the sizes it serves."""
-    from kernels.fp8_linear import FP8, FP8_MAX
-    from kernels.fp8_quant import _hw_cast
-
-    rows, splits, d = acc.shape
-    t = rows // heads
-    q = torch.empty((t, heads * d), dtype=FP8, device=acc.device)
-    scale = torch.empty((t, 1), dtype=torch.float32, device=acc.device)
-    if t == 0:
-        return q, scale
-    hp = next_pow2(heads)
-    _combine_splits_kernel.launch(
-        (t,), (m, lsum, acc, q, scale, rows, splits, heads),
-        {"ROWS": hp, "BLOCK_S": max(1, 32 // hp), "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "QUANT": True,
-         "ROUND": _ROUND[dtype], "FP8_MAX_": FP8_MAX, "HW_CAST": _hw_cast(acc, None)},
-        4 if hp * next_pow2(d) <= 4096 else 8, 1, fast,
-    )
-    return q, scale
-
-
-def warm_up_combine(d: int, dtype: torch.dtype, device: torch.device, heads: int) -> None:
-    """Compile the combine kernel for every rows-per-program choice (the split count is a runtime int),
-    and its quantizing variant for `heads` (an FP8 o_proj's input)."""
-    m, lsum, acc = split_partials(2 * heads, 3, d, device)
+def warm_up_combine(d: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile the combine kernel for every rows-per-program choice (the split count is a runtime int)."""
+    m, lsum, acc = split_partials(2, 3, d, device)
     m.fill_(0.0)
     lsum.fill_(1.0)
     acc.fill_(0.0)
-    out = torch.empty((2 * heads, d), dtype=dtype, device=device)
+    out = torch.empty((2, d), dtype=dtype, device=device)
     for per in COMBINE_ROWS:
         combine_splits(m, lsum, acc, out, True, per)
-    combine_splits_quant(m, lsum, acc, heads, dtype, True)
 
 
 def check_paged_inputs(
@@ -575,8 +529,7 @@ def paged_attention_triton(
     num_stages: int | None = None,
     widen: str | None = None,
     compact: bool = True,
-    quant_out: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Triton `paged_attention_ref`: the whole varlen batch in one launch (two when split), no host sync.
 
     Grid (query tiles x splits, kv heads x head chunks, sequences); each program packs G_PACK q
@@ -604,7 +557,6 @@ def paged_attention_triton(
     first figure above that card's 5.9-6.1 of earlier runs: part of the gain may be noise), TTFT 512 8.61 -> 8.36,
     TTFT 2048 and decode unchanged (bench/results/2026-12-07-session20-ab20-h100-16ef669.md).
     compact=False (FIRSTTOKEN_PREFILL_COMPACT=0) is the per-sequence grid: the A/B switch.
-    quant_out: as `decode_attention_triton`'s (split: (e4m3 [T, Hq * D], scale [T, 1]) for an FP8 o_proj).
     """
     # q: [T, Hq, D]; out: [T, Hq, D]; split partials: [T * Hq, S] and [T * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -647,8 +599,6 @@ def paged_attention_triton(
         block_tables.stride(0),
     ), consts, warps, stages, on_gpu)
     if splits > 1:
-        if quant_out:
-            return combine_splits_quant(m, lsum, acc, hq, q.dtype, on_gpu)
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
 
@@ -700,7 +650,7 @@ def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
     tables = torch.zeros((1, 4), dtype=torch.int32, device=dev)
     qsl = torch.tensor([0, t], dtype=torch.int32, device=dev)
     lens = torch.tensor([t], dtype=torch.int32, device=dev)
-    warm_up_combine(d, q_dtype, dev, num_heads)
+    warm_up_combine(d, q_dtype, dev)
     for bm, bn, warps, stages in (GPU_TILES_LARGE, GPU_TILES_SMALL):
         for splits in (1, 2):
             for c in sorted({False, compact}):

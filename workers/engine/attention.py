@@ -58,9 +58,6 @@ class PagedAttention:
         self.sliding_window = sliding_window
         # FP8 dense attention where the ops have it and cuDNN's FP8 forward takes these heads
         self.dense_fp8 = ops.dense_attention_fp8 if head_dim in FP8_ATTENTION_HEAD_DIMS else None
-        # set by quantize_fp8 before an FP8 o_proj (Triton ops): a split step of more tokens than this
-        # hands o_proj (e4m3, scale) from its combine launch (kernels.prefill_attention.combine_splits_quant)
-        self.quant_out_above: int | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -76,10 +73,10 @@ class PagedAttention:
         if nd == q.shape[0]:
             return self.ops.decode_attention(
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                self.sliding_window, **_splits(meta), **self._quant(nd),
+                self.sliding_window, **_splits(meta),
             )
         if nd == 0:
-            return self._prefill(q, k_cache, v_cache, meta, **self._quant(q.shape[0]))
+            return self._prefill(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         out[:nd] = self.ops.decode_attention(
             q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
@@ -96,20 +93,17 @@ class PagedAttention:
 
     def decode_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                          cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                         meta: AttentionMetadata) -> torch.Tensor:
         # q: [B, Hq, D], k, v: [B, Hk, D] not rotated yet; written to the cache by the op
         assert self.ops.decode_rope_attention is not None
         return self.ops.decode_rope_attention(
             q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
-            meta.decode_seq_lens, self.scale, self.sliding_window, **_splits(meta), **self._quant(q.shape[0]),
+            meta.decode_seq_lens, self.scale, self.sliding_window, **_splits(meta),
         )
 
-    def _quant(self, rows: int) -> dict:
-        """The attention ops' quant_out keyword where this step's o_proj takes e4m3 input."""
-        return {} if self.quant_out_above is None or rows <= self.quant_out_above else {"quant_out": True}
-
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 meta: AttentionMetadata) -> torch.Tensor:
+        kwargs = {}
         if self.ops.name != "torch":
             kwargs["max_query_len"] = meta.prefill_max_query_len
             if meta.prefill_num_splits is not None:

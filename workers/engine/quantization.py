@@ -139,10 +139,6 @@ class Fp8Linear(nn.Module):
         return self._run(x[0], x[1], self.out_dtype)
 
 
-# "0": o_proj quantizes its input in its own launch after a split attention's combine (the A/B switch of
-# the fused combine + quantize, kernels.prefill_attention.combine_splits_quant)
-FUSED_O_QUANT_ENV = "FIRSTTOKEN_FUSED_O_QUANT"
-
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -177,9 +173,6 @@ def quantize_fp8(model: nn.Module, *, fuse: bool = True, lm_head: bool = False) 
             layer.input_layernorm.norm_fn = _norm_for(qkv, ops.rms_norm_quant)
             layer.post_attention_layernorm.norm_fn = _norm_for(gate_up, ops.rms_norm_quant)
             layer.mlp.act_fn = _act_for(down, ops.silu_and_mul_quant)
-            if ops.name == "triton" and os.environ.get(FUSED_O_QUANT_ENV) != "0":
-                # a split attention's combine quantizes o_proj's input (above the GEMV's rows, which take bf16)
-                layer.self_attn.attn.quant_out_above = layer.self_attn.o_proj.gemv_rows
     return n
 
 

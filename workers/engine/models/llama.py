@@ -53,9 +53,9 @@ class Attention(nn.Module):
             o = self.attn.decode_with_rope(q, k, v, positions, cos_sin, k_cache, v_cache, meta)
         else:
             q, k = self.ops.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-            o = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D], or (e4m3 [T, Hq * D], scale [T, 1])
-        if isinstance(o, tuple):  # already quantized for the FP8 o_proj (FP8 attention, or a split's combine)
-            return self.o_proj(o)
+            o = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D], or FP8 attention's (e4m3, descale)
+            if isinstance(o, tuple):  # already quantized for the FP8 o_proj
+                return self.o_proj(o)
         return self.o_proj(o.reshape(t, cfg.q_size))
 
 
