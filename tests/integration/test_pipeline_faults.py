@@ -1,5 +1,5 @@
 """Faults: a worker killed with SIGKILL mid-run, Kafka stopped and restarted, Postgres stopped for
-20 s. Every job ends up with exactly one row; the worker recovers by itself.
+10 s. Every job ends up with exactly one row; the worker recovers by itself.
 
 These stop and start the suite's shared Kafka and Postgres (scripts/services.sh stop/start NAME).
 """
@@ -107,14 +107,14 @@ def test_kafka_restart_and_postgres_outage(kafka_settings, postgres_url, store, 
         queue = KafkaQueue(s)
         Producer(queue).submit(jobs[100:200])
         wait_until(lambda: terminal_count(store, batch) == 200, 180, "200 rows after the Kafka restart")
-        # --- Postgres down for 20 s while jobs keep coming
+        # --- Postgres down for 10 s while jobs keep coming
         services("stop", "postgres")
         t0 = time.monotonic()
         feeder = threading.Thread(target=lambda: Producer(queue).submit(jobs[200:]))
         feeder.start()
         feeder.join(60)
         wait_until(lambda: not worker.sink.store_ok, 30, "the sink to notice the outage")
-        time.sleep(max(0.0, 20 - (time.monotonic() - t0)))
+        time.sleep(max(0.0, 10 - (time.monotonic() - t0)))
         held = worker.sink.buffered
         services("start", "postgres")
         wait_until(lambda: terminal_count(store, batch) == 300, 180, "all 300 rows after Postgres is back")
