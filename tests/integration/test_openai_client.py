@@ -617,7 +617,8 @@ def test_tools_on_the_real_model_live_streamed_and_in_batch_files(real_stack):
 
     client = openai.OpenAI(base_url=real_stack + "/v1", api_key=KEY, max_retries=0, timeout=180)
     ask = dict(model="smollm2-135m", max_tokens=60, temperature=0, tools=TOOLS)
-    questions = ["What is the weather in Paris?", "Add 2 and 40.", "What time is it?", "Is it cold in Oslo today?"]
+    # two questions (four once, ~25 s more of a suite near its 20-minute bound): one per function that has arguments
+    questions = ["What is the weather in Paris?", "Add 2 and 40."]
     named = {"type": "function", "function": {"name": "get_weather"}}
     live: dict[tuple[str, str], object] = {}
     for q in questions:
