@@ -617,7 +617,7 @@ def test_tools_on_the_real_model_live_streamed_and_in_batch_files(real_stack):
 
     client = openai.OpenAI(base_url=real_stack + "/v1", api_key=KEY, max_retries=0, timeout=180)
     ask = dict(model="smollm2-135m", max_tokens=60, temperature=0, tools=TOOLS)
-    # two questions (four once, ~25 s more of a suite near its 20-minute bound): one per function that has arguments
+    # one question for each function that takes arguments (each question costs ~6 s of the suite, live and batched)
     questions = ["What is the weather in Paris?", "Add 2 and 40."]
     named = {"type": "function", "function": {"name": "get_weather"}}
     live: dict[tuple[str, str], object] = {}
