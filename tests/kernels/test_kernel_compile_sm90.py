@@ -1,9 +1,15 @@
 """The GEMV's variants compile for sm90 (Hopper) on this GPU-less machine: Triton's front end,
 its sm90 passes and ptxas run without a device and catch what the interpreter lets through (a
-loop-carried value changing shape cost a device run once). In a subprocess: this folder's tests run Triton in interpreter mode."""
+loop-carried value changing shape cost a device run once). In a subprocess: this folder's tests run Triton in interpreter mode.
+
+One subprocess compiles every kernel of the module (the `compiled` fixture): starting Python and
+importing torch, Triton and the kernels took ~2.3 s of each test's ~2.7 s when each test had its
+own (a warm Triton cache). Each kernel's part runs on its own there (an exception in one part is
+that part's result, reported by its test), and each test asserts on its own part."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -16,121 +22,220 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# Each part is a function of its cases returning what its test checks; PARTS runs the parts named in
+# sys.argv[1] ({part: cases}) and prints {part: {"out": ...} or {"error": traceback}} as the last line.
 SCRIPT = r'''
-import json, sys
+import json, sys, traceback
 import triton
 from triton.backends.compiler import GPUTarget
-from kernels import fp8_gemv
-jitted = fp8_gemv._fp8_gemv_kernel.jitted()
-SIG = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "b_ptr": "*fp8e4nv",
-       "b_scale_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "part_ptr": "*fp32",
-       "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_r": "i32",
-       "stride_bn": "i32", "stride_c": "i32", "eps": "fp32"}
-out = []
-for prologue, residual, split, row in json.loads(sys.argv[1]):
-    consts = {"PROLOGUE": prologue, "HAS_RESIDUAL": residual, "HAS_BIAS": True, "BLOCK_N": 16, "BLOCK_K": 256,
-              "SPLIT": split, "K_SPLIT": 2048, "ROW": row}
-    sig = {n: SIG[n] for n in jitted.arg_names if n in SIG} | dict.fromkeys(consts, "constexpr")
-    src = triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "num_stages": 3})
+
+
+def gemv(cases):
+    from kernels import fp8_gemv
+    jitted = fp8_gemv._fp8_gemv_kernel.jitted()
+    SIG = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "b_ptr": "*fp8e4nv",
+           "b_scale_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "part_ptr": "*fp32",
+           "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_r": "i32",
+           "stride_bn": "i32", "stride_c": "i32", "eps": "fp32"}
+    out = []
+    for prologue, residual, split, row in cases:
+        consts = {"PROLOGUE": prologue, "HAS_RESIDUAL": residual, "HAS_BIAS": True, "BLOCK_N": 16, "BLOCK_K": 256,
+                  "SPLIT": split, "K_SPLIT": 2048, "ROW": row}
+        sig = {n: SIG[n] for n in jitted.arg_names if n in SIG} | dict.fromkeys(consts, "constexpr")
+        src = triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts)
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "num_stages": 3})
+        ptx = c.asm["ptx"]
+        out.append({"cubin": len(c.asm["cubin"]), "atom": "atom." in ptx})
+    return out
+
+
+def small_m(cases):
+    from kernels import fp8_gemm
+    jitted = fp8_gemm._fp8_gemm_rowwise_small_m_kernel.jitted()
+    SIG = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*fp32",
+           "bias_ptr": "*bf16", "c_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    out = []
+    for split, bias in cases:
+        consts = {"HAS_BIAS": bias, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": split, "K_SPLIT": 3584}
+        sig = {n: SIG.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
+        c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+        ptx = c.asm["ptx"]
+        out.append({"cubin": len(c.asm["cubin"]), "atom": "atom." in ptx, "wgmma": "wgmma" in ptx})
+    return out
+
+
+def decode(cases):
+    from kernels import argmax, decode_attention
+    jitted = decode_attention._decode_partial_kernel.jitted()
+    PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "bt_ptr": "*i32",
+            "seq_lens_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
+            "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
+            "qk_scale": "fp32"}
+    # what the launcher's specialisation tells Triton of these (16-divisible pointers and strides): it lets the
+    # cache tiles load as 16-byte runs, as on the device
+    DIV16 = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "m_ptr", "l_ptr", "acc_ptr", "out_ptr", "kn_ptr", "vn_ptr",
+             "cs_ptr", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "num_q_heads", "stride_qb", "stride_qh",
+             "stride_cb", "stride_cs", "stride_ch", "stride_vcb", "stride_vch"}
+    out = []
+    for rope, split, window, maxnreg, v_t in cases:
+        consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": 64, "HEAD_DIM": 128,
+                  "BLOCK_D": 128, "BLOCK_SIZE": 16, "SPLIT": split, "HAS_WINDOW": window, "PRECISION": None,
+                  "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope,
+                  "V_T": v_t, "V_MAX": 448.0}
+        sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names) if n in DIV16}
+        c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 2, "num_stages": 3, **({"maxnreg": maxnreg} if maxnreg else {})})
+        ptx = c.asm["ptx"]
+        out.append({"cubin": len(c.asm["cubin"]), "mma": "mma" in ptx,
+                    "maxnreg": f".maxnreg {maxnreg}" in ptx if maxnreg else None,
+                    "byte_lds": ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8")})
+    for k, cst in ((argmax._chunk_argmax_kernel, {"CHUNK_": 2048}), (argmax._rows_argmax_kernel, {"BLOCK_C": 64})):
+        j = k.jitted()
+        types = {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "out_ptr": "*i64"}
+        sig = {n: types.get(n, "i32") for n in j.arg_names if n not in cst} | dict.fromkeys(cst, "constexpr")
+        c = triton.compile(triton.compiler.ASTSource(fn=j, signature=sig, constexprs=cst),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+        out.append({"cubin": len(c.asm["cubin"]), "mma": False})
+    return out
+
+
+def prefill(cases):
+    from kernels import prefill_attention
+    jitted = prefill_attention._paged_attention_kernel.jitted()
+    PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "out_ptr": "*bf16",
+            "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "bt_ptr": "*i32", "qsl_ptr": "*i32",
+            "seq_lens_ptr": "*i32", "qk_scale": "fp32"}
+    out = []
+    for widen, bm, bn, warps, stages, compact in cases:
+        consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_Q": bm // 4, "BLOCK_M": bm, "BLOCK_N": bn,
+                  "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "HAS_WINDOW": False, "SPLIT": True,
+                  "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": widen != "q", "QK_FP8": widen == "k8",
+                  "V_T": False, "COMPACT": compact, "BLOCK_B": prefill_attention.COMPACT_MAX_SEQS + 1}
+        sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
+        c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        ptx = c.asm["ptx"]
+        out.append({"cubin": len(c.asm["cubin"]), "wgmma": "wgmma" in ptx,
+                    "e4m3_pairs": ptx.count("cvt.rn.f16x2.e4m3x2"), "f16_to_bf16": ptx.count("cvt.bf16.f16"),
+                    "wgmma_e4m3": ptx.count("e4m3.e4m3"), "q_to_e4m3": ptx.count("cvt.rn.satfinite.e4m3x2.f32")})
+    return out
+
+
+def cast(cases):
+    from kernels import fp8_quant
+    jitted = fp8_quant._cast_e4m3_kernel.jitted()
+    sig = {"x_ptr": "*bf16", "y_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "T": "i32", "stride_x": "i32", "C": "i32",
+           "V_COL": "i32"}
+    consts = {"FP8_MAX_": 448.0, "MARGIN": 1.125, "HW_CAST": True, "BLOCK_R": 16, "BLOCK_C": 512}
+    sig = {n: sig[n] for n in jitted.arg_names if n in sig} | dict.fromkeys(consts, "constexpr")
+    c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
     ptx = c.asm["ptx"]
-    out.append({"cubin": len(c.asm["cubin"]), "atom": "atom." in ptx})
-print(json.dumps(out))
+    return {"atom_min": "atom.global.gpu.acq_rel.min" in ptx,  # (a float min: int atomics by sign)
+            "nan_clamp": "max.NaN." in ptx and "min.NaN." in ptx, "e4m3": "e4m3x2" in ptx}
+
+
+def tma(cases):
+    from kernels import fp8_gemm
+    jitted = fp8_gemm._fp8_gemm_rowwise_tma_kernel.jitted()
+    out = []
+    for bm, bn, bk, warps, stages, split in cases:
+        consts = {"HAS_BIAS": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "K_SPLIT": 2048}
+        types = {"a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
+                 "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16",
+                 "part_ptr": "*fp32", "count_ptr": "*i32"}
+        sig = {n: types.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
+        c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        ptx = c.asm["ptx"]
+        out.append({"tma": ptx.count("cp.async.bulk.tensor"), "wgmma_e4m3": ptx.count("e4m3.e4m3"),
+                    "ld_global_b": ptx.count("ld.global.b8") + ptx.count("ld.global.v4.b32"),
+                    "atom": "atom." in ptx})
+    return out
+
+
+PARTS = {"gemv": gemv, "small_m": small_m, "decode": decode, "prefill": prefill, "cast": cast, "tma": tma}
+results = {}
+for name, cases in json.loads(sys.argv[1]).items():
+    try:
+        results[name] = {"out": PARTS[name](cases)}
+    except Exception:
+        results[name] = {"error": traceback.format_exc()[-3000:]}
+print(json.dumps(results))
 '''
 
-CASES = [  # (prologue, residual, split, row: the RMSNorm row at once, or 0 in a loop)
+GEMV_CASES = [  # (prologue, residual, split, row: the RMSNorm row at once, or 0 in a loop)
     (1, True, 2, 4096), (1, True, 1, 0), (1, False, 1, 4096), (2, False, 4, 0), (0, False, 2, 0), (0, False, 1, 0),
+]
+SMALL_M_CASES = [(1, False), (4, True)]  # (split, bias)
+DECODE_CASES = [  # (rope, split, window, maxnreg, v_t)
+    (True, True, False, 0, False), (True, False, True, 0, False), (False, True, False, 0, False),
+    (False, False, False, 128, False), (True, False, False, 0, True), (True, True, True, 0, True),
+    (False, False, False, 0, True),
+]
+PREFILL_CASES = [  # (widen, block_m, block_n, warps, stages, compact)
+    ("q", 64, 64, 4, 2, False), ("fp16", 64, 64, 4, 2, False), ("q", 128, 128, 8, 3, False),
+    ("fp16", 128, 128, 8, 3, False), ("k8", 64, 64, 4, 2, False), ("k8", 128, 128, 8, 3, False),
+    ("fp16", 64, 64, 4, 2, True), ("fp16", 128, 128, 8, 3, True),
 ]
 
 
-def test_fp8_gemv_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], cwd=ROOT, env=env, capture_output=True,
+def tma_builtin() -> set:
+    """fp8_gemm's built-in TMA tiles for qkv, o and down at 128 and 256 rows."""
+    from kernels.fp8_gemm import tma_default
+
+    return {t for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)) for t in tma_default(n, k) or () if t}
+
+
+def tma_cases() -> list:  # (block_m, block_n, block_k, warps, stages, split)
+    return [(128, 64, 128, 4, 4, 1), (128, 32, 128, 4, 6, 2), (128, 128, 128, 8, 4, 1), *sorted(tma_builtin())]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """Every part's cases, compiled for sm90 in one subprocess (Triton not in interpreter mode there)."""
+    cases = {"gemv": GEMV_CASES, "small_m": SMALL_M_CASES, "decode": DECODE_CASES, "prefill": PREFILL_CASES,
+             "cast": None}
+    with contextlib.suppress(Exception):  # else test_tma_gemm_compiles_for_sm90 raises it, the others run
+        cases["tma"] = tma_cases()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert len(got) == len(CASES)
-    for case, g in zip(CASES, got):
+    assert set(got) == set(cases), sorted(got)
+    return got
+
+
+def part(compiled: dict, name: str):
+    """One part's result; its traceback fails the test when it raised."""
+    r = compiled[name]
+    assert "error" not in r, r.get("error")
+    return r["out"]
+
+
+def test_fp8_gemv_compiles_for_sm90(compiled):
+    got = part(compiled, "gemv")
+    assert len(got) == len(GEMV_CASES)
+    for case, g in zip(GEMV_CASES, got):
         split = case[2]
         assert g["cubin"] > 0, case
         assert g["atom"] == (split > 1), (case, g)  # the split parts' arrival counter
 
 
-SMALL_M_SCRIPT = r'''
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from kernels import fp8_gemm
-jitted = fp8_gemm._fp8_gemm_rowwise_small_m_kernel.jitted()
-SIG = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*fp32", "bias_ptr": "*bf16",
-       "c_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
-out = []
-for split, bias in json.loads(sys.argv[1]):
-    consts = {"HAS_BIAS": bias, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": split, "K_SPLIT": 3584}
-    sig = {n: SIG.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
-    c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
-    ptx = c.asm["ptx"]
-    out.append({"cubin": len(c.asm["cubin"]), "atom": "atom." in ptx, "wgmma": "wgmma" in ptx})
-print(json.dumps(out))
-'''
-
-
-def test_small_m_gemm_split_k_compiles_for_sm90():
+def test_small_m_gemm_split_k_compiles_for_sm90(compiled):
     """The few-row FP8 GEMM at 128 rows, whole K and in 4 parts: Hopper's FP8 MMA (wgmma), and the
     parts' arrival counter only where K is split."""
-    cases = [(1, False), (4, True)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", SMALL_M_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert [(g["cubin"] > 0, g["wgmma"], g["atom"]) for g in got] == [(True, True, s > 1) for s, _ in cases]
+    got = part(compiled, "small_m")
+    assert [(g["cubin"] > 0, g["wgmma"], g["atom"]) for g in got] == [(True, True, s > 1) for s, _ in SMALL_M_CASES]
 
 
-DECODE_SCRIPT = r'''
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from kernels import argmax, decode_attention
-jitted = decode_attention._decode_partial_kernel.jitted()
-PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "bt_ptr": "*i32",
-        "seq_lens_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
-        "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
-        "qk_scale": "fp32"}
-# what the launcher's specialisation tells Triton of these (16-divisible pointers and strides): it lets the
-# cache tiles load as 16-byte runs, as on the device
-DIV16 = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "m_ptr", "l_ptr", "acc_ptr", "out_ptr", "kn_ptr", "vn_ptr", "cs_ptr",
-         "stride_kt", "stride_kh", "stride_vt", "stride_vh", "num_q_heads", "stride_qb", "stride_qh", "stride_cb",
-         "stride_cs", "stride_ch", "stride_vcb", "stride_vch"}
-out = []
-for rope, split, window, maxnreg, v_t in json.loads(sys.argv[1]):
-    consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": 64, "HEAD_DIM": 128,
-              "BLOCK_D": 128, "BLOCK_SIZE": 16, "SPLIT": split, "HAS_WINDOW": window, "PRECISION": None,
-              "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope,
-              "V_T": v_t, "V_MAX": 448.0}
-    sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names) if n in DIV16}
-    c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 2, "num_stages": 3, **({"maxnreg": maxnreg} if maxnreg else {})})
-    ptx = c.asm["ptx"]
-    out.append({"cubin": len(c.asm["cubin"]), "mma": "mma" in ptx,
-                "maxnreg": f".maxnreg {maxnreg}" in ptx if maxnreg else None,
-                "byte_lds": ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8")})
-for k, cst in ((argmax._chunk_argmax_kernel, {"CHUNK_": 2048}), (argmax._rows_argmax_kernel, {"BLOCK_C": 64})):
-    j = k.jitted()
-    types = {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "out_ptr": "*i64"}
-    sig = {n: types.get(n, "i32") for n in j.arg_names if n not in cst} | dict.fromkeys(cst, "constexpr")
-    c = triton.compile(triton.compiler.ASTSource(fn=j, signature=sig, constexprs=cst),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
-    out.append({"cubin": len(c.asm["cubin"]), "mma": False})
-print(json.dumps(out))
-'''
-
-
-def test_decode_attention_and_argmax_compile_for_sm90():
+def test_decode_attention_and_argmax_compile_for_sm90(compiled):
     """Decode attention over an fp8 cache with rope_and_cache fused in (or not), split or not, with a
     window or not, one under a register cap (the launcher's maxnreg, which must reach ptxas), and
     the two argmax kernels: Triton's sm90 passes and ptxas, no device. The V cache in rows (as K) has
@@ -138,14 +243,8 @@ def test_decode_attention_and_argmax_compile_for_sm90():
     two consecutive keys, Hk x D bytes apart there): 128 byte loads a thread a tile (Triton 3.6 and
     3.9: 1350 and 1017 instructions a tile in all); with its keys innermost (kernels/kv_layout.py),
     none in the loop (791 and 706). On an H100 that was not faster (bench/results/2026-12-06-v-layout-h100.md)."""
-    cases = [(True, True, False, 0, False), (True, False, True, 0, False), (False, True, False, 0, False),
-             (False, False, False, 128, False), (True, False, False, 0, True), (True, True, True, 0, True),
-             (False, False, False, 0, True)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", DECODE_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    cases = DECODE_CASES
+    got = part(compiled, "decode")
     assert [g["cubin"] > 0 for g in got] == [True] * (len(cases) + 2)
     assert all(g["mma"] for g in got[: len(cases)])  # the score and value products on the tensor cores
     assert got[3]["maxnreg"] is True, "the register cap did not reach the PTX"
@@ -154,48 +253,15 @@ def test_decode_attention_and_argmax_compile_for_sm90():
     assert min(rows) >= 128 and max(inner) <= 8, (rows, inner)  # (8 elsewhere in the split + rope variant)
 
 
-PREFILL_SCRIPT = r'''
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from kernels import prefill_attention
-jitted = prefill_attention._paged_attention_kernel.jitted()
-PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "out_ptr": "*bf16", "m_ptr": "*fp32",
-        "l_ptr": "*fp32", "acc_ptr": "*fp32", "bt_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
-        "qk_scale": "fp32"}
-out = []
-for widen, bm, bn, warps, stages, compact in json.loads(sys.argv[1]):
-    consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_Q": bm // 4, "BLOCK_M": bm, "BLOCK_N": bn,
-              "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "HAS_WINDOW": False, "SPLIT": True,
-              "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": widen != "q", "QK_FP8": widen == "k8", "V_T": False,
-              "COMPACT": compact, "BLOCK_B": prefill_attention.COMPACT_MAX_SEQS + 1}
-    sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
-    c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    ptx = c.asm["ptx"]
-    out.append({"cubin": len(c.asm["cubin"]), "wgmma": "wgmma" in ptx, "e4m3_pairs": ptx.count("cvt.rn.f16x2.e4m3x2"),
-                "f16_to_bf16": ptx.count("cvt.bf16.f16"), "wgmma_e4m3": ptx.count("e4m3.e4m3"),
-                "q_to_e4m3": ptx.count("cvt.rn.satfinite.e4m3x2.f32")})
-print(json.dumps(out))
-'''
-
-
-def test_prefill_attention_fp8_cache_compiles_for_sm90():
+def test_prefill_attention_fp8_cache_compiles_for_sm90(compiled):
     """The prefill attention over an fp8 cache, tiles widened to bf16 (q's dtype) or to fp16, at the
     engine's two tile shapes: both on Hopper's MMA (wgmma); e4m3 widens in pairs to fp16 either way,
     and the fp16 path drops the per-value fp16 -> bf16 conversion that the bf16 path adds to each
     loaded K and V tile (what made an fp8 cache slower than a bf16 one on the H200). widen="k8":
     QK^T on the e4m3 wgmma (q cast to e4m3 by the hardware's cvt), only V widened. The compact grid (each
     program's tile found by a cumsum over the batch's tile counts) at both tile shapes."""
-    cases = [("q", 64, 64, 4, 2, False), ("fp16", 64, 64, 4, 2, False), ("q", 128, 128, 8, 3, False),
-             ("fp16", 128, 128, 8, 3, False), ("k8", 64, 64, 4, 2, False), ("k8", 128, 128, 8, 3, False),
-             ("fp16", 64, 64, 4, 2, True), ("fp16", 128, 128, 8, 3, True)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", PREFILL_SCRIPT, json.dumps(cases)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
-    for case, g in zip(cases, got, strict=True):
+    got = part(compiled, "prefill")
+    for case, g in zip(PREFILL_CASES, got, strict=True):
         widen = case[0]
         assert g["cubin"] > 0 and g["wgmma"] and g["e4m3_pairs"] > 0, (case, g)
         assert (g["f16_to_bf16"] == 0) == (widen != "q"), (case, g)
@@ -204,74 +270,21 @@ def test_prefill_attention_fp8_cache_compiles_for_sm90():
     assert got[4]["e4m3_pairs"] < got[1]["e4m3_pairs"] and got[5]["e4m3_pairs"] < got[3]["e4m3_pairs"], got
 
 
-CAST_SCRIPT = r'''
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from kernels import fp8_quant
-jitted = fp8_quant._cast_e4m3_kernel.jitted()
-sig = {"x_ptr": "*bf16", "y_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "T": "i32", "stride_x": "i32", "C": "i32",
-       "V_COL": "i32"}
-consts = {"FP8_MAX_": 448.0, "MARGIN": 1.125, "HW_CAST": True, "BLOCK_R": 16, "BLOCK_C": 512}
-sig = {n: sig[n] for n in jitted.arg_names if n in sig} | dict.fromkeys(consts, "constexpr")
-c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
-ptx = c.asm["ptx"]
-print(json.dumps({"atom_min": "atom.global.gpu.acq_rel.min" in ptx,  # (a float min: int atomics by sign)
-                  "nan_clamp": "max.NaN." in ptx and "min.NaN." in ptx, "e4m3": "e4m3x2" in ptx}))
-'''
-
-
-def test_fp8_attention_cast_compiles_for_sm90():
+def test_fp8_attention_cast_compiles_for_sm90(compiled):
     """FP8 attention's q | k | v cast (kernels/fp8_quant.py): one atomic min for O's scale, the clamp
     keeping NaN (max.NaN / min.NaN: the interpreter cannot show it, its fp8 cast turns NaN into 384), the
     hardware's e4m3 conversion."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
-    p = subprocess.run([sys.executable, "-c", CAST_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    got = part(compiled, "cast")
     assert got == {"atom_min": True, "nan_clamp": True, "e4m3": True}, got
 
 
-TMA_SCRIPT = r'''
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from kernels import fp8_gemm
-jitted = fp8_gemm._fp8_gemm_rowwise_tma_kernel.jitted()
-out = []
-for bm, bn, bk, warps, stages, split in json.loads(sys.argv[1]):
-    consts = {"HAS_BIAS": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "K_SPLIT": 2048}
-    types = {"a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
-             "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16",
-             "part_ptr": "*fp32", "count_ptr": "*i32"}
-    sig = {n: types.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
-    c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    ptx = c.asm["ptx"]
-    out.append({"tma": ptx.count("cp.async.bulk.tensor"), "wgmma_e4m3": ptx.count("e4m3.e4m3"),
-                "ld_global_b": ptx.count("ld.global.b8") + ptx.count("ld.global.v4.b32"), "atom": "atom." in ptx})
-print(json.dumps(out))
-'''
-
-
-def test_tma_gemm_compiles_for_sm90():
+def test_tma_gemm_compiles_for_sm90(compiled):
     """The few-row FP8 GEMM with TMA loads (kernels/fp8_gemm.py's candidate for 65-256 rows): A and B come
     by bulk tensor copies (cp.async.bulk.tensor), not per-thread loads, into the e4m3 wgmma; the split's
     arrival counter only when split."""
-    from kernels.fp8_gemm import tma_default
-
-    builtin = {t for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)) for t in tma_default(n, k) or () if t}
-    assert len(builtin) == 3  # qkv, o and down's tiles at 128 and 256 rows (some shared)
-    cases = [(128, 64, 128, 4, 4, 1), (128, 32, 128, 4, 6, 2), (128, 128, 128, 8, 4, 1), *sorted(builtin)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
-    p = subprocess.run([sys.executable, "-c", TMA_SCRIPT, json.dumps(cases)], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(tma_builtin()) == 3  # qkv, o and down's tiles at 128 and 256 rows (some shared)
+    cases = tma_cases()
+    got = part(compiled, "tma")
     for case, g in zip(cases, got, strict=True):
         assert g["tma"] > 0 and g["wgmma_e4m3"] > 0, (case, g)
         assert g["atom"] == (case[5] > 1), (case, g)
