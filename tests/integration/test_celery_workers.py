@@ -53,13 +53,19 @@ pytestmark = pytest.mark.integration
 
 CLAIM_KEY = "firsttoken-test-celery-claim"
 DRAIN_TIMEOUT_S = 1.0  # the GPU workers' FIRSTTOKEN_DRAIN_TIMEOUT_S
-# the stop tests' long jobs, and the cancel test's: LONG_TOKENS steps at STEP_FLOOR_S each at least
-# (FIRSTTOKEN_TEST_STEP_FLOOR_S, every GPU worker here), so at least 19 s, whatever the machine: still
-# running at a signal sent when the first 8-token job has ended, well past the 1 s drain. A token count
-# alone bounded nothing (400 tokens once took seconds here; by 2026-12-03 all 36 jobs of the SIGQUIT
-# test ended within the 1.4 s before the signal)
-LONG_TOKENS = 1900
+# the stop tests' long jobs, and the cancel test's: each step of a GPU worker's engine takes a floor at
+# least (FIRSTTOKEN_TEST_STEP_FLOOR_S), so that a long job lasts at least 19 s on the worker that is
+# signalled, whatever the machine: still running at a signal sent when the first 8-token job has ended,
+# well past the 1 s drain. A token count alone bounded nothing (400 tokens once took seconds here; by
+# 2026-12-03 all 36 jobs of the SIGQUIT test ended within the 1.4 s before the signal).
+# Each successor runs the jobs handed back to it at its own floor, so the floors fall from worker to
+# worker: gpu0 (the cancel and SIGQUIT tests) QUIT_LONG_TOKENS x FIRST_STEP_FLOOR_S = 20 s; gpu1 (SIGQUIT's
+# successor, SIGTERM's stopped worker) LONG_TOKENS x STEP_FLOOR_S = 19 s, and it reruns the SIGQUIT
+# test's long jobs in 4 s, not 19 s; gpu2 (SIGTERM's successor, the last, never signalled) no floor.
+FIRST_STEP_FLOOR_S = 0.05
+QUIT_LONG_TOKENS = 400
 STEP_FLOOR_S = 0.01
+LONG_TOKENS = 1900
 
 
 # --- Redis: a database of our own ------------------------------------------------------------------
@@ -139,6 +145,7 @@ class Cluster:
         self.tag = uuid.uuid4().hex[:6]
         self.host = socket.gethostname()
         self.procs: dict[str, subprocess.Popen] = {}
+        self.step_floors: dict[str, float] = {}  # each worker's FIRSTTOKEN_TEST_STEP_FLOOR_S
         self.logs: dict[str, Path] = {}
         self.store = ResultStore.from_url(settings.database_url)
         self.gpu_name = ""  # the GPU worker's name (its results' `worker`) and node
@@ -147,15 +154,16 @@ class Cluster:
 
     # processes
 
-    def start(self, kind: str, name: str) -> str:
-        """Start a Celery worker (kind "gpu" or "cpu") named `name`; returns its node name."""
+    def start(self, kind: str, name: str, step_floor_s: float = STEP_FLOOR_S) -> str:
+        """Start a Celery worker (kind "gpu" or "cpu") named `name`, its engine's steps taking
+        `step_floor_s` at least (0: no floor); returns its node name."""
         node = f"{name}-{self.tag}@{self.host}"
         env = worker_env(self.settings, name)
         env.update(
             {
                 "FIRSTTOKEN_REDIS_URL": self.redis_url,
                 "FIRSTTOKEN_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
-                "FIRSTTOKEN_TEST_STEP_FLOOR_S": str(STEP_FLOOR_S),
+                "FIRSTTOKEN_TEST_STEP_FLOOR_S": str(step_floor_s),
                 "PYTHONUNBUFFERED": "1",
             }
         )
@@ -169,6 +177,7 @@ class Cluster:
                 argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         self.logs[name] = log_path
+        self.step_floors[name] = step_floor_s
         return node
 
     def reply(self, command: str, node: str, timeout_s: float = 1.0) -> dict | None:
@@ -245,10 +254,10 @@ class Cluster:
         finally:
             admin.close()
 
-    def replace_gpu_worker(self, stopped: str, name: str) -> None:
+    def replace_gpu_worker(self, stopped: str, name: str, step_floor_s: float = STEP_FLOOR_S) -> None:
         """Start the GPU worker `name` after `stopped` exited, and wait until it answers."""
         assert self.procs[stopped].poll() is not None
-        self.gpu_name, self.gpu_node = name, self.start("gpu", name)
+        self.gpu_name, self.gpu_node = name, self.start("gpu", name, step_floor_s)
         self.wait_ready(self.gpu_node, name, gpu=True)
 
     def rows(self, batch_id: str) -> list:
@@ -278,7 +287,7 @@ def cluster(kafka_bootstrap, postgres_url, redis_url, tmp_path_factory) -> Itera
     try:
         with _app_on(url) as app:
             c = Cluster(settings.model_copy(update={"redis_url": url}), url, log_dir, app)
-            c.gpu_name, c.gpu_node = "gpu0", c.start("gpu", "gpu0")
+            c.gpu_name, c.gpu_node = "gpu0", c.start("gpu", "gpu0", FIRST_STEP_FLOOR_S)
             c.cpu_node = c.start("cpu", "cpu0")
             try:
                 c.wait_ready(c.cpu_node, "cpu0", gpu=False)
@@ -375,7 +384,8 @@ def test_engine_stats_reaches_both_workers(cluster: Cluster):
 def test_cancel_running_jobs(cluster: Cluster):
     tag = uuid.uuid4().hex[:8]
     by_batch, by_ids, short = f"cancel-b-{tag}", f"cancel-i-{tag}", f"keep-{tag}"
-    # long jobs: 2000 tokens each, at least 20 s at the step floor (STEP_FLOOR_S); cancelled ones must end at once
+    # long jobs: 2000 tokens each, at least 100 s at gpu0's step floor (FIRST_STEP_FLOOR_S); cancelled ones must
+    # end at once
     doomed_batch = make_jobs(4, by_batch, batch_id=by_batch, max_tokens=2000)
     ids_batch = make_jobs(3, by_ids, batch_id=by_ids, max_tokens=2000)
     ids_batch[2] = ids_batch[2].model_copy(
@@ -449,12 +459,18 @@ def rows_at_exit(cluster: Cluster, batch: str, want: dict[str, int], old: str) -
 
 
 def successor_finishes_the_rest(
-    cluster: Cluster, batch: str, want: dict[str, int], at_exit: dict, old: str, new: str
+    cluster: Cluster,
+    batch: str,
+    want: dict[str, int],
+    at_exit: dict,
+    old: str,
+    new: str,
+    step_floor_s: float = STEP_FLOOR_S,
 ) -> None:
     """Start `new` in place of the stopped `old`: every job ends with one row, those `old` wrote are
     never written again, and `new` ran only the jobs handed back (`old` committed what it wrote)."""
     n = len(want)
-    cluster.replace_gpu_worker(old, new)
+    cluster.replace_gpu_worker(old, new, step_floor_s)
     wait_until(lambda: terminal_count(cluster.store, batch) == n, 90, f"all {n} rows after the restart")
     assert cluster.row_count(batch) == n
     rows = {r.id: r for r in cluster.rows(batch)}
@@ -471,12 +487,14 @@ def successor_finishes_the_rest(
 def test_sigquit_stops_gpu_worker_at_once_and_another_finishes(cluster: Cluster):
     """Cold shutdown: the GPU worker stops without draining, and leaves its successor in its place."""
     batch = f"quit-{uuid.uuid4().hex[:8]}"
-    # short jobs finish first; the long ones are still running at the SIGQUIT (LONG_TOKENS floored steps)
+    # short jobs finish first; the long ones are still running at the SIGQUIT (QUIT_LONG_TOKENS steps at
+    # gpu0's floor, 20 s at least)
     jobs = make_jobs(32, batch, batch_id=batch, max_tokens=8)
-    jobs += make_jobs(4, f"{batch}-long", batch_id=batch, max_tokens=LONG_TOKENS)
+    jobs += make_jobs(4, f"{batch}-long", batch_id=batch, max_tokens=QUIT_LONG_TOKENS)
     n = len(jobs)
     want = {j.id: j.sampling.max_tokens for j in jobs}
     old = cluster.gpu_name
+    assert QUIT_LONG_TOKENS * cluster.step_floors[old] >= 19, cluster.step_floors
     with cluster.logs_on_failure():
         first = cluster.procs[old]
         assert len(cluster.group_members()) == 1
@@ -503,13 +521,14 @@ def test_sigquit_stops_gpu_worker_at_once_and_another_finishes(cluster: Cluster)
 def test_sigterm_drains_gpu_worker_and_another_finishes(cluster: Cluster):
     """Last in the module: it stops the GPU worker and leaves its successor in its place."""
     batch = f"drain-{uuid.uuid4().hex[:8]}"
-    # short jobs finish first; the long ones (LONG_TOKENS steps) cannot finish within the drain
-    # timeout, so that the worker must hand them back
+    # short jobs finish first; the long ones (LONG_TOKENS steps at gpu1's floor, 19 s at least) cannot
+    # finish within the drain timeout, so that the worker must hand them back
     jobs = make_jobs(96, batch, batch_id=batch, max_tokens=8)
     jobs += make_jobs(6, f"{batch}-long", batch_id=batch, max_tokens=LONG_TOKENS)
     n = len(jobs)
     want = {j.id: j.sampling.max_tokens for j in jobs}
     old = cluster.gpu_name
+    assert LONG_TOKENS * cluster.step_floors[old] >= 19, cluster.step_floors
     with cluster.logs_on_failure():
         first = cluster.procs[old]
         cluster.submit(jobs)
@@ -526,5 +545,7 @@ def test_sigterm_drains_gpu_worker_and_another_finishes(cluster: Cluster):
 
         # what the drained worker wrote: every row it finished is there, complete and final
         at_exit = rows_at_exit(cluster, batch, want, old)
-        successor_finishes_the_rest(cluster, batch, want, at_exit, old, "gpu2")
+        # gpu2 is the module's last GPU worker, never signalled: no step floor, so that it runs the
+        # handed-back long jobs at the engine's speed instead of LONG_TOKENS floors (19 s)
+        successor_finishes_the_rest(cluster, batch, want, at_exit, old, "gpu2", step_floor_s=0.0)
         print(f"SIGTERM: exit 0 in {took:.1f} s with {len(at_exit)}/{n} rows written; the rest by gpu2")
