@@ -26,6 +26,7 @@
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   overlap     decode steps of 128+ sequences as two halves on two streams: its GPU tests, then throughput with
 #               it (fp8-ov), without (the default) and with the halves' attentions free (fp8-ovfree)      ~7.5 min
+#   overlap_micro  decode attention beside the FP8 GEMMs on two streams, alone and serial (bench_overlap) ~1 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
 #   prefill_tiles  cached + 128's paged attention over more splits and other tiles (ncu_prefill_cached) ~1.5 min
 #   tma_ab      TTFT 2048 (cached + 128), fp8+kv8 with the TMA GEMM off and on, one process          ~1.5 min
@@ -275,6 +276,8 @@ for stage in "${STAGES[@]}"; do
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_overlap 120 $PY -m pytest -q -s -m gpu \
         tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "two_streams"
       throughputs 150 fp8-ov+kv8 fp8+kv8 fp8-ovfree+kv8 ;;
+    overlap_micro)  # one layer's decode attention and FP8 GEMMs x 32, alone, serial and on two streams (bench_overlap)  ~1 min
+      [ "${SMOKE:-0}" = 1 ] || run overlap_micro 150 $PY bench/bench_overlap.py --rows 256,512 --context 1500 ;;
     dec_pipe_short)  # the candidate's throughput and the default's, nothing else (~4.5 min; each ran 107-123 s)
       throughputs 170 fp8-vtpf3+kv8 fp8+kv8 ;;
     vt_all)  # one H200 call: the tiles over both V layouts, the fp8-cache GPU tests, throughput keys inner then rows
