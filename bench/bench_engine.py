@@ -345,13 +345,6 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # too), not the default compact one
     "fp8-nocompact": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_COMPACT": "0"}},
     "bf16-nocompact": {"_env": {"FIRSTTOKEN_PREFILL_COMPACT": "0"}},
-    # pure decode steps of 128+ sequences as two halves on two CUDA streams, one half's attention beside the
-    # other's GEMMs (FIRSTTOKEN_DECODE_OVERLAP; ":free": the halves' attentions not kept apart)
-    "fp8-ov": {"quantization": "fp8", "_env": {"FIRSTTOKEN_DECODE_OVERLAP": "128"}},
-    "fp8-ovfree": {"quantization": "fp8", "_env": {"FIRSTTOKEN_DECODE_OVERLAP": "128:free"}},
-    "fp8-vtpf3ov": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner",
-                    "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true}', "FIRSTTOKEN_DECODE_OVERLAP": "128"}},
-    "bf16-ov": {"_env": {"FIRSTTOKEN_DECODE_OVERLAP": "128"}},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
 }
 

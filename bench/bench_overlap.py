@@ -9,6 +9,16 @@ stream-priority order:
 If "concurrent" is near max(attention, gemms), the two can share the GPU, and a decode step split in two
 halves (FIRSTTOKEN_DECODE_OVERLAP) has room; if it is near their sum, the block scheduler runs them one
 after the other whatever the streams. Prints JSON and a markdown table; writes them under $OUT when set.
+
+Measured on an H100 (bench/results/2026-12-07-session22-overlap-micro-h100-9aff7ef.md), M = 512: attention
+18.6 ms (2705 GB/s), GEMMs 5.59 ms (1279 TFLOP/s), one after the other 24.5, on two streams 24.3-25.0
+under every priority order: no overlap at all (at M = 256 the GEMMs alone are bound by Triton's host
+dispatch, which the serial run hides). The engine path this tested, a decode step's two halves on two
+streams, each half's attention beside the other's GEMMs (session 22, ffbd670: exact tokens, GPU tests
+passing), lowered offline throughput on the H100: 12,255 tok/s, and 12,378 with the halves' attentions
+free, against 12,643 without (decode graphs 54.1 / 53.4 against 51.6 s;
+bench/results/2026-12-07-session22-overlap-throughput-*); removed. The attention's programs fill every SM,
+so a GEMM gets SMs only as they drain.
 """
 
 from __future__ import annotations

@@ -24,8 +24,6 @@
 #   dec_pipe    one H200 call: the SM clock sampled throughout (clocks.csv), decode attention's pipelining and
 #               V-layout variants (tiles), then throughput with the default, fp8-vt and fp8-vtpf4 (an H100 with
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
-#   overlap     decode steps of 128+ sequences as two halves on two streams: its GPU tests, then throughput with
-#               it (fp8-ov), without (the default) and with the halves' attentions free (fp8-ovfree)      ~7.5 min
 #   overlap_micro  decode attention beside the FP8 GEMMs on two streams, alone and serial (bench_overlap) ~1 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
 #   prefill_tiles  cached + 128's paged attention over more splits and other tiles (ncu_prefill_cached) ~1.5 min
@@ -271,11 +269,6 @@ for stage in "${STAGES[@]}"; do
         FIRSTTOKEN_FP8_TMA_CONFIG="$OUT/tma_config.json" run ttft_tma 120 $PY bench/bench_engine.py "${DEV[@]}" \
           --preset $PRESET --sections ttft --ttft-lengths 2048 --engines fp8+kv8 --no-hf
       fi ;;
-    overlap)  # decode steps of 128+ sequences as two halves on two CUDA streams (FIRSTTOKEN_DECODE_OVERLAP): its GPU
-      # tests, then offline throughput with it, without (the default) and with the halves' attentions free ~7.5 min
-      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_overlap 120 $PY -m pytest -q -s -m gpu \
-        tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "two_streams"
-      throughputs 150 fp8-ov+kv8 fp8+kv8 fp8-ovfree+kv8 ;;
     overlap_micro)  # one layer's decode attention and FP8 GEMMs x 32, alone, serial and on two streams (bench_overlap)  ~1 min
       [ "${SMOKE:-0}" = 1 ] || run overlap_micro 150 $PY bench/bench_overlap.py --rows 256,512 --context 1500 ;;
     dec_pipe_short)  # the candidate's throughput and the default's, nothing else (~4.5 min; each ran 107-123 s)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -35,19 +35,6 @@ class AttentionMetadata:
     # the step is one long prompt with nothing cached: attention runs on the contiguous new
     # q/k/v with a dense causal kernel instead of through the cache
     prefill_dense: bool = False
-
-
-def split_decode(meta: AttentionMetadata, at: int) -> tuple[AttentionMetadata, AttentionMetadata]:
-    """A pure decode step's metadata as two steps: sequences [0, at) and [at, B)."""
-    assert meta.num_decode_tokens == meta.slot_mapping.shape[0] and meta.decode_block_tables is not None
-    assert meta.decode_seq_lens is not None and 0 < at < meta.num_decodes
-    halves = []
-    for sl in (slice(0, at), slice(at, meta.num_decodes)):
-        n = sl.stop - sl.start
-        halves.append(replace(meta, slot_mapping=meta.slot_mapping[sl], num_decodes=n, num_decode_tokens=n,
-                              decode_block_tables=meta.decode_block_tables[sl],
-                              decode_seq_lens=meta.decode_seq_lens[sl]))
-    return halves[0], halves[1]
 
 
 # decode batches up to which rope_and_cache runs inside the decode attention (KernelOps.decode_rope_attention).

@@ -187,32 +187,6 @@ def test_cuda_packed_prefill_graph_inputs_match_transformers(llama_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("overlap", ["4", "4:free"])
-@pytest.mark.parametrize("graphs", [True, False])
-def test_cuda_decode_halves_on_two_streams_match_transformers(llama_dir, monkeypatch, overlap, graphs):
-    """Decode steps of 4+ sequences as two halves on two streams (FIRSTTOKEN_DECODE_OVERLAP), captured into
-    the decode graphs or eager, under async scheduling: transformers' greedy tokens exactly (fp32)."""
-    from workers.engine.models.llama import LlamaForCausalLM
-
-    seen: list[int] = []
-    real = LlamaForCausalLM._forward_halves
-
-    def spy(self, x, *a, **k):
-        seen.append(x.shape[0])
-        return real(self, x, *a, **k)
-
-    monkeypatch.setattr(LlamaForCausalLM, "_forward_halves", spy)
-    monkeypatch.setenv("FIRSTTOKEN_DECODE_OVERLAP", overlap)
-    prompts = prompt_set(21, seed=8, min_len=3, max_len=180)
-    want = hf_greedy_cuda(llama_dir, prompts)
-    eng, got = run(llama_dir, prompts, cuda_graphs=graphs, block_size=16)
-    assert (eng.runner.graphs is not None) == graphs and eng.runner.model.overlap_min_batch == 4
-    assert got == want
-    assert seen and max(seen) >= 21  # (graphs: the captured buckets; eager: the steps themselves)
-    eng.close()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_fp8_kv_v_layouts_agree(llama_dir):
     """bf16 with an fp8 KV cache as served (Triton, graphs, fp16-widened tiles): V keys-inner (opt-in)
     and V in rows (the default) compute the same tiles in the same order, so the greedy tokens are
