@@ -24,6 +24,7 @@
 #   dec_pipe    one H200 call: the SM clock sampled throughout (clocks.csv), decode attention's pipelining and
 #               V-layout variants (tiles), then throughput with the default, fp8-vt and fp8-vtpf4 (an H100 with
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
+#   logits32    the lm_head's GEMM writing fp32 logits against bf16 + a cast: GPU tests, throughput of each ~6.5 min
 #   overlap_micro  decode attention beside the FP8 GEMMs on two streams, alone and serial (bench_overlap) ~1 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
 #   prefill_tiles  cached + 128's paged attention over more splits and other tiles (ncu_prefill_cached) ~1.5 min
@@ -269,6 +270,12 @@ for stage in "${STAGES[@]}"; do
         FIRSTTOKEN_FP8_TMA_CONFIG="$OUT/tma_config.json" run ttft_tma 120 $PY bench/bench_engine.py "${DEV[@]}" \
           --preset $PRESET --sections ttft --ttft-lengths 2048 --engines fp8+kv8 --no-hf
       fi ;;
+    logits32)  # the lm_head's GEMM writing fp32 logits (the default) against bf16 then a cast: its GPU test and
+      # the logit-precision tests, then offline throughput of each (one process each)                 ~6.5 min
+      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests_logits 150 \
+        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA \
+        -k "fp32_logits or logprobs or emulation or as_served"
+      throughputs 150 fp8+kv8 fp8-bf16logits+kv8 ;;
     overlap_micro)  # one layer's decode attention and FP8 GEMMs x 32, alone, serial and on two streams (bench_overlap)  ~1 min
       [ "${SMOKE:-0}" = 1 ] || run overlap_micro 150 $PY bench/bench_overlap.py --rows 256,512 --context 1500 ;;
     dec_pipe_short)  # the candidate's throughput and the default's, nothing else (~4.5 min; each ran 107-123 s)

@@ -187,6 +187,35 @@ def test_cuda_packed_prefill_graph_inputs_match_transformers(llama_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_head_writes_fp32_logits_from_its_accumulator(llama_dir):
+    """A bf16 model's lm_head on CUDA writes fp32 logits from the GEMM's fp32 accumulator, into the graphs'
+    shared buffer too: within fp32 summation error of a float64 product of the same bf16 operands, where the
+    bf16 GEMM then a cast (FIRSTTOKEN_LOGITS_FP32_GEMM=0) rounds each logit to bf16, 2^-9 relative (this bound
+    fails it: checked below)."""
+    eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton",
+                                                 num_blocks=256, max_model_len=512))
+    model = eng.runner.model
+    assert model.logits_fp32_gemm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn((37, model.cfg.hidden_size), device="cuda", dtype=torch.bfloat16, generator=g) * 4
+    residual = torch.randn_like(hidden)
+    h, _ = model.norm(hidden.clone(), residual.clone())
+    ref = h.double() @ model.lm_head_weight.double().t()
+    bound = 2e-4 * ref.abs().max().item()
+    got = model.compute_logits(hidden.clone(), residual.clone())
+    buf = torch.full((64, ref.shape[1]), float("nan"), device="cuda")
+    into = model.compute_logits(hidden.clone(), residual.clone(), buf[:37])
+    assert got.dtype == torch.float32 and into.data_ptr() == buf.data_ptr() and torch.equal(into, got)
+    err = (got.double() - ref).abs().max().item()
+    model.logits_fp32_gemm = False
+    old = model.compute_logits(hidden.clone(), residual.clone())
+    old_err = (old.double() - ref).abs().max().item()
+    measured("bf16_head_fp32_logits", {"err": err, "bf16_then_cast_err": old_err, "bound": bound})
+    assert err < bound < old_err
+    eng.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_fp8_kv_v_layouts_agree(llama_dir):
     """bf16 with an fp8 KV cache as served (Triton, graphs, fp16-widened tiles): V keys-inner (opt-in)
     and V in rows (the default) compute the same tiles in the same order, so the greedy tokens are
