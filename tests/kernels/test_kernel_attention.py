@@ -248,6 +248,52 @@ def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n, mode) -> None:
     torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, window), **TOL[dtype])
 
 
+# blocks of 32 and 64 tokens (EngineConfig.block_size: any power of two; TensorRT-LLM serves 32-64): key tiles
+# shorter than a block (rows only: keys inner reads whole blocks), as long, and longer; windows across blocks
+LARGE_BLOCK_CASES = [
+    (32, "rows", 16, None, None),
+    (64, "rows", None, 37, 2),
+    (64, "rows", 128, None, 3),
+    (32, "keys_inner", None, None, 2),
+    (64, "keys_inner", 64, 37, None),
+]
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize(("bs", "v_layout", "block_n", "window", "splits"), LARGE_BLOCK_CASES)
+def test_decode_large_blocks(bs, v_layout, block_n, window, splits) -> None:
+    ctx, hq, hk, d = [1, 70, 130], 8, 2, 64
+    kc, vc, bt = make_paged_kv(ctx, hk, d, bs, F32)
+    vc = to_v_layout(vc, v_layout, stale=300.0)
+    q = torch.randn(len(ctx), hq + 2 * hk, d)[:, :hq]
+    sl = torch.tensor(ctx, dtype=torch.int32)
+    out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, window), **TOL[F32])
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize(("bs", "v_layout", "block_n", "window", "splits"), LARGE_BLOCK_CASES)
+def test_paged_prefill_large_blocks(bs, v_layout, block_n, window, splits) -> None:
+    prefix, new, hq, hk, d = [0, 61, 100], [45, 9, 30], 8, 2, 64
+    q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, d, bs, F32)
+    vc = to_v_layout(vc, v_layout, stale=300.0)
+    tiles = {"block_m": 32, **({"block_n": block_n} if block_n else {})}
+    if splits:
+        tiles["num_splits"] = splits
+    out = paged_attention_triton(q, kc, vc, bt, qsl, sl, d**-0.5, window, max_query_len=max(new), **tiles)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, d**-0.5, window), **TOL[F32])
+
+
+def test_keys_inner_v_needs_whole_blocks_in_a_tile() -> None:
+    kc, vc, bt = make_paged_kv([40], 2, 64, 32, F32)
+    vc = to_v_layout(vc, "keys_inner", stale=300.0)
+    q = torch.randn(1, 8, 64)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        decode_attention_triton(q, kc, vc, bt, torch.tensor([40], dtype=torch.int32), 0.125, block_n=16)
+
+
 def test_decode_catches_window_and_paging_bugs() -> None:
     ctx, window = [70, 45], 20
     kc, vc, bt = make_paged_kv(ctx, 1, 64, 16, F32)
