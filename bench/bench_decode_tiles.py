@@ -102,7 +102,7 @@ def case(b: int, ctx: int, layout: str, hq: int = 32, hk: int = 8, d: int = 128,
     sl = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn((b, hq, d), device="cuda", generator=g, dtype=torch.bfloat16)
     scale = d ** -0.5
-    outs, row = {}, {"B": b, "context": ctx, "blocks": layout}
+    outs, row = {}, {"B": b, "context": ctx, "blocks": layout, "block size": bs}
     kv_bytes = 2 * b * ctx * hk * d  # K and V, one byte each
     vc_inner = None
     calls = {}
@@ -137,6 +137,9 @@ def main() -> None:
                     help="block tables and cache layout: prefill, shuffled, hnd (shuffled, head-major blocks)")
     ap.add_argument("--variants", default="",
                     help="JSON {name: decode_attention_triton keywords} replacing the variants beside the default")
+    ap.add_argument("--block-sizes", default="16",
+                    help="comma-separated KV block sizes (tokens): 16 is the engine's default; TensorRT-LLM's "
+                         "head-major blocks of 32-64 tokens are 'hnd' at 32 / 64 (one head's block: 4-8 KB in one run)")
     ap.add_argument("--old", default="", help="a previous kernels/decode_attention.py: timed too, as variant 'old'")
     ap.add_argument("--hog-sms", type=int, default=0,
                     help="hold this many SMs while timing (bench/sm_hog.py): an H100 with 40 of 132 held has an "
@@ -163,12 +166,13 @@ def main() -> None:
         rows = []
         for c in args.cases.split(","):
             b, ctx = (int(x) for x in c.split("x"))
-            for layout in args.layouts.split(","):
-                rows.append(case(b, ctx, layout))
-                torch.cuda.empty_cache()
-                print(f"# {rows[-1]}", flush=True)
+            for bs in (int(x) for x in args.block_sizes.split(",")):
+                for layout in args.layouts.split(","):
+                    rows.append(case(b, ctx, layout, bs=bs))
+                    torch.cuda.empty_cache()
+                    print(f"# {rows[-1]}", flush=True)
     data = {"header": header(), "copy_gbps": bw, "rows": rows}
-    cols = ["B", "context", "blocks", *(f"{n} GB/s" for n in VARIANTS), "default us", "max diff",
+    cols = ["B", "context", "blocks", "block size", *(f"{n} GB/s" for n in VARIANTS), "default us", "max diff",
             *(f"{n} rel" for n in VARIANTS if n != "default")]
     md = (f"### decode attention tiles, fp8 cache, {data['header']['machine']}, commit "
           f"{data['header']['commit']}; copy {bw:.0f} GB/s\n\n" + md_table(rows, cols))

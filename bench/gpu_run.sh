@@ -24,6 +24,8 @@
 #   dec_pipe    one H200 call: the SM clock sampled throughout (clocks.csv), decode attention's pipelining and
 #               V-layout variants (tiles), then throughput with the default, fp8-vt and fp8-vtpf4 (an H100 with
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
+#   blocks      KV blocks of 16/32/64 tokens: decode attention tiles (rows, head-major; V keys inner; prefetch),
+#               with 40 SMs held on an H100, then throughput at 64 against 16                         ~7.5 min
 #   logits32    the lm_head's GEMM writing fp32 logits against bf16 + a cast: GPU tests, throughput of each ~6.5 min
 #   overlap_micro  decode attention beside the FP8 GEMMs on two streams, alone and serial (bench_overlap) ~1 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
@@ -141,6 +143,7 @@ cat "$OUT/machine.txt"
 PREFILL_VARIANTS='{"k8": {"widen": "k8"}, "k8_s3": {"widen": "k8", "num_stages": 3},
  "k8_n128": {"widen": "k8", "block_n": 128}, "k8_m128": {"widen": "k8", "block_m": 128, "block_n": 64, "num_warps": 8,
  "num_stages": 2, "num_splits": 4}}'
+BLOCK_VARIANTS='{"pf": {"prefetch": true}, "vt": {"v_layout": "keys_inner"}, "vtpf": {"v_layout": "keys_inner", "prefetch": true}}'
 PREFILL_TILES='{"s6": {"num_splits": 6}, "s8": {"num_splits": 8}, "n128_s4": {"block_n": 128, "num_splits": 4},
  "m128n128w8_s8": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "num_splits": 8},
  "w8_s4": {"num_warps": 8, "num_splits": 4}, "m32_s8": {"block_m": 32, "num_splits": 8}}'
@@ -270,6 +273,19 @@ for stage in "${STAGES[@]}"; do
         FIRSTTOKEN_FP8_TMA_CONFIG="$OUT/tma_config.json" run ttft_tma 120 $PY bench/bench_engine.py "${DEV[@]}" \
           --preset $PRESET --sections ttft --ttft-lengths 2048 --engines fp8+kv8 --no-hf
       fi ;;
+    blocks)  # the KV block size: decode attention's tiles at blocks of 16 / 32 / 64 tokens, rows and head-major
+      # (TensorRT-LLM's layout: one head's block one run of 2-8 KB), V rows and keys inner, with and without the
+      # block ids a tile ahead; on an H100 again with 40 SMs held (the H200's bandwidth per SM); then offline
+      # throughput at blocks of 64 against 16, one process each                                          ~7.5 min
+      if [ "${SMOKE:-0}" != 1 ]; then
+        run decode_blocks 120 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,32,64 \
+          --cases 256x1100,1000x1500 --variants "$BLOCK_VARIANTS"
+        if $PY -c "import torch,sys; sys.exit('H100' not in torch.cuda.get_device_name())"; then
+          run decode_blocks_hog40 120 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,64 \
+            --cases 1000x1500 --variants "$BLOCK_VARIANTS" --hog-sms 40
+        fi
+      fi
+      throughputs 150 fp8-bs64+kv8 fp8+kv8 ;;
     logits32)  # the lm_head's GEMM writing fp32 logits (the default) against bf16 then a cast: its GPU test and
       # the logit-precision tests, then offline throughput of each (one process each)                 ~6.5 min
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests_logits 150 \

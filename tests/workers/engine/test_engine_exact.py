@@ -82,6 +82,20 @@ def test_second_run_hits_prefix_cache(llama_dir, prompts, want):
     assert_pool_clean(eng)
 
 
+def test_large_blocks_with_prefix_hits_and_chunks(llama_dir):
+    """Blocks of 64 tokens (TensorRT-LLM serves 32-64): chunked prefills of 48 tokens, so a chunk fills
+    part of a block, and a second run whose prefix hits come in whole 64-token blocks."""
+    prefix = prompt_set(1, seed=31, min_len=140, max_len=140)[0]
+    prompts = [prefix + t for t in prompt_set(3, seed=32, min_len=1, max_len=30)]
+    want = hf_greedy(llama_dir, prompts, MAX_NEW)
+    eng = make_engine(llama_dir, block_size=64, max_num_batched_tokens=48)
+    assert [f.output_token_ids for f in run_all(eng, prompts, "a")] == want
+    second = run_all(eng, prompts, "b")
+    assert [f.output_token_ids for f in second] == want
+    assert [f.usage.cached_prompt_tokens for f in second] == [((len(p) - 1) // 64) * 64 for p in prompts]
+    assert_pool_clean(eng)
+
+
 def test_shared_prefix_in_one_batch(llama_dir, shared_prompts, want_shared):
     eng = make_engine(llama_dir)
     got = run_all(eng, shared_prompts)
