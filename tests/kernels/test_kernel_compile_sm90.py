@@ -79,10 +79,11 @@ def decode(cases):
              "cs_ptr", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "num_q_heads", "stride_qb", "stride_qh",
              "stride_cb", "stride_cs", "stride_ch", "stride_vcb", "stride_vch"}
     out = []
-    for rope, split, window, maxnreg, v_t in cases:
+    for rope, split, window, maxnreg, v_t, *more in cases:
+        bs, prefetch = more if more else (16, False)
         consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": 64, "HEAD_DIM": 128,
-                  "BLOCK_D": 128, "BLOCK_SIZE": 16, "SPLIT": split, "HAS_WINDOW": window, "PRECISION": None,
-                  "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": False, "ROPE": rope,
+                  "BLOCK_D": 128, "BLOCK_SIZE": bs, "SPLIT": split, "HAS_WINDOW": window, "PRECISION": None,
+                  "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": prefetch, "ROPE": rope,
                   "V_T": v_t, "V_MAX": 448.0}
         sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names) if n in DIV16}
@@ -172,10 +173,12 @@ GEMV_CASES = [  # (prologue, residual, split, row: the RMSNorm row at once, or 0
     (1, True, 2, 4096), (1, True, 1, 0), (1, False, 1, 4096), (2, False, 4, 0), (0, False, 2, 0), (0, False, 1, 0),
 ]
 SMALL_M_CASES = [(1, False), (4, True)]  # (split, bias)
-DECODE_CASES = [  # (rope, split, window, maxnreg, v_t)
+DECODE_CASES = [  # (rope, split, window, maxnreg, v_t[, block size, prefetch]: 16, False unless given)
     (True, True, False, 0, False), (True, False, True, 0, False), (False, True, False, 0, False),
     (False, False, False, 128, False), (True, False, False, 0, True), (True, True, True, 0, True),
     (False, False, False, 0, True),
+    # blocks of 64 tokens (one block a key tile: bench/gpu_run.sh blocks), with the block ids a tile ahead
+    (False, False, False, 0, False, 64, True), (False, False, False, 0, True, 64, True),
 ]
 PREFILL_CASES = [  # (widen, block_m, block_n, warps, stages, compact)
     ("q", 64, 64, 4, 2, False), ("fp16", 64, 64, 4, 2, False), ("q", 128, 128, 8, 3, False),
