@@ -216,6 +216,23 @@ def test_cuda_bf16_head_writes_fp32_logits_from_its_accumulator(llama_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("layout", "tiles"), [("rows", None), ("keys_inner", '{"prefetch": true}')])
+def test_cuda_blocks_of_64_match_transformers(llama_dir, monkeypatch, layout, tiles):
+    """KV blocks of 64 tokens (bench_engine's fp8-vtpf3-bs64: V keys inner, the block ids a tile ahead), through the
+    decode and prefill graphs, chunked prefill and a prefix hit of whole 64-token blocks: transformers' greedy tokens
+    exactly (fp32)."""
+    if tiles:
+        monkeypatch.setenv("FIRSTTOKEN_DECODE_TILES", tiles)
+    prompts = prompt_set(10, seed=12, min_len=3, max_len=200)
+    prompts.append(prompts[-1][:150] + [5, 6, 7])  # two 64-token blocks cached
+    want = hf_greedy_cuda(llama_dir, prompts)
+    eng, got = run(llama_dir, prompts, block_size=64, kv_cache_v_layout=layout, max_num_batched_tokens=96)
+    assert eng.runner.graphs is not None and eng.runner.v_layout == layout
+    assert got == want
+    eng.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_fp8_kv_v_layouts_agree(llama_dir):
     """bf16 with an fp8 KV cache as served (Triton, graphs, fp16-widened tiles): V keys-inner (opt-in)
     and V in rows (the default) compute the same tiles in the same order, so the greedy tokens are
