@@ -267,7 +267,10 @@ def test_decode_large_blocks(bs, v_layout, block_n, window, splits) -> None:
     vc = to_v_layout(vc, v_layout, stale=300.0)
     q = torch.randn(len(ctx), hq + 2 * hk, d)[:, :hq]
     sl = torch.tensor(ctx, dtype=torch.int32)
-    out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n)
+    # keys inner with the block ids a tile ahead: the candidate for the H200 (fp8-vtpf3-bs64)
+    prefetch = v_layout == "keys_inner"
+    out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n,
+                                  prefetch=prefetch)
     assert not out.isnan().any()
     torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, window), **TOL[F32])
 
@@ -398,6 +401,20 @@ def test_decode_fp8_cache(dtype, widen, ctx, hq, hk, d, window, splits, block_n,
                                   widen=widen)
     assert not out.isnan().any()
     torch.testing.assert_close(out, decode_attention_ref(q, kc8, vc8, bt, sl, d**-0.5, window), **TOL[dtype])
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
+def test_decode_fp8_cache_blocks_of_64(v_layout) -> None:
+    """fp8-vtpf3-bs64's decode: an fp8 cache in blocks of 64, tiles widened to fp16, the block ids a tile ahead."""
+    ctx, hq, hk, d = [5, 64, 190], 8, 2, 64
+    kc, vc, bt = make_paged_kv(ctx, hk, d, 64, BF16)
+    kc8, vc8 = kc.to(FP8), to_v_layout(vc.to(FP8), v_layout, stale=448.0)
+    q = torch.randn(len(ctx), hq + 2 * hk, d).to(BF16)[:, :hq]
+    sl = torch.tensor(ctx, dtype=torch.int32)
+    out = decode_attention_triton(q, kc8, vc8, bt, sl, d**-0.5, None, num_splits=2, widen="fp16", prefetch=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, decode_attention_ref(q, kc8, vc8, bt, sl, d**-0.5, None), **TOL[BF16])
 
 
 def test_fp8_cache_rules() -> None:
