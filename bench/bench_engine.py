@@ -354,6 +354,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-bs64": {"quantization": "fp8", "block_size": 64},
     "fp8-vtpf3-bs64": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner", "block_size": 64,
                        "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true}'}},
+    "fp8-vtpf3-bs32": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner", "block_size": 32,
+                       "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true}'}},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
 }
 

@@ -24,7 +24,7 @@
 #   dec_pipe    one H200 call: the SM clock sampled throughout (clocks.csv), decode attention's pipelining and
 #               V-layout variants (tiles), then throughput with the default, fp8-vt and fp8-vtpf4 (an H100 with
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
-#   h200_next   one H200 call: decode tiles at blocks of 16 / 64, throughput of the default and fp8-vtpf3-bs64  ~6 min
+#   h200_next   one H200 call: decode tiles at blocks of 16 / 32 / 64, throughput of the default and fp8-vtpf3-bs64  ~6 min
 #   table_bs64  the issue's table with fp8-vtpf3-bs64+kv8 beside bf16 and fp8+kv8, then every GPU test      ~7 min
 #   blocks      KV blocks of 16/32/64 tokens: decode attention tiles (rows, head-major; V keys inner; prefetch),
 #               with 40 SMs held on an H100, then throughput at 64 against 16                         ~7.5 min
@@ -279,7 +279,7 @@ for stage in "${STAGES[@]}"; do
       # default and of blocks of 64 with keys-inner V + prefetch (on an H100 with 40 SMs held its decode attention ran
       # 2898-2961 GB/s against the default's 2284, session 22), one process each                      ~6 min
       [ "${SMOKE:-0}" = 1 ] || run decode_blocks 100 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd \
-        --block-sizes 16,64 --cases 256x1100,1000x1500 --variants "$BLOCK_VARIANTS"
+        --block-sizes 16,32,64 --cases 256x1100,1000x1500 --variants "$BLOCK_VARIANTS"
       throughputs 150 fp8+kv8 fp8-vtpf3-bs64+kv8 ;;
     table_bs64)  # the issue's table with blocks of 64 + keys-inner V + prefetch beside bf16 and fp8+kv8 (one process),
       # then every GPU test                                                                           ~7 min
