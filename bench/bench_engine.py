@@ -348,10 +348,9 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B: the bf16 lm_head's GEMM in bf16 then a cast to fp32 (the layout before its GEMM wrote fp32 logits)
     "fp8-bf16logits": {"quantization": "fp8", "_env": {"FIRSTTOKEN_LOGITS_FP32_GEMM": "0"}},
     "bf16-bf16logits": {"_env": {"FIRSTTOKEN_LOGITS_FP32_GEMM": "0"}},
-    # A/B of the KV block size (16, the default): blocks of 32 / 64 tokens, as TensorRT-LLM serves (a key tile of 64
-    # one block: one block-table entry, not four)
-    "fp8-bs32": {"quantization": "fp8", "block_size": 32},
-    "fp8-bs64": {"quantization": "fp8", "block_size": 64},
+    # A/B of the KV block size (16, the default): blocks of 64 / 32 tokens, as TensorRT-LLM serves (a key tile of 64
+    # one block: one block-table entry, not four), with V keys inner and the block ids a tile ahead (V in rows
+    # read no faster at 64: bench/results/2026-12-07-session22.md)
     "fp8-vtpf3-bs64": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner", "block_size": 64,
                        "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true}'}},
     "fp8-vtpf3-bs32": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner", "block_size": 32,

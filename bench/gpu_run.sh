@@ -24,10 +24,9 @@
 #   dec_pipe    one H200 call: the SM clock sampled throughout (clocks.csv), decode attention's pipelining and
 #               V-layout variants (tiles), then throughput with the default, fp8-vt and fp8-vtpf4 (an H100 with
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
-#   h200_next   one H200 call: decode tiles at blocks of 16 / 32 / 64, throughput of the default and fp8-vtpf3-bs64  ~6 min
+#   h200_next   one H200 call: decode tiles at blocks of 16 / 32 / 64 (on an H100 with 40 SMs held too), throughput
+#               of the default and fp8-vtpf3-bs64                                                        ~6-7 min
 #   table_bs64  the issue's table with fp8-vtpf3-bs64+kv8 beside bf16 and fp8+kv8, then every GPU test      ~7 min
-#   blocks      KV blocks of 16/32/64 tokens: decode attention tiles (rows, head-major; V keys inner; prefetch),
-#               with 40 SMs held on an H100, then throughput at 64 against 16                         ~7.5 min
 #   logits32    the lm_head's GEMM writing fp32 logits against bf16 + a cast: GPU tests, throughput of each ~6.5 min
 #   overlap_micro  decode attention beside the FP8 GEMMs on two streams, alone and serial (bench_overlap) ~1 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
@@ -122,6 +121,13 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, record the exit status
 issue_table() {  # issue 18's table: TTFT and decode of bf16 and fp8+kv8 beside their floors (stages table, h200)
   run engine 170 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
     --engines bf16,fp8+kv8 --no-hf "${ENGINE_ARGS[@]}"
+}
+table_beside() {  # table_beside NAME ENGINE: the issue's table with ENGINE beside bf16 and fp8+kv8 (one process),
+  # then every GPU test (table_vt, table_bs64)
+  run "engine_$1" 300 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
+    --engines "bf16,fp8+kv8,$2" --no-hf "${ENGINE_ARGS[@]}"
+  [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 280 \
+    $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA
 }
 throughputs() {  # throughputs SECONDS ENGINE...: offline throughput of each engine, one process each (h200,
   # dec_pipe_short: fp8-vtpf3 then the default)
@@ -252,10 +258,7 @@ for stage in "${STAGES[@]}"; do
         --engines fp8-notma+kv8,fp8+kv8 --no-hf ;;
     table_vt)  # the issue's table (defaults of the day, the compact grid among them) with keys-inner V + prefetch
       # beside it in one process, then every GPU test (session 20 ran only the prefill/graph subset on the compact default)
-      run engine_vt 300 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
-        --engines bf16,fp8+kv8,fp8-vtpf3+kv8 --no-hf "${ENGINE_ARGS[@]}"
-      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 280 \
-        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
+      table_beside vt fp8-vtpf3+kv8 ;;
     table)  # the issue's table alone: TTFT and decode for bf16 and fp8+kv8 beside their floors      ~3 min
       issue_table ;;
     h200)  # one H200 call: throughput of keys-inner V + prefetch (fp8-vtpf3) and the default, then TTFT and decode for
@@ -275,31 +278,22 @@ for stage in "${STAGES[@]}"; do
         FIRSTTOKEN_FP8_TMA_CONFIG="$OUT/tma_config.json" run ttft_tma 120 $PY bench/bench_engine.py "${DEV[@]}" \
           --preset $PRESET --sections ttft --ttft-lengths 2048 --engines fp8+kv8 --no-hf
       fi ;;
-    h200_next)  # one call, the first an H200 gets: decode tiles at blocks of 16 and 64, then offline throughput of the
-      # default and of blocks of 64 with keys-inner V + prefetch (on an H100 with 40 SMs held its decode attention ran
-      # 2898-2961 GB/s against the default's 2284, session 22), one process each                      ~6 min
-      [ "${SMOKE:-0}" = 1 ] || run decode_blocks 100 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd \
-        --block-sizes 16,32,64 --cases 256x1100,1000x1500 --variants "$BLOCK_VARIANTS"
-      throughputs 170 fp8+kv8 fp8-vtpf3-bs64+kv8 ;;
-    table_bs64)  # the issue's table with blocks of 64 + keys-inner V + prefetch beside bf16 and fp8+kv8 (one process),
-      # then every GPU test                                                                           ~7 min
-      run engine_bs64 300 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
-        --engines bf16,fp8+kv8,fp8-vtpf3-bs64+kv8 --no-hf "${ENGINE_ARGS[@]}"
-      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 280 \
-        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA ;;
-    blocks)  # the KV block size: decode attention's tiles at blocks of 16 / 32 / 64 tokens, rows and head-major
-      # (TensorRT-LLM's layout: one head's block one run of 2-8 KB), V rows and keys inner, with and without the
-      # block ids a tile ahead; on an H100 again with 40 SMs held (the H200's bandwidth per SM); then offline
-      # throughput at blocks of 64 against 16, one process each                                          ~7.5 min
+    h200_next)  # one call, the first an H200 gets: decode tiles at blocks of 16, 32 and 64 (on an H100 again with 40
+      # SMs held, the H200's bandwidth per SM), then offline throughput of the default and of blocks of 64 with keys-inner
+      # V + prefetch (on an H100 with 40 SMs held its decode attention ran 2898-2961 GB/s against the default's 2284,
+      # session 22), one process each                                                                   ~6-7 min
       if [ "${SMOKE:-0}" != 1 ]; then
-        run decode_blocks 120 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,32,64 \
+        run decode_blocks 100 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,32,64 \
           --cases 256x1100,1000x1500 --variants "$BLOCK_VARIANTS"
-        if $PY -c "import torch,sys; sys.exit('H100' not in torch.cuda.get_device_name())"; then
-          run decode_blocks_hog40 120 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,64 \
+        if $PY -c "import torch, sys; sys.exit('H100' not in torch.cuda.get_device_name())"; then
+          run decode_blocks_hog40 100 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,64 \
             --cases 1000x1500 --variants "$BLOCK_VARIANTS" --hog-sms 40
         fi
       fi
-      throughputs 150 fp8-bs64+kv8 fp8+kv8 ;;
+      throughputs 170 fp8+kv8 fp8-vtpf3-bs64+kv8 ;;
+    table_bs64)  # the issue's table with blocks of 64 + keys-inner V + prefetch beside bf16 and fp8+kv8 (one process),
+      # then every GPU test                                                                           ~7 min
+      table_beside bs64 fp8-vtpf3-bs64+kv8 ;;
     logits32)  # the lm_head's GEMM writing fp32 logits (the default) against bf16 then a cast: its GPU test and
       # the logit-precision tests, then offline throughput of each (one process each)                 ~6.5 min
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests_logits 150 \
