@@ -35,11 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import header, md_table, write_report
 from kernels.decode_attention import decode_attention_triton
 from kernels.fp8_quant import quantize_triton
+from workers.engine.presets import get_preset
 from workers.engine.quantization import Fp8Linear
 
 FP8 = torch.float8_e4m3fn
-LAYERS = 32
-HIDDEN, INTER, HQ, HK, D, BS = 4096, 14336, 32, 8, 128, 16
+CFG = get_preset("llama3-8b")
+LAYERS, HQ, HK, D, BS = CFG.num_layers, CFG.num_heads, CFG.num_kv_heads, CFG.head_dim, 16
 
 
 def timed(fn, reps: int = 7) -> float:
@@ -68,7 +69,8 @@ def case(m: int, ctx: int) -> dict:
     sl = torch.full((m,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn((m, HQ, D), device="cuda", generator=g, dtype=torch.bfloat16)
     projs = [Fp8Linear(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16), scale_search=False)
-             for n, k in ((HQ * D + 2 * HK * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN), (HIDDEN, INTER))]
+             for n, k in ((CFG.q_size + 2 * CFG.kv_size, CFG.hidden_size), (CFG.hidden_size, CFG.q_size),
+                          (2 * CFG.intermediate_size, CFG.hidden_size), (CFG.hidden_size, CFG.intermediate_size))]
     xs = [quantize_triton(torch.randn((m, p.in_features), device="cuda", dtype=torch.bfloat16)) for p in projs]
 
     def attention() -> None:
