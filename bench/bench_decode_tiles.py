@@ -70,10 +70,12 @@ def time_ms(fn, reps: int = 20, inner: int = 4) -> float:
 
 # tile variants beside the defaults (fp8: 64 keys, 2 warps, 3 stages, tuned at B = 224); "v_layout":
 # "keys_inner" runs the variant over a copy of the V cache with each block's keys innermost
-# (kernels/kv_layout.py: V then loads as K does, not a byte at a time from shared memory)
+# (kernels/kv_layout.py: V then loads as K does, not a byte at a time from shared memory; over it the block ids are
+# prefetched by default on the GPU, "prefetch": false turns that off)
 VARIANTS: dict[str, dict] = {
     "default": {},
-    "vt": {"v_layout": "keys_inner"},
+    "vt": {"v_layout": "keys_inner", "prefetch": False},
+    "vtpf": {"v_layout": "keys_inner"},
     "vt_s2": {"v_layout": "keys_inner", "num_stages": 2},
     "vt_w4": {"v_layout": "keys_inner", "num_warps": 4},
     "vt_n128_w4": {"v_layout": "keys_inner", "block_n": 128, "num_warps": 4},

@@ -355,6 +355,9 @@ ENGINES = {  # --engines names -> EngineConfig fields
                        "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true}'}},
     "fp8-vtpf3-bs32": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner", "block_size": 32,
                        "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true}'}},
+    # A/B: the fp8 cache's layout before blocks of 64 with keys-inner V became its default (session 23): blocks of
+    # 16, V in rows (the block ids not prefetched)
+    "fp8-rows16": {"quantization": "fp8", "kv_cache_v_layout": "rows", "block_size": 16},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
 }
 

@@ -25,8 +25,8 @@
 #               V-layout variants (tiles), then throughput with the default, fp8-vt and fp8-vtpf4 (an H100 with
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   h200_next   one H200 call: decode tiles at blocks of 16 / 32 / 64 (on an H100 with 40 SMs held too), throughput
-#               of the default and fp8-vtpf3-bs64                                                        ~6-7 min
-#   table_bs64  the issue's table with fp8-vtpf3-bs64+kv8 beside bf16 and fp8+kv8, then every GPU test      ~7 min
+#               of fp8-rows16 and the default                                                            ~6-7 min
+#   table_bs64  the issue's table with fp8-rows16+kv8 beside bf16 and fp8+kv8, then every GPU test           ~7 min
 #   logits32    the lm_head's GEMM writing fp32 logits against bf16 + a cast: GPU tests, throughput of each ~6.5 min
 #   overlap_micro  decode attention beside the FP8 GEMMs on two streams, alone and serial (bench_overlap) ~1 min
 #   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
@@ -151,7 +151,7 @@ cat "$OUT/machine.txt"
 PREFILL_VARIANTS='{"k8": {"widen": "k8"}, "k8_s3": {"widen": "k8", "num_stages": 3},
  "k8_n128": {"widen": "k8", "block_n": 128}, "k8_m128": {"widen": "k8", "block_m": 128, "block_n": 64, "num_warps": 8,
  "num_stages": 2, "num_splits": 4}}'
-BLOCK_VARIANTS='{"pf": {"prefetch": true}, "vt": {"v_layout": "keys_inner"}, "vtpf": {"v_layout": "keys_inner", "prefetch": true}}'
+BLOCK_VARIANTS='{"pf": {"prefetch": true}, "vt": {"v_layout": "keys_inner", "prefetch": false}, "vtpf": {"v_layout": "keys_inner", "prefetch": true}}'
 PREFILL_TILES='{"s6": {"num_splits": 6}, "s8": {"num_splits": 8}, "n128_s4": {"block_n": 128, "num_splits": 4},
  "m128n128w8_s8": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "num_splits": 8},
  "w8_s4": {"num_warps": 8, "num_splits": 4}, "m32_s8": {"block_m": 32, "num_splits": 8}}'
@@ -290,10 +290,10 @@ for stage in "${STAGES[@]}"; do
             --cases 1000x1500 --variants "$BLOCK_VARIANTS" --hog-sms 40
         fi
       fi
-      throughputs 170 fp8+kv8 fp8-vtpf3-bs64+kv8 ;;
+      throughputs 170 fp8-rows16+kv8 fp8+kv8 ;;
     table_bs64)  # the issue's table with blocks of 64 + keys-inner V + prefetch beside bf16 and fp8+kv8 (one process),
       # then every GPU test                                                                           ~7 min
-      table_beside bs64 fp8-vtpf3-bs64+kv8 ;;
+      table_beside bs64 fp8-rows16+kv8 ;;
     logits32)  # the lm_head's GEMM writing fp32 logits (the default) against bf16 then a cast: its GPU test and
       # the logit-precision tests, then offline throughput of each (one process each)                 ~6.5 min
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests_logits 150 \

@@ -162,7 +162,12 @@ class ModelConfig:
 class EngineConfig:
     """How the engine runs: KV cache size, batching limits, kernels, device."""
 
-    block_size: int = 16  # tokens per KV-cache block
+    # tokens per KV-cache block; None: 64 with an fp8 KV cache, else 16. Blocks of 64 with an fp8 cache: each
+    # (block, head, dim) of keys-inner V is one 64-byte run and a decode key tile one block-table entry; decode
+    # attention at B = 1000, context 1500 read 2898-2961 GB/s against 2284 for blocks of 16 with V in rows on an
+    # H100 with 40 SMs held (the H200's bandwidth per SM), 98-100% of its copy rate
+    # (bench/results/2026-12-07-session22.md). A cached prefix is then reused in steps of 64 tokens.
+    block_size: int | None = None
     num_blocks: int | None = None  # None: sized from free device memory (CUDA) or cpu_kv_cache_tokens
     gpu_memory_utilization: float = 0.90  # share of total GPU memory the engine may use
     cpu_kv_cache_tokens: int = 65536  # KV capacity on CPU when num_blocks is None
@@ -210,11 +215,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # how the V cache lies in memory (kernels/kv_layout.py): "rows" (as K: a key's head_dim values
     # together) or "keys_inner" (each block's keys together for each head and dim: the Triton
-    # attention then loads an fp8 V tile as it loads K, not a byte at a time). keys_inner is opt-in:
-    # on an H100 (Triton 3.6) its decode attention ran 2018 / 2468 GB/s against rows' 2107 / 2623 at
-    # B = 256 / 1000, decode b64 5.21 / b256 9.65 ms against 5.16 / 9.43, TTFT equal
-    # (bench/results/2026-12-06-v-layout-h100.md)
-    kv_cache_v_layout: str = "rows"
+    # attention then loads an fp8 V tile as it loads K, not a byte at a time). None: keys_inner with an fp8
+    # KV cache (with blocks of 64, above), else rows. At blocks of 16 keys_inner was no faster than rows on an
+    # H100 (bench/results/2026-12-06-v-layout-h100.md): its runs were 16 bytes
+    kv_cache_v_layout: str | None = None
     # None: the checkpoint's weights as they are. "fp8": W8A8, e4m3 weights (one scale per output
     # channel, made at load) and activations quantized per token at run time, in every projection
     # of the decoder layers (workers/engine/quantization.py); greedy tokens may then differ
@@ -240,6 +244,13 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError("kv_cache_dtype must be 'auto' or 'fp8'")
+        fp8_kv = self.kv_cache_dtype == "fp8"
+        if self.block_size is None:
+            self.block_size = 64 if fp8_kv else 16
+        if self.kv_cache_v_layout is None:
+            self.kv_cache_v_layout = "keys_inner" if fp8_kv else "rows"
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -248,8 +259,6 @@ class EngineConfig:
             raise ValueError("num_blocks must be positive")
         if self.kernel_backend not in (None, "torch", "triton"):
             raise ValueError("kernel_backend must be 'torch' or 'triton'")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError("kv_cache_dtype must be 'auto' or 'fp8'")
         if self.kv_cache_v_layout not in ("rows", "keys_inner"):
             raise ValueError("kv_cache_v_layout must be 'rows' or 'keys_inner'")
         if self.tpot_target_ms is not None and self.tpot_target_ms <= 0:
