@@ -358,6 +358,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B: the fp8 cache's layout before blocks of 64 with keys-inner V became its default (session 23): blocks of
     # 16, V in rows (the block ids not prefetched)
     "fp8-rows16": {"quantization": "fp8", "kv_cache_v_layout": "rows", "block_size": 16},
+    # A/B: K (keys-inner V's default beside it) heads first, one head's block of 64 keys one 8 KB run
+    "fp8-hnd": {"quantization": "fp8", "kv_cache_k_layout": "hnd"},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
 }
 

@@ -26,6 +26,7 @@
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   h200_next   one H200 call: decode tiles at blocks of 16 / 32 / 64 (on an H100 with 40 SMs held too), throughput
 #               of fp8-rows16 and the default                                                            ~6-7 min
+#   hnd_next    K heads first against the default: layout GPU tests, throughput of each (H200: + tiles, rows16) ~6-7 min
 #   table_bs64  the issue's table with fp8-rows16+kv8 beside bf16 and fp8+kv8, then every GPU test           ~7 min
 #   logits32    the lm_head's GEMM writing fp32 logits against bf16 + a cast: GPU tests, throughput of each ~6.5 min
 #   overlap_micro  decode attention beside the FP8 GEMMs on two streams, alone and serial (bench_overlap) ~1 min
@@ -277,6 +278,18 @@ for stage in "${STAGES[@]}"; do
       if [ -f "$OUT/tma_config.json" ]; then
         FIRSTTOKEN_FP8_TMA_CONFIG="$OUT/tma_config.json" run ttft_tma 120 $PY bench/bench_engine.py "${DEV[@]}" \
           --preset $PRESET --sections ttft --ttft-lengths 2048 --engines fp8+kv8 --no-hf
+      fi ;;
+    hnd_next)  # K heads first (fp8-hnd) beside the default (blocks of 64, keys-inner V, prefetch): the layout GPU tests,
+      # then offline throughput of each, one process each; on an H200 first the decode tiles at blocks of 16 / 64 and
+      # fp8-rows16's throughput (the layout before session 23)                              ~6 min (H100), ~7 (H200)
+      FIRSTTOKEN_GPU_TESTS=1 run tests_layouts 150 $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py \
+        -p no:cacheprovider -rA -k "blocks_of_64 or v_layouts_agree"
+      if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then
+        run decode_blocks 100 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,64 \
+          --cases 256x1100,1000x1500 --variants "$BLOCK_VARIANTS"
+        throughputs 170 fp8-rows16+kv8 fp8+kv8 fp8-hnd+kv8
+      else
+        throughputs 170 fp8+kv8 fp8-hnd+kv8
       fi ;;
     h200_next)  # one call, the first an H200 gets: decode tiles at blocks of 16, 32 and 64 (on an H100 again with 40
       # SMs held, the H200's bandwidth per SM), then offline throughput of the default and of blocks of 64 with keys-inner

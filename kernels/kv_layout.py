@@ -1,20 +1,26 @@
-"""The paged KV cache's two V layouts: what the attention kernels and the cache writers accept.
+"""The paged KV cache's layouts: what the attention kernels and the cache writers accept.
 
-Every op sees a layer's caches as [num_blocks, block_size, Hk, D]. K is always laid out that way in
-memory (a key's D values contiguous). V may be too ("rows"), or may hold each block's keys
-innermost ("keys inner"): memory [num_blocks, Hk, D, block_size], seen through a permuted view with
-strides (Hk * D * block_size, 1, D * block_size, block_size) - vLLM's first paged V layout.
+Every op sees a layer's caches as [num_blocks, block_size, Hk, D] and reads the layout from the strides.
+
+K is laid out that way in memory ("nhd": a block's keys outermost, a key's D values contiguous), or heads
+first ("hnd", FlashInfer's name: memory [num_blocks, Hk, block_size, D], one head's block a single run of
+block_size * D values, seen through a permuted view).
+
+V may lie as K does ("rows"), or may hold each block's keys innermost ("keys inner"): memory
+[num_blocks, Hk, D, block_size], seen through a permuted view with strides
+(Hk * D * block_size, 1, D * block_size, block_size) - vLLM's first paged V layout.
 
 Why keys inner: the attention's P @ V product reduces over keys, and a tensor-core operand holds
 pairs of consecutive reduction elements in one register. With an fp8 cache in rows, the decode
 kernel reads V from shared memory one byte at a time (128 LDS.U8 a thread a 64-key tile; Triton
 3.6's sm90 SASS, 1350 instructions a tile against 791 keys-inner), where 16-bit caches have
-ldmatrix's transpose. Keys inner, a block's 16 keys of one (head, dim) are 16 contiguous bytes: V
-loads like K. Measured on an H100 it was not faster (2-6% slower in decode,
-bench/results/2026-12-06-v-layout-h100.md), so the engine's default stays rows.
+ldmatrix's transpose. Keys inner, a block's keys of one (head, dim) are contiguous bytes: V loads like
+K. At blocks of 16 (16-byte runs) it was not faster on an H100 (bench/results/2026-12-06-v-layout-h100.md);
+at blocks of 64 (64-byte runs) with the block ids prefetched it read 98-100% of the copy rate with 40 of an
+H100's SMs held (bench/results/2026-12-07-session22.md), so an fp8 cache defaults to it (EngineConfig).
 
-The PyTorch references index the view and need no change; the Triton kernels read the layout from
-the strides (`v_keys_inner`).
+The PyTorch references index the views and need no change; the Triton kernels take the strides
+(`v_keys_inner` tells V's layout apart).
 """
 
 from __future__ import annotations
@@ -22,17 +28,28 @@ from __future__ import annotations
 import torch
 
 V_LAYOUTS = ("rows", "keys_inner")
+K_LAYOUTS = ("nhd", "hnd")
 
 
 def empty_kv_caches(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    device: torch.device | str, v_layout: str = "rows") -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed (k_cache, v_cache) of one layer, both seen as [num_blocks, block_size, Hk, D]."""
+                    device: torch.device | str, v_layout: str = "rows",
+                    k_layout: str = "nhd") -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed (k_cache, v_cache) of one layer, both seen as [num_blocks, block_size, Hk, D]; V in rows
+    lies as K does (k_layout)."""
     if v_layout not in V_LAYOUTS:
         raise ValueError(f"v_layout must be one of {V_LAYOUTS}, not {v_layout!r}")
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = torch.zeros(shape, dtype=dtype, device=device)
+    if k_layout not in K_LAYOUTS:
+        raise ValueError(f"k_layout must be one of {K_LAYOUTS}, not {k_layout!r}")
+
+    def rows() -> torch.Tensor:
+        if k_layout == "nhd":
+            return torch.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        heads = torch.zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype, device=device)
+        return heads.permute(0, 2, 1, 3)
+
+    k = rows()
     if v_layout == "rows":
-        return k, torch.zeros(shape, dtype=dtype, device=device)
+        return k, rows()
     v = torch.zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
     return k, v.permute(0, 3, 1, 2)
 
@@ -53,6 +70,20 @@ def check_v_layout(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
         raise ValueError(f"{name}: v_cache must have k_cache's strides or hold each block's keys innermost "
                          f"(kernels/kv_layout.py), not strides {v_cache.stride()}")
     return inner
+
+
+def heads_first(cache: torch.Tensor) -> bool:
+    """True when cache (seen as [num_blocks, block_size, Hk, D], its values in rows) lies heads first ("hnd")."""
+    _nb, bs, hk, d = cache.shape
+    s = cache.stride()
+    return s[3] == 1 and s[1] == d and s[2] == bs * d and hk * bs * d <= s[0]
+
+
+def to_k_layout(cache: torch.Tensor, k_layout: str) -> torch.Tensor:
+    """A copy of a cache in rows (seen as [num_blocks, block_size, Hk, D]) laid out as k_layout says."""
+    nb, bs, hk, d = cache.shape
+    out, _v = empty_kv_caches(nb, bs, hk, d, cache.dtype, cache.device, "rows", k_layout)
+    return out.copy_(cache)
 
 
 def to_v_layout(v_cache: torch.Tensor, v_layout: str, stale: float = 0.0) -> torch.Tensor:

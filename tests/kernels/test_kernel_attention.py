@@ -7,7 +7,7 @@ import torch
 from kernel_testutil import TOL, dense_attention, make_paged_kv
 
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from kernels.kv_layout import to_v_layout, v_keys_inner
+from kernels.kv_layout import heads_first, to_k_layout, to_v_layout, v_keys_inner
 from kernels.prefill_attention import (
     paged_attention_ref,
     paged_attention_triton,
@@ -249,22 +249,33 @@ def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n, mode) -> None:
 
 
 # blocks of 32 and 64 tokens (EngineConfig.block_size: any power of two; TensorRT-LLM serves 32-64): key tiles
-# shorter than a block (rows only: keys inner reads whole blocks), as long, and longer; windows across blocks
+# shorter than a block (rows only: keys inner reads whole blocks), as long, and longer; windows across blocks.
+# k_layout "hnd": K (and V in rows) heads first in memory, one head's block one run (kernels/kv_layout.py)
 LARGE_BLOCK_CASES = [
-    (32, "rows", 16, None, None),
-    (64, "rows", None, 37, 2),
-    (64, "rows", 128, None, 3),
-    (32, "keys_inner", None, None, 2),
-    (64, "keys_inner", 64, 37, None),
+    (32, "rows", 16, None, None, "nhd"),
+    (64, "rows", None, 37, 2, "nhd"),
+    (64, "rows", 128, None, 3, "nhd"),
+    (32, "keys_inner", None, None, 2, "nhd"),
+    (64, "keys_inner", 64, 37, None, "nhd"),
+    (64, "keys_inner", None, None, 2, "hnd"),
+    (32, "rows", 16, 37, None, "hnd"),
 ]
 
 
+def lay_out(kc: torch.Tensor, vc: torch.Tensor, v_layout: str, k_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of caches made in rows, laid out as an engine of these layouts holds them."""
+    kc = to_k_layout(kc, k_layout)
+    vc = to_k_layout(vc, k_layout) if v_layout == "rows" else to_v_layout(vc, v_layout, stale=300.0)
+    assert heads_first(kc) == (k_layout == "hnd") and v_keys_inner(vc) == (v_layout == "keys_inner")
+    return kc, vc
+
+
 @pytest.mark.usefixtures("poison_empty")
-@pytest.mark.parametrize(("bs", "v_layout", "block_n", "window", "splits"), LARGE_BLOCK_CASES)
-def test_decode_large_blocks(bs, v_layout, block_n, window, splits) -> None:
+@pytest.mark.parametrize(("bs", "v_layout", "block_n", "window", "splits", "k_layout"), LARGE_BLOCK_CASES)
+def test_decode_large_blocks(bs, v_layout, block_n, window, splits, k_layout) -> None:
     ctx, hq, hk, d = [1, 70, 130], 8, 2, 64
     kc, vc, bt = make_paged_kv(ctx, hk, d, bs, F32)
-    vc = to_v_layout(vc, v_layout, stale=300.0)
+    kc, vc = lay_out(kc, vc, v_layout, k_layout)
     q = torch.randn(len(ctx), hq + 2 * hk, d)[:, :hq]
     sl = torch.tensor(ctx, dtype=torch.int32)
     # keys inner with the block ids a tile ahead: the candidate for the H200 (fp8-vtpf3-bs64)
@@ -276,11 +287,11 @@ def test_decode_large_blocks(bs, v_layout, block_n, window, splits) -> None:
 
 
 @pytest.mark.usefixtures("poison_empty")
-@pytest.mark.parametrize(("bs", "v_layout", "block_n", "window", "splits"), LARGE_BLOCK_CASES)
-def test_paged_prefill_large_blocks(bs, v_layout, block_n, window, splits) -> None:
+@pytest.mark.parametrize(("bs", "v_layout", "block_n", "window", "splits", "k_layout"), LARGE_BLOCK_CASES)
+def test_paged_prefill_large_blocks(bs, v_layout, block_n, window, splits, k_layout) -> None:
     prefix, new, hq, hk, d = [0, 61, 100], [45, 9, 30], 8, 2, 64
     q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, d, bs, F32)
-    vc = to_v_layout(vc, v_layout, stale=300.0)
+    kc, vc = lay_out(kc, vc, v_layout, k_layout)
     tiles = {"block_m": 32, **({"block_n": block_n} if block_n else {})}
     if splits:
         tiles["num_splits"] = splits

@@ -8,7 +8,7 @@ from kernel_testutil import TOL, make_paged_kv
 from test_kernel_rope_cache import cos_sin_table
 
 from kernels.decode_attention import decode_rope_attention_ref, decode_rope_attention_triton
-from kernels.kv_layout import to_v_layout, v_keys_inner
+from kernels.kv_layout import heads_first, to_k_layout, to_v_layout, v_keys_inner
 
 F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn
 
@@ -24,9 +24,9 @@ CASES = [
 
 
 def make_step(ctx: list[int], hq: int, hk: int, d: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None,
-              v_layout: str = "rows"):
+              v_layout: str = "rows", k_layout: str = "nhd"):
     """Caches holding each sequence's first ctx - 1 tokens (the new token's slot poisoned with NaN),
-    the V cache in `v_layout` (kernels/kv_layout.py), the step's q / k / v as views of one fused qkv
+    the V cache in `v_layout` and K (V in rows too) in `k_layout` (kernels/kv_layout.py), the step's q / k / v as views of one fused qkv
     output, positions and slots."""
     kc, vc, bt = make_paged_kv(ctx, hk, d, 16, dtype)
     b = len(ctx)
@@ -37,6 +37,9 @@ def make_step(ctx: list[int], hq: int, hk: int, d: int, dtype: torch.dtype, cach
     if cache_dtype is not None:
         kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
     vc = to_v_layout(vc, v_layout, stale=300.0)  # unwritten slots: finite (the layout needs it), large
+    kc = to_k_layout(kc, k_layout)
+    if v_layout == "rows":
+        vc = to_k_layout(vc, k_layout)
     qkv = torch.randn(b, (hq + 2 * hk) * d).to(dtype)
     q = qkv[:, : hq * d].view(b, hq, d)
     k = qkv[:, hq * d : (hq + hk) * d].view(b, hk, d)
@@ -72,6 +75,21 @@ def test_decode_rope_matches_rope_then_decode(dtype, ctx, hq, hk, d, window, spl
     # (exact in fp32; the interpreter truncates fp32 -> 16 bit where torch rounds: TOL)
     tol = {"atol": 0, "rtol": 0} if dtype == F32 else TOL[dtype]
     torch.testing.assert_close(kc, kc_ref, equal_nan=True, **tol)
+    torch.testing.assert_close(vc, vc_ref, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize(("ctx", "hq", "hk", "d", "window", "splits"), [CASES[0], CASES[2], CASES[3]])
+@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
+def test_decode_rope_k_heads_first(ctx, hq, hk, d, window, splits, v_layout) -> None:
+    """K heads first in memory (kernels/kv_layout.py "hnd"; V in rows too): the new k written to its slot
+    through the cache's strides and every key read through them."""
+    q, k, v, pos, kc, vc, bt, sl, slots = make_step(ctx, hq, hk, d, F32, v_layout=v_layout, k_layout="hnd")
+    assert heads_first(kc) and heads_first(vc) == (v_layout == "rows")
+    got, want, kc_ref, vc_ref = run_both(q, k, v, pos, kc, vc, bt, sl, slots, d, window, splits)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, **TOL[F32])
+    torch.testing.assert_close(kc, kc_ref, equal_nan=True, atol=0, rtol=0)
     torch.testing.assert_close(vc, vc_ref, equal_nan=True, atol=0, rtol=0)
 
 

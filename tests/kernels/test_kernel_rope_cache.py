@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_testutil import TOL
 
-from kernels.kv_layout import to_v_layout, v_keys_inner
+from kernels.kv_layout import heads_first, to_k_layout, to_v_layout, v_keys_inner
 from kernels.rope_cache import rope_and_cache_ref, rope_and_cache_triton
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -133,3 +133,26 @@ def test_rope_and_cache_v_keys_inner(cache_dtype: torch.dtype) -> None:
     written = torch.zeros(got.shape[0], dtype=torch.bool)
     written[slots] = True
     assert got[~written].isnan().all() and not got[written].isnan().any()
+
+
+@pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
+def test_rope_and_cache_k_heads_first(v_layout: str) -> None:
+    """K heads first in memory ([blocks, Hk, block_size, D]: one head's block one run; V in rows the same):
+    each token's k lands at its slot of the view, as the reference writes it, the other slots untouched."""
+    t, hq, hk, d, bs = 21, 4, 2, 32, 64
+    _qkv, q, k, v, pos, slots, kc, vc = make_inputs(t, hq, hk, d, bs, torch.float32)
+    kc = to_k_layout(kc, "hnd")
+    vc = to_k_layout(vc, "hnd") if v_layout == "rows" else to_v_layout(vc, "keys_inner", stale=float("nan"))
+    assert heads_first(kc) and kc.permute(0, 2, 1, 3).is_contiguous()
+    cs = cos_sin_table(4096, d)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_ref, _k = rope_and_cache_ref(q.clone(), k.clone(), v.clone(), pos, cs, kc_ref, vc_ref, slots)
+    rope_and_cache_triton(q, k, v, pos, cs, kc, vc, slots)
+    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    for got, want in ((kc, kc_ref), (vc, vc_ref)):
+        torch.testing.assert_close(got.reshape(-1, hk, d), want.reshape(-1, hk, d), atol=1e-5, rtol=1e-5,
+                                   equal_nan=True)
+    g = kc.reshape(-1, hk, d)
+    written = torch.zeros(g.shape[0], dtype=torch.bool)
+    written[slots] = True
+    assert g[~written].isnan().all() and not g[written].isnan().any()

@@ -219,6 +219,11 @@ class EngineConfig:
     # KV cache (with blocks of 64, above), else rows. At blocks of 16 keys_inner was no faster than rows on an
     # H100 (bench/results/2026-12-06-v-layout-h100.md): its runs were 16 bytes
     kv_cache_v_layout: str | None = None
+    # how K (and V in rows) lies in memory (kernels/kv_layout.py): "nhd" (a block's keys outermost) or "hnd"
+    # (heads first: one head's block one run of block_size x head_dim values). Decode attention over blocks of 64,
+    # keys-inner V, B = 1000, context 1500 on an H100: 3037 against 2983 GB/s, 3017 against 2949 with 40 SMs held
+    # (bench/results/2026-12-07-session23-blocks-tiles-*)
+    kv_cache_k_layout: str = "nhd"
     # None: the checkpoint's weights as they are. "fp8": W8A8, e4m3 weights (one scale per output
     # channel, made at load) and activations quantized per token at run time, in every projection
     # of the decoder layers (workers/engine/quantization.py); greedy tokens may then differ
@@ -261,6 +266,8 @@ class EngineConfig:
             raise ValueError("kernel_backend must be 'torch' or 'triton'")
         if self.kv_cache_v_layout not in ("rows", "keys_inner"):
             raise ValueError("kv_cache_v_layout must be 'rows' or 'keys_inner'")
+        if self.kv_cache_k_layout not in ("nhd", "hnd"):
+            raise ValueError("kv_cache_k_layout must be 'nhd' or 'hnd'")
         if self.tpot_target_ms is not None and self.tpot_target_ms <= 0:
             raise ValueError("tpot_target_ms must be positive")
         if self.dense_graph_max_tokens < 0:

@@ -99,7 +99,7 @@ class ModelRunner:
         self.v_layout = config.kv_cache_v_layout
         self.kv_caches = [
             empty_kv_caches(self.num_blocks + 1, self.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype,
-                            self.device, self.v_layout)
+                            self.device, self.v_layout, config.kv_cache_k_layout)
             for _ in range(mc.num_layers)
         ]
         self.layout = CacheLayout(self.device, self.block_size, self.num_blocks, self.max_blocks_per_seq)

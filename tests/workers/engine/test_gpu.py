@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.kv_layout import heads_first
 from schemas.sampling import SamplingParams
 from tests.workers.engine.conftest import prompt_set, run_prompts
 from workers.engine import EngineConfig, LLMEngine
@@ -216,41 +217,45 @@ def test_cuda_bf16_head_writes_fp32_logits_from_its_accumulator(llama_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(("layout", "tiles"), [("rows", None), ("keys_inner", '{"prefetch": true}')])
-def test_cuda_blocks_of_64_match_transformers(llama_dir, monkeypatch, layout, tiles):
-    """KV blocks of 64 tokens (bench_engine's fp8-vtpf3-bs64: V keys inner, the block ids a tile ahead), through the
-    decode and prefill graphs, chunked prefill and a prefix hit of whole 64-token blocks: transformers' greedy tokens
-    exactly (fp32)."""
+@pytest.mark.parametrize(("layout", "k_layout", "tiles"), [("rows", "nhd", None), ("keys_inner", "nhd", None),
+                                                        ("keys_inner", "hnd", None),
+                                                        ("keys_inner", "nhd", '{"prefetch": false}')])
+def test_cuda_blocks_of_64_match_transformers(llama_dir, monkeypatch, layout, k_layout, tiles):
+    """KV blocks of 64 tokens (an fp8 cache's default: V keys inner, the block ids a tile ahead; V in rows, K heads
+    first and no prefetch beside it), through the decode and prefill graphs, chunked prefill and a prefix hit of
+    whole 64-token blocks: transformers' greedy tokens exactly (fp32)."""
     if tiles:
         monkeypatch.setenv("FIRSTTOKEN_DECODE_TILES", tiles)
     prompts = prompt_set(10, seed=12, min_len=3, max_len=200)
     prompts.append(prompts[-1][:150] + [5, 6, 7])  # two 64-token blocks cached
     want = hf_greedy_cuda(llama_dir, prompts)
-    eng, got = run(llama_dir, prompts, block_size=64, kv_cache_v_layout=layout, max_num_batched_tokens=96)
+    eng, got = run(llama_dir, prompts, block_size=64, kv_cache_v_layout=layout, kv_cache_k_layout=k_layout,
+                   max_num_batched_tokens=96)
     assert eng.runner.graphs is not None and eng.runner.v_layout == layout
+    assert heads_first(eng.runner.kv_caches[0][0]) == (k_layout == "hnd")
     assert got == want
     eng.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_fp8_kv_v_layouts_agree(llama_dir):
-    """bf16 with an fp8 KV cache as served (Triton, graphs, fp16-widened tiles): V keys-inner (opt-in)
-    and V in rows (the default) compute the same tiles in the same order, so the greedy tokens are
-    the same, prefix hits and decode graphs included."""
+    """bf16 with an fp8 KV cache as served (Triton, graphs, fp16-widened tiles, blocks of 64): V keys inner (the
+    default), V in rows and K heads first compute the same tiles in the same order, so the greedy tokens are the
+    same, prefix hits and decode graphs included."""
     prompts = prompt_set(8, seed=3, min_len=5, max_len=200)
     prompts.append(prompts[-1][:150] + [5, 6, 7])
     outs = {}
-    for layout in ("rows", "keys_inner"):
+    for layout, k_layout in (("rows", "nhd"), ("keys_inner", "nhd"), ("keys_inner", "hnd")):
         eng = LLMEngine(str(llama_dir), EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton",
-                                                     num_blocks=256, max_model_len=512, kv_cache_dtype="fp8",
-                                                     kv_cache_v_layout=layout))
-        assert eng.runner.v_layout == layout
+                                                     num_blocks=64, max_model_len=512, kv_cache_dtype="fp8",
+                                                     kv_cache_v_layout=layout, kv_cache_k_layout=k_layout))
+        assert eng.runner.v_layout == layout and eng.runner.block_size == 64
         sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
         done = run_prompts(eng, prompts, sp)
         assert done[-1].usage.cached_prompt_tokens > 0
-        outs[layout] = [f.output_token_ids for f in done]
+        outs[layout, k_layout] = [f.output_token_ids for f in done]
         eng.close()
-    assert outs["rows"] == outs["keys_inner"]
+    assert outs["rows", "nhd"] == outs["keys_inner", "nhd"] == outs["keys_inner", "hnd"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

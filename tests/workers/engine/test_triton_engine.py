@@ -44,22 +44,23 @@ def test_triton_kernels_greedy_matches_transformers(llama_dir, monkeypatch, comp
 
 @pytest.mark.slow
 def test_fp8_cache_v_layouts_give_the_same_tokens(llama_dir, monkeypatch):
-    """An fp8 cache with its V keys innermost (kernels/kv_layout.py, opt-in) gives
-    the tokens the same cache in rows gives, through the Triton prefill (a prefix hit included), the
-    fused rope + decode and chunked prefill; and the V cache really is laid out keys-inner."""
+    """An fp8 cache with its V keys innermost (kernels/kv_layout.py, an fp8 cache's default), and with K heads
+    first beside it, gives the tokens the same cache in rows gives, through the Triton prefill (a prefix hit
+    included), the fused rope + decode and chunked prefill; and the caches really are laid out so."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from kernels.kv_layout import v_keys_inner
+    from kernels.kv_layout import heads_first, v_keys_inner
 
     prompts = prompt_set(4, seed=5, min_len=3, max_len=40)
     prompts.append(prompts[-1][:30] + [11, 12])  # a prefix hit of 7 blocks
     sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     got = {}
-    for layout in ("rows", "keys_inner"):
+    for layout, k_layout in (("rows", "nhd"), ("keys_inner", "nhd"), ("keys_inner", "hnd")):
         eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="float32", kernel_backend="triton",
                                                      block_size=4, max_num_batched_tokens=32, kv_cache_dtype="fp8",
-                                                     kv_cache_v_layout=layout))
-        assert v_keys_inner(eng.runner.kv_caches[0][1]) == (layout == "keys_inner")
+                                                     kv_cache_v_layout=layout, kv_cache_k_layout=k_layout))
+        kc, vc = eng.runner.kv_caches[0]
+        assert v_keys_inner(vc) == (layout == "keys_inner") and heads_first(kc) == (k_layout == "hnd")
         done = run_prompts(eng, prompts, sp)
         assert done[4].usage.cached_prompt_tokens > 0
-        got[layout] = [f.output_token_ids for f in done]
-    assert got["rows"] == got["keys_inner"]
+        got[layout, k_layout] = [f.output_token_ids for f in done]
+    assert got["rows", "nhd"] == got["keys_inner", "nhd"] == got["keys_inner", "hnd"]
