@@ -26,6 +26,7 @@
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   h200_next   one H200 call: decode tiles at blocks of 16 / 32 / 64 (on an H100 with 40 SMs held too), throughput
 #               of fp8-rows16 and the default                                                            ~6-7 min
+#   h200_only   on an H200 only (else it stops at once): throughput of the default, then of fp8-rows16   ~4 min
 #   hnd_next    K heads first against the default: layout GPU tests, throughput of each (H200: + tiles, rows16) ~6-7 min
 #   table_bs64  the issue's table with fp8-rows16+kv8 beside bf16 and fp8+kv8, then every GPU test           ~7 min
 #   logits32    the lm_head's GEMM writing fp32 logits against bf16 + a cast: GPU tests, throughput of each ~6.5 min
@@ -278,6 +279,13 @@ for stage in "${STAGES[@]}"; do
       if [ -f "$OUT/tma_config.json" ]; then
         FIRSTTOKEN_FP8_TMA_CONFIG="$OUT/tma_config.json" run ttft_tma 120 $PY bench/bench_engine.py "${DEV[@]}" \
           --preset $PRESET --sections ttft --ttft-lengths 2048 --engines fp8+kv8 --no-hf
+      fi ;;
+    h200_only)  # only on an H200 (elsewhere it stops at once, its device time spent on the start alone): throughput of
+      # the default (blocks of 64, keys-inner V, prefetch), then of fp8-rows16 (the layout before), one process each ~4 min
+      if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then
+        throughputs 150 fp8+kv8 fp8-rows16+kv8
+      else
+        echo "not an H200: nothing run"
       fi ;;
     hnd_next)  # K heads first (fp8-hnd) beside the default (blocks of 64, keys-inner V, prefetch): the layout GPU tests,
       # then offline throughput of each, one process each; on an H200 first the decode tiles at blocks of 16 / 64 and
