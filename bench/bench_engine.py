@@ -360,6 +360,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-rows16": {"quantization": "fp8", "kv_cache_v_layout": "rows", "block_size": 16},
     # A/B: K (keys-inner V's default beside it) heads first, one head's block of 64 keys one 8 KB run
     "fp8-hnd": {"quantization": "fp8", "kv_cache_k_layout": "hnd"},
+    # A/B: admission keeps blocks for every running request's remaining max_tokens (no preemption, no recompute)
+    "fp8-reserve": {"quantization": "fp8", "kv_reserve": 1.0},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
 }
 

@@ -26,6 +26,7 @@
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   h200_next   one H200 call: decode tiles at blocks of 16 / 32 / 64 (on an H100 with 40 SMs held too), throughput
 #               of fp8-rows16 and the default                                                            ~6-7 min
+#   reserve_ab  offline throughput with kv_reserve 1.0 (no preemption) against the default                ~5 min
 #   h200_only   on an H200 only (else it stops at once): throughput of the default, then of fp8-rows16   ~4 min
 #   hnd_next    K heads first against the default: layout GPU tests, throughput of each (H200: + tiles, rows16) ~6-7 min
 #   table_bs64  the issue's table with fp8-rows16+kv8 beside bf16 and fp8+kv8, then every GPU test           ~7 min
@@ -280,6 +281,9 @@ for stage in "${STAGES[@]}"; do
         FIRSTTOKEN_FP8_TMA_CONFIG="$OUT/tma_config.json" run ttft_tma 120 $PY bench/bench_engine.py "${DEV[@]}" \
           --preset $PRESET --sections ttft --ttft-lengths 2048 --engines fp8+kv8 --no-hf
       fi ;;
+    reserve_ab)  # admission with kv_reserve 1.0 (no preemption) against the default (preempt and recompute): offline
+      # throughput, one process each (the H100 run of session 23 preempted 405 times, ~700k tokens recomputed) ~5 min
+      throughputs 170 fp8-reserve+kv8 fp8+kv8 ;;
     h200_only)  # only on an H200 (elsewhere it stops at once, its device time spent on the start alone): throughput of
       # the default (blocks of 64, keys-inner V, prefetch), then of fp8-rows16 (the layout before), one process each ~4 min
       if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then

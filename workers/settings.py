@@ -75,6 +75,11 @@ class EngineSettings(BaseSettings):
         description="with quantization fp8 and an fp8 KV cache: long uncached prompts' attention on FP8 tensor "
                     "cores (cuDNN's sdpa_fp8, the gpu extra); unset: wherever it runs",
     )
+    kv_reserve: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="admit a request only while free KV blocks keep this share of every running request's "
+                    "remaining max_tokens (1: none is ever preempted and recomputed; 0: admit while its prompt fits)",
+    )
     tpot_target_ms: float | None = Field(
         default=None, gt=0,
         description="while requests decode, size each step to keep time per output token under this",

@@ -18,11 +18,15 @@ def test_every_engine_option_is_a_flag_of_run_generate_and_worker_and_reaches_en
     for command in ("run", "generate", "worker"):
         extra = ["in.jsonl"] if command != "worker" else []
         args = build_parser(command).parse_args([command, *extra, "--quantization", "fp8", "--max-num-seqs", "7",
-                                                 "--tpot-target-ms", "12.5", "--kv-cache-dtype", "fp8"])
+                                                 "--tpot-target-ms", "12.5", "--kv-cache-dtype", "fp8",
+                                                 "--kv-reserve", "0.5"])
         cfg = EngineSettings.from_args(args).engine_config()
         assert (cfg.quantization, cfg.max_num_seqs, cfg.tpot_target_ms, cfg.kv_cache_dtype) == ("fp8", 7, 12.5, "fp8")
+        assert cfg.kv_reserve == 0.5
     with pytest.raises(SystemExit):  # choices come from the field's type
         build_parser("run").parse_args(["run", "x", "--kv-cache-dtype", "int4"])
+    with pytest.raises(ValueError, match="kv_reserve"):  # and bounds from the field
+        EngineSettings.from_args(build_parser("run").parse_args(["run", "x", "--kv-reserve", "1.5"]))
 
 
 def test_a_flag_wins_over_the_variable_which_wins_over_the_default(monkeypatch):

@@ -183,6 +183,13 @@ class EngineConfig:
     # (and never pins its queue partition's commit). None: strict priority.
     priority_max_wait_s: float | None = 30.0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # admission keeps free KV blocks for this share of every running request's remaining output (up to its
+    # max_tokens); 1.0: every admitted request runs to its end with no preemption (TensorRT-LLM's
+    # GUARANTEED_NO_EVICT); 0.0: admit while the prompt fits, preempting (and later recomputing) the newest
+    # request when blocks run out. In the offline throughput run on an H100 (1000 x 1000 + 1000, KV room for
+    # ~970k tokens) 0.0 preempted 405 times and recomputed ~700k tokens in 11.6 of 76 s
+    # (bench/results/2026-12-07-session23-throughput-fp8kv8-h100-b2d29da.json)
+    kv_reserve: float = 0.0
     enable_prefix_caching: bool = True
     kernel_backend: str | None = None  # "triton" | "torch"; None: triton on CUDA, torch elsewhere
     cuda_graphs: bool = True  # capture the decode step (CUDA + triton only)
@@ -268,6 +275,8 @@ class EngineConfig:
             raise ValueError("kv_cache_v_layout must be 'rows' or 'keys_inner'")
         if self.kv_cache_k_layout not in ("nhd", "hnd"):
             raise ValueError("kv_cache_k_layout must be 'nhd' or 'hnd'")
+        if not 0.0 <= self.kv_reserve <= 1.0:
+            raise ValueError("kv_reserve must be in [0, 1]")
         if self.tpot_target_ms is not None and self.tpot_target_ms <= 0:
             raise ValueError("tpot_target_ms must be positive")
         if self.dense_graph_max_tokens < 0:

@@ -121,6 +121,7 @@ class LLMEngine:
             admission_batch=c.admission_batch if c.admission_batch is not None else max(1, c.max_num_seqs // 8),
             budget_fn=self.slo,
             priority_max_wait_s=c.priority_max_wait_s,
+            kv_reserve=c.kv_reserve,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}

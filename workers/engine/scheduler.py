@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,7 +117,9 @@ class Scheduler:
     Running requests are served first, in admission order; then waiting ones are admitted while
     the token budget, `max_num_seqs` and free blocks allow. When blocks run out, the running
     request of lowest priority, newest among equals, is preempted: its blocks are freed and it
-    waits to be recomputed (its cached prefix makes the recompute cheap).
+    waits to be recomputed (its cached prefix makes the recompute cheap). With kv_reserve > 0 a waiting
+    request is admitted only while the free blocks also cover that share of every running request's
+    remaining max_tokens (1.0: no request admitted is ever preempted for room).
     """
 
     def __init__(
@@ -128,8 +131,12 @@ class Scheduler:
         admission_batch: int = 1,
         budget_fn: Callable[[int, int], int] | None = None,
         priority_max_wait_s: float | None = None,
+        kv_reserve: float = 0.0,
     ) -> None:
         self.kv = kv
+        # admission keeps this share of every running request's remaining output (up to max_tokens) in free
+        # blocks (EngineConfig.kv_reserve): 1.0 admits only what can run to its end with no preemption
+        self.kv_reserve = kv_reserve
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -254,6 +261,16 @@ class Scheduler:
         free = self.max_num_seqs - len(self.running)
         return free >= min(self.admission_batch, len(self.waiting))
 
+    def _reserve_blocks(self, req: Request) -> int:
+        """Blocks the request will hold at its kv_reserve share of its remaining output tokens."""
+        final = min(req.num_prompt_tokens + req.sampling.max_tokens, self.max_model_len)
+        tokens = req.num_tokens + math.ceil(self.kv_reserve * max(0, final - req.num_tokens))
+        return -(-tokens // self.kv.block_size)
+
+    def _reserved(self) -> int:
+        """Free blocks the running requests' growth is counted on (kv_reserve)."""
+        return sum(max(0, self._reserve_blocks(r) - len(r.block_ids)) for r in self.running)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         if self.budget_fn is not None:
@@ -299,12 +316,19 @@ class Scheduler:
             group = None if only is None else sorted(
                 (r for r in self.waiting._live.values() if r.request_id in only), key=Request.sort_key, reverse=True
             )
+            # (with nothing running the first request is admitted whatever it needs: it can always run, preempting)
+            reserved = self._reserved() if self.kv_reserve and only is None else None
             while budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek() if group is None else (group[-1] if group else None)
                 if req is None:
                     break
                 cached, n_cached = self.kv.find_cached_prefix(req)
                 n = min(req.num_tokens - n_cached, budget)
+                if reserved is not None and self.running:
+                    # the blocks it will hold, less its cached ones that others hold (free ones are taken)
+                    need = self._reserve_blocks(req) - sum(1 for b in cached if b.ref_cnt > 0)
+                    if self.kv.pool.num_free - reserved < need:
+                        break
                 if not self.kv.allocate_slots(req, n, cached):
                     others = [] if only is None else [r for r in self.running if r.request_id not in only]
                     if not others:
@@ -327,6 +351,8 @@ class Scheduler:
                 self.running.append(req)
                 entries.append(ScheduledRequest(req, n, n_cached))
                 budget -= n
+                if reserved is not None:
+                    reserved += max(0, self._reserve_blocks(req) - len(req.block_ids))
 
         forks, copies = self._fork(entries, time.monotonic()) if self.followers else ([], [])
         decodes = [e for e in entries if e.num_new_tokens == 1]

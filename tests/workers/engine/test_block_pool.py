@@ -199,3 +199,51 @@ def test_admission_with_a_cached_prefix_indexes_only_the_new_blocks(monkeypatch)
     third = make_request(list(range(1, 13)) + [50, 51, 52, 53, 60])
     blocks, n = kv.find_cached_prefix(third)
     assert [b.block_id for b in blocks] == second.block_ids[:4] and n == 16
+
+
+def drive(sched, kv, reqs: list[Request]) -> int:
+    """Runs the scheduler to the end as the engine would (a step's tokens computed, a token sampled whenever a
+    request's known tokens are all computed, finished at max_tokens); returns the most blocks held at once."""
+    for r in reqs:
+        sched.add(r)
+    peak = 0
+    for _ in range(10_000):
+        if not sched.has_work():
+            return peak
+        out = sched.schedule()
+        peak = max(peak, kv.pool.num_used)
+        for e in out.scheduled:
+            r = e.request
+            r.num_computed_tokens += e.num_new_tokens
+            if r.num_computed_tokens == r.num_tokens:
+                r.token_ids.append(7)
+                if r.num_output_tokens >= r.sampling.max_tokens:
+                    sched.finish(r, "length")
+    raise AssertionError("the scheduler did not finish")
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_kv_reserve_admits_only_what_runs_to_its_end(prefix_caching):
+    """kv_reserve 1.0: a request is admitted only while the free blocks cover every running request's growth to
+    its max_tokens, so none is ever preempted (and recomputed); the same load at 0.0 preempts. 0.5 reserves half
+    the growth: fewer preemptions than 0.0."""
+    from workers.engine.scheduler import Scheduler
+
+    def load() -> list[Request]:
+        out = []
+        for i in range(12):  # 12 requests of 10 prompt + 30 output tokens: 10 blocks of 4 each at their end
+            n = next(_ids)
+            out.append(Request(f"k{n}", [100 + i] * 10, 10, SamplingParams(max_tokens=30), 0, n, RequestTimes(0.0)))
+        return out
+
+    preemptions = {}
+    for reserve in (0.0, 0.5, 1.0):
+        kv = KVCacheManager(num_blocks=40, block_size=4, enable_prefix_caching=prefix_caching)  # room for 4 at their end
+        sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=12, max_model_len=64, kv_reserve=reserve)
+        reqs = load()
+        peak = drive(sched, kv, reqs)
+        assert all(r.num_output_tokens == 30 for r in reqs)
+        assert kv.pool.num_used == 0 and peak <= 40
+        preemptions[reserve] = sched.num_preemptions
+    assert preemptions[1.0] == 0
+    assert preemptions[0.0] > preemptions[0.5] > 0

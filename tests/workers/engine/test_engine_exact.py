@@ -140,6 +140,16 @@ def test_preemption_recomputes_exactly(llama_dir, prompts, want, prefix_caching)
     assert_pool_clean(eng)
 
 
+def test_kv_reserve_runs_the_same_load_with_no_preemption(llama_dir, prompts, want):
+    """The load that preempts above (24 blocks of 4), admitted with kv_reserve 1.0: requests wait for room to run to
+    their end instead, none is preempted, and the tokens are transformers' still."""
+    eng = make_engine(llama_dir, num_blocks=24, kv_reserve=1.0)
+    got = run_all(eng, prompts)
+    assert eng.scheduler.num_preemptions == 0 and sum(f.num_preemptions for f in got) == 0
+    assert [f.output_token_ids for f in got] == want
+    assert_pool_clean(eng)
+
+
 def test_abort_midway(llama_dir, prompts, want):
     eng = make_engine(llama_dir, max_num_batched_tokens=32)
     for i, p in enumerate(prompts):
