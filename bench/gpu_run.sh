@@ -26,6 +26,7 @@
 #               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
 #   h200_next   one H200 call: decode tiles at blocks of 16 / 32 / 64 (on an H100 with 40 SMs held too), throughput
 #               of fp8-rows16 and the default                                                            ~6-7 min
+#   next24      session 24's first call: H200 tiles, throughput (default, rows16), table; else reserve/hnd    ~9 min
 #   reserve_ab  offline throughput with kv_reserve 1.0 (no preemption) against the default                ~5 min
 #   h200_only   on an H200 only (else it stops at once): throughput of the default, then of fp8-rows16   ~4 min
 #   hnd_next    K heads first against the default: layout GPU tests, throughput of each (H200: + tiles, rows16) ~6-7 min
@@ -280,6 +281,19 @@ for stage in "${STAGES[@]}"; do
       if [ -f "$OUT/tma_config.json" ]; then
         FIRSTTOKEN_FP8_TMA_CONFIG="$OUT/tma_config.json" run ttft_tma 120 $PY bench/bench_engine.py "${DEV[@]}" \
           --preset $PRESET --sections ttft --ttft-lengths 2048 --engines fp8+kv8 --no-hf
+      fi ;;
+    next24)  # session 24's first call. On an H200: the decode tiles at blocks of 16 / 64, offline throughput of the
+      # default and fp8-rows16 (one process each), then the issue's table beside fp8-rows16 (no tests: they passed on
+      # an H100 at b2d29da / fb05c41). Elsewhere: throughput of fp8-reserve, the default and fp8-hnd
+      #                                                                                ~9 min (H200), ~6.5 (H100)
+      if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then
+        run decode_blocks 45 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,64 \
+          --cases 1000x1500 --variants "$BLOCK_VARIANTS"
+        throughputs 150 fp8+kv8 fp8-rows16+kv8
+        run engine_bs64 200 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
+          --engines "bf16,fp8+kv8,fp8-rows16+kv8" --no-hf "${ENGINE_ARGS[@]}"
+      else
+        throughputs 140 fp8-reserve+kv8 fp8+kv8 fp8-hnd+kv8
       fi ;;
     reserve_ab)  # admission with kv_reserve 1.0 (no preemption) against the default (preempt and recompute): offline
       # throughput, one process each (the H100 run of session 23 preempted 405 times, ~700k tokens recomputed) ~5 min
