@@ -27,7 +27,7 @@
 #   h200_next   one H200 call: decode tiles at blocks of 16 / 32 / 64 (on an H100 with 40 SMs held too), throughput
 #               of fp8-rows16 and the default                                                            ~6-7 min
 #   next24      session 24's first call: H200 tiles, throughput (default, rows16), table; else reserve/hnd    ~9 min
-#   reserve_ab  offline throughput with kv_reserve 1.0 (no preemption) against the default                ~5 min
+#   reserve_ab  offline throughput with kv_reserve 0.85 and 1.0 against the default                        ~7 min
 #   h200_only   on an H200 only (else it stops at once): throughput of the default, then of fp8-rows16   ~4 min
 #   hnd_next    K heads first against the default: layout GPU tests, throughput of each (H200: + tiles, rows16) ~6-7 min
 #   table_bs64  the issue's table with fp8-rows16+kv8 beside bf16 and fp8+kv8, then every GPU test           ~7 min
@@ -284,7 +284,7 @@ for stage in "${STAGES[@]}"; do
       fi ;;
     next24)  # session 24's first call. On an H200: the decode tiles at blocks of 16 / 64, offline throughput of the
       # default and fp8-rows16 (one process each), then the issue's table beside fp8-rows16 (no tests: they passed on
-      # an H100 at b2d29da / fb05c41). Elsewhere: throughput of fp8-reserve, the default and fp8-hnd
+      # an H100 at b2d29da / fb05c41). Elsewhere: throughput of fp8-reserve85, the default and fp8-hnd
       #                                                                                ~9 min (H200), ~6.5 (H100)
       if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then
         run decode_blocks 45 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,64 \
@@ -293,11 +293,11 @@ for stage in "${STAGES[@]}"; do
         run engine_bs64 200 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
           --engines "bf16,fp8+kv8,fp8-rows16+kv8" --no-hf "${ENGINE_ARGS[@]}"
       else
-        throughputs 140 fp8-reserve+kv8 fp8+kv8 fp8-hnd+kv8
+        throughputs 170 fp8-reserve85+kv8 fp8+kv8 fp8-hnd+kv8
       fi ;;
-    reserve_ab)  # admission with kv_reserve 1.0 (no preemption) against the default (preempt and recompute): offline
-      # throughput, one process each (the H100 run of session 23 preempted 405 times, ~700k tokens recomputed) ~5 min
-      throughputs 170 fp8-reserve+kv8 fp8+kv8 ;;
+    reserve_ab)  # admission with kv_reserve 0.85 and 1.0 against the default (preempt and recompute): offline
+      # throughput, one process each (the H100 run of session 23 preempted 405 times, ~560k tokens recomputed) ~7 min
+      throughputs 170 fp8-reserve85+kv8 fp8-reserve+kv8 fp8+kv8 ;;
     h200_only)  # only on an H200 (elsewhere it stops at once, its device time spent on the start alone): throughput of
       # the default (blocks of 64, keys-inner V, prefetch), then of fp8-rows16 (the layout before), one process each ~4 min
       if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then

@@ -1,0 +1,105 @@
+"""The engine's real scheduler driven on the CPU through an offline run, each step priced by a cost model: a
+prediction of what a scheduling option (kv_reserve) does to throughput where the KV cache cannot hold every
+request at its end, before a GPU measures it. It is a model, not a measurement.
+
+A step costs `overhead + max(weight_read, per_token * tokens) + per_row * sampled + per_ctx * decode context
+tokens`: the projections' FLOPs at the FP8 rate (or their weight bytes when few tokens run), the bf16 head on
+every sampled row, and each decode's KV bytes at the copy rate. The default constants are Llama-3.1-8B FP8 with an
+fp8 cache on an H100 (FP8 1250 TFLOP/s, copy 2950 GB/s); the H100 run of session 23 (fp8+kv8, 13,103 tok/s, 405
+preemptions) is what they are checked against.
+
+    python3 bench/sim_schedule.py [--kv-tokens 969728] [--reserve 0,1] [--prompts 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from schemas.sampling import SamplingParams
+from workers.engine.kv_cache_manager import KVCacheManager
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Request, RequestTimes
+
+PARAMS = 6.98e9  # Llama-3.1-8B's projection weights (the decoder layers)
+HEAD = 4096 * 128256  # its lm_head
+
+
+def step_seconds(tokens: int, sampled: int, decode_ctx: int, a: argparse.Namespace) -> float:
+    gemm = max(PARAMS / (a.copy_gbps * 1e9), 2 * PARAMS * tokens / (a.fp8_tflops * 1e12))
+    head = 2 * HEAD * sampled / (a.bf16_tflops * 1e12)
+    attention = decode_ctx * a.kv_bytes_per_token / (a.copy_gbps * 1e9)
+    return a.overhead_ms / 1e3 + gemm + head + attention
+
+
+def simulate(reserve: float, a: argparse.Namespace) -> dict:
+    kv = KVCacheManager(a.kv_tokens // a.block_size, a.block_size, enable_prefix_caching=False)
+    sched = Scheduler(kv, a.max_num_batched_tokens, a.max_num_seqs, a.input_len + a.output_len + 1,
+                      admission_batch=max(1, a.max_num_seqs // 8), kv_reserve=reserve)
+    sp = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+    reqs = [Request(f"s{i}", [7 + i % 50] * a.input_len, a.input_len, sp, 0, i, RequestTimes(0.0))
+            for i in range(a.prompts)]
+    for r in reqs:
+        sched.add(r)
+    seconds = steps = computed = 0
+    peak_running = 0
+    while sched.has_work():
+        out = sched.schedule()
+        if not out.scheduled:
+            raise RuntimeError("a step with nothing scheduled: the pool cannot hold one request")
+        steps += 1
+        tokens = sampled = decode_ctx = 0
+        for e in out.scheduled:
+            r = e.request
+            tokens += e.num_new_tokens
+            if e.num_new_tokens == 1 and r.num_computed_tokens >= r.num_prompt_tokens:
+                decode_ctx += r.num_computed_tokens + 1
+            r.num_computed_tokens += e.num_new_tokens
+            if r.num_computed_tokens == r.num_tokens:
+                sampled += 1
+                r.token_ids.append(11)
+                if r.num_output_tokens >= a.output_len:
+                    sched.finish(r, "length")
+        computed += tokens
+        peak_running = max(peak_running, len(sched.running))
+        seconds += step_seconds(tokens, sampled, decode_ctx, a)
+    output = a.prompts * a.output_len
+    return {"kv_reserve": reserve, "modelled_tok_s": output / seconds, "modelled_s": seconds, "steps": steps,
+            "preemptions": sched.num_preemptions, "tokens_computed": computed,
+            "recomputed_tokens": computed - a.prompts * (a.input_len + a.output_len - 1),
+            "peak_running": peak_running}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kv-tokens", type=int, default=15152 * 64, help="KV cache room in tokens (the H100 run's)")
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--reserve", default="0,1", help="comma-separated kv_reserve values")
+    ap.add_argument("--prompts", type=int, default=1000)
+    ap.add_argument("--input-len", type=int, default=1000)
+    ap.add_argument("--output-len", type=int, default=1000)
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--fp8-tflops", type=float, default=1250.0)
+    ap.add_argument("--bf16-tflops", type=float, default=690.0)
+    ap.add_argument("--copy-gbps", type=float, default=2950.0)
+    ap.add_argument("--kv-bytes-per-token", type=int, default=32 * 2 * 8 * 128, help="K and V of every layer, fp8")
+    ap.add_argument("--overhead-ms", type=float, default=1.2, help="a step's launches and small kernels")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    rows = [simulate(float(r), a) for r in a.reserve.split(",")]
+    print(json.dumps({"args": vars(a), "rows": rows, "wall_s": time.perf_counter() - t0}, indent=1))
+    print("\n| kv_reserve | modelled tok/s | modelled s | steps | preemptions | recomputed tokens | peak running |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kv_reserve']:g} | {r['modelled_tok_s']:,.0f} | {r['modelled_s']:.1f} | {r['steps']} | "
+              f"{r['preemptions']} | {r['recomputed_tokens']:,} | {r['peak_running']} |")
+
+
+if __name__ == "__main__":
+    main()
