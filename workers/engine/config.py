@@ -187,8 +187,9 @@ class EngineConfig:
     # max_tokens); 1.0: every admitted request runs to its end with no preemption (TensorRT-LLM's
     # GUARANTEED_NO_EVICT); 0.0: admit while the prompt fits, preempting (and later recomputing) the newest
     # request when blocks run out. In the offline throughput run on an H100 (1000 x 1000 + 1000, KV room for
-    # ~970k tokens) 0.0 preempted 405 times and recomputed ~700k tokens in 11.6 of 76 s
-    # (bench/results/2026-12-07-session23-throughput-fp8kv8-h100-b2d29da.json)
+    # ~970k tokens) 0.0 preempted 405 times and recomputed ~560k tokens in 11.6 of 76 s
+    # (bench/results/2026-12-07-session23-throughput-fp8kv8-h100-b2d29da.json); bench/sim_schedule.py models
+    # 0.85 at +9% there and 1.0 at +6%, and nothing above 0 helps on an H200's pool (session23.md)
     kv_reserve: float = 0.0
     enable_prefix_caching: bool = True
     kernel_backend: str | None = None  # "triton" | "torch"; None: triton on CUDA, torch elsewhere
