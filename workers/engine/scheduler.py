@@ -316,15 +316,19 @@ class Scheduler:
             group = None if only is None else sorted(
                 (r for r in self.waiting._live.values() if r.request_id in only), key=Request.sort_key, reverse=True
             )
-            # (with nothing running the first request is admitted whatever it needs: it can always run, preempting)
-            reserved = self._reserved() if self.kv_reserve and only is None else None
+            # (with nothing running the first request is admitted whatever it needs: it can always run, preempting;
+            # the running requests' growth is summed once a request waits: O(running) a step)
+            reserving = bool(self.kv_reserve) and only is None
+            reserved = None
             while budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek() if group is None else (group[-1] if group else None)
                 if req is None:
                     break
                 cached, n_cached = self.kv.find_cached_prefix(req)
                 n = min(req.num_tokens - n_cached, budget)
-                if reserved is not None and self.running:
+                if reserving and self.running:
+                    if reserved is None:
+                        reserved = self._reserved()
                     # the blocks it will hold, less its cached ones that others hold (free ones are taken)
                     need = self._reserve_blocks(req) - sum(1 for b in cached if b.ref_cnt > 0)
                     if self.kv.pool.num_free - reserved < need:
@@ -351,8 +355,9 @@ class Scheduler:
                 self.running.append(req)
                 entries.append(ScheduledRequest(req, n, n_cached))
                 budget -= n
-                if reserved is not None:
-                    reserved += max(0, self._reserve_blocks(req) - len(req.block_ids))
+                if reserving:
+                    reserved = (self._reserved() if reserved is None
+                                else reserved + max(0, self._reserve_blocks(req) - len(req.block_ids)))
 
         forks, copies = self._fork(entries, time.monotonic()) if self.followers else ([], [])
         decodes = [e for e in entries if e.num_new_tokens == 1]
