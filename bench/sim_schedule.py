@@ -33,7 +33,7 @@ HEAD = 4096 * 128256  # its lm_head
 def step_seconds(tokens: int, sampled: int, decode_ctx: int, a: argparse.Namespace) -> float:
     gemm = max(PARAMS / (a.copy_gbps * 1e9), 2 * PARAMS * tokens / (a.fp8_tflops * 1e12))
     head = 2 * HEAD * sampled / (a.bf16_tflops * 1e12)
-    attention = decode_ctx * a.kv_bytes_per_token / (a.copy_gbps * 1e9)
+    attention = decode_ctx * a.kv_bytes_per_token / ((a.attention_gbps or a.copy_gbps) * 1e9)
     return a.overhead_ms / 1e3 + gemm + head + attention
 
 
@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--fp8-tflops", type=float, default=1250.0)
     ap.add_argument("--bf16-tflops", type=float, default=690.0)
     ap.add_argument("--copy-gbps", type=float, default=2950.0)
+    ap.add_argument("--attention-gbps", type=float, default=None,
+                    help="the decode attention's read rate (default: the copy rate), a kernel's measured GB/s")
     ap.add_argument("--kv-bytes-per-token", type=int, default=32 * 2 * 8 * 128, help="K and V of every layer, fp8")
     ap.add_argument("--overhead-ms", type=float, default=1.2, help="a step's launches and small kernels")
     a = ap.parse_args()
