@@ -432,6 +432,11 @@ def run_engine(spec: str, fields: dict[str, Any], args: argparse.Namespace, sect
                                     "device_total_gib": torch.cuda.mem_get_info()[1] / 2**30
                                     if torch.cuda.is_available() else None,
                                     "kv_cache_gib": st.kv_blocks_total * engine.runner.kv_bytes_per_block() / 2**30}
+        # tokens computed past each request's prompt + output (the last sampled token is never computed): what
+        # preemption recomputed
+        ours["throughput_stats"]["recomputed_tokens"] = (
+            sum(p["tokens"] for p in ours["throughput_paths"].values()) - sum(map(len, prompts)) - sum(lens_out)
+            + len(prompts))
         print(f"# {spec} throughput {ours['throughput_tok_s']:.0f} tok/s", flush=True)
     engine.close()  # the next engine gets the memory (del alone kept it: graphs and the runner hold it)
     free_memory()
@@ -571,6 +576,10 @@ def main() -> None:
     for s in specs:
         cols += [f"{s} floor", s, f"{s} x floor"] + ([f"{s} no graphs"] if "decode" in sections else [])
     md += md_table(rows, cols)
+    if "throughput" in sections:
+        md += "\n\nIn the throughput run: " + "; ".join(
+            f"{s} preempted {ours[s]['throughput_stats']['preemptions']} times, "
+            f"{ours[s]['throughput_stats']['recomputed_tokens']:,} tokens recomputed" for s in specs) + ".\n"
     tag = "" if specs == ["bf16"] else "_" + "_".join(s.replace("+", "") for s in specs)
     if args.kv_cache_dtype != "auto":
         tag += f"_kv{args.kv_cache_dtype}"

@@ -65,6 +65,11 @@ def test_bench_engine_runs_engines_side_by_side_on_cpu(tmp_path):
     b4 = next(r for r in data["rows"] if r["metric"] == "decode b4 per token")
     assert b4["fp8+kv8 floor"] < b4["bf16 floor"]
     assert "| TTFT 64 |" in md and "fp8+kv8 x floor" in md
+    # 4 prompts in room for all of them: nothing preempted, and every computed token is a prompt or output token
+    for s in data["engines"]:
+        st = data["ours"][s]["throughput_stats"]
+        assert st["preemptions"] == 0 and st["recomputed_tokens"] == 0, st
+    assert "fp8+kv8 preempted 0 times, 0 tokens recomputed" in md
 
 
 def test_bench_load_runs_a_tpot_target_on_cpu(tmp_path):
