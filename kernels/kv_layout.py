@@ -31,6 +31,17 @@ V_LAYOUTS = ("rows", "keys_inner")
 K_LAYOUTS = ("nhd", "hnd")
 
 
+def _zeros_in_rows(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   device: torch.device | str, k_layout: str) -> torch.Tensor:
+    """A zeroed cache with its values in rows, seen as [num_blocks, block_size, Hk, D], laid out as k_layout says."""
+    if k_layout not in K_LAYOUTS:
+        raise ValueError(f"k_layout must be one of {K_LAYOUTS}, not {k_layout!r}")
+    if k_layout == "nhd":
+        return torch.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    heads = torch.zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype, device=device)
+    return heads.permute(0, 2, 1, 3)
+
+
 def empty_kv_caches(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device | str, v_layout: str = "rows",
                     k_layout: str = "nhd") -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,18 +49,10 @@ def empty_kv_caches(num_blocks: int, block_size: int, num_kv_heads: int, head_di
     lies as K does (k_layout)."""
     if v_layout not in V_LAYOUTS:
         raise ValueError(f"v_layout must be one of {V_LAYOUTS}, not {v_layout!r}")
-    if k_layout not in K_LAYOUTS:
-        raise ValueError(f"k_layout must be one of {K_LAYOUTS}, not {k_layout!r}")
-
-    def rows() -> torch.Tensor:
-        if k_layout == "nhd":
-            return torch.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
-        heads = torch.zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype, device=device)
-        return heads.permute(0, 2, 1, 3)
-
-    k = rows()
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = _zeros_in_rows(*shape, dtype, device, k_layout)
     if v_layout == "rows":
-        return k, rows()
+        return k, _zeros_in_rows(*shape, dtype, device, k_layout)
     v = torch.zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
     return k, v.permute(0, 3, 1, 2)
 
@@ -81,9 +84,7 @@ def heads_first(cache: torch.Tensor) -> bool:
 
 def to_k_layout(cache: torch.Tensor, k_layout: str) -> torch.Tensor:
     """A copy of a cache in rows (seen as [num_blocks, block_size, Hk, D]) laid out as k_layout says."""
-    nb, bs, hk, d = cache.shape
-    out, _v = empty_kv_caches(nb, bs, hk, d, cache.dtype, cache.device, "rows", k_layout)
-    return out.copy_(cache)
+    return _zeros_in_rows(*cache.shape, cache.dtype, cache.device, k_layout).copy_(cache)
 
 
 def to_v_layout(v_cache: torch.Tensor, v_layout: str, stale: float = 0.0) -> torch.Tensor:
