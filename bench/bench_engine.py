@@ -323,18 +323,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B: no dense prefill graphs (a lone uncached prompt of 1025-2048 tokens runs eagerly, as before)
     "fp8-nodg": {"quantization": "fp8", "dense_graph_max_tokens": 0},
     "bf16-nodg": {"dense_graph_max_tokens": 0},
-    # A/B of the V cache's layout (kernels/kv_layout.py): keys innermost against rows (the default)
-    "fp8-vt": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner"},
+    # A/B of a 16-bit cache's V layout (kernels/kv_layout.py): keys innermost against rows (its default)
     "bf16-vt": {"kv_cache_v_layout": "keys_inner"},
-    # A/B of decode attention's pipelining: block-table entries a tile ahead and four stages (three K/V
-    # buffers in shared memory where the default's dependent loads get one), in rows and keys inner
-    "fp8-pf4": {"quantization": "fp8", "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true, "num_stages": 4}'}},
-    "fp8-vtpf4": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner",
-                  "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true, "num_stages": 4}'}},
-    # keys inner, block ids a tile ahead, 3 stages: 6-12% over rows on an H100 with the H200's bandwidth
-    # per SM (bench/results/2026-12-06-session11-h100.md)
-    "fp8-vtpf3": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner",
-                  "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true}'}},
     # A/B: a long uncached prompt's dense attention in bf16 (cuDNN through SDPA), not on FP8 tensor cores
     # (EngineConfig.fp8_attention, on by default with +kv8 where cuDNN's FP8 forward runs)
     "fp8-bf16attn": {"quantization": "fp8", "fp8_attention": False},
@@ -348,13 +338,10 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B: the bf16 lm_head's GEMM in bf16 then a cast to fp32 (the layout before its GEMM wrote fp32 logits)
     "fp8-bf16logits": {"quantization": "fp8", "_env": {"FIRSTTOKEN_LOGITS_FP32_GEMM": "0"}},
     "bf16-bf16logits": {"_env": {"FIRSTTOKEN_LOGITS_FP32_GEMM": "0"}},
-    # A/B of the KV block size (16, the default): blocks of 64 / 32 tokens, as TensorRT-LLM serves (a key tile of 64
-    # one block: one block-table entry, not four), with V keys inner and the block ids a tile ahead (V in rows
-    # read no faster at 64: bench/results/2026-12-07-session22.md)
-    "fp8-vtpf3-bs64": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner", "block_size": 64,
-                       "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true}'}},
-    "fp8-vtpf3-bs32": {"quantization": "fp8", "kv_cache_v_layout": "keys_inner", "block_size": 32,
-                       "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": true}'}},
+    # A/B of the fp8 cache's block size (64, its default since session 23): blocks of 32, V keys inner, block ids prefetched
+    "fp8-bs32": {"quantization": "fp8", "block_size": 32},
+    # A/B: the fp8 cache's default without the block ids a tile ahead (keys-inner V read in whole blocks)
+    "fp8-nopf": {"quantization": "fp8", "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": false}'}},
     # A/B: the fp8 cache's layout before blocks of 64 with keys-inner V became its default (session 23): blocks of
     # 16, V in rows (the block ids not prefetched)
     "fp8-rows16": {"quantization": "fp8", "kv_cache_v_layout": "rows", "block_size": 16},

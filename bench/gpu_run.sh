@@ -19,27 +19,15 @@
 #   gemv_sweep  the one-row GEMV's tiles (bench_fp8_gemv --rows 1), then
 #               decode b1/b8 with the sweep's picks (FIRSTTOKEN_FP8_GEMV_CONFIG) against the defaults    ~3 min
 #   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens (TensorRT-LLM's shape): FP8, bf16  ~6 min
-#   vt_h100     the V cache's layouts (kernels/kv_layout.py): the decode tiles over both, decode and TTFT 2048
-#               (and cached + 128) with each, the fp8-KV GPU tests; fits an H100                      ~2.5 min
-#   dec_pipe    one H200 call: the SM clock sampled throughout (clocks.csv), decode attention's pipelining and
-#               V-layout variants (tiles), then throughput with the default, fp8-vt and fp8-vtpf4 (an H100 with
-#               40 SMs held, the H200's bandwidth per SM, had keys inner + prefetch 3 stages 6-12% ahead) ~8.5 min
-#   h200_next   one H200 call: decode tiles at blocks of 16 / 32 / 64 (on an H100 with 40 SMs held too), throughput
-#               of fp8-rows16 and the default                                                            ~6-7 min
 #   next24      session 24's first call: H200 tiles, throughput (default, rows16), table; else reserve/hnd    ~9 min
 #   reserve_ab  offline throughput with kv_reserve 0.85 and 1.0 against the default                        ~7 min
 #   h200_only   on an H200 only (else it stops at once): throughput of the default, then of fp8-rows16   ~4 min
-#   hnd_next    K heads first against the default: layout GPU tests, throughput of each (H200: + tiles, rows16) ~6-7 min
 #   table_bs64  the issue's table with fp8-rows16+kv8 beside bf16 and fp8+kv8, then every GPU test           ~7 min
 #   logits32    the lm_head's GEMM writing fp32 logits against bf16 + a cast: GPU tests, throughput of each ~6.5 min
 #   overlap_micro  decode attention beside the FP8 GEMMs on two streams, alone and serial (bench_overlap) ~1 min
-#   dec_pipe_short  only the throughput of fp8-vtpf3 and the default                                  ~5 min
 #   prefill_tiles  cached + 128's paged attention over more splits and other tiles (ncu_prefill_cached) ~1.5 min
 #   tma_ab      TTFT 2048 (cached + 128), fp8+kv8 with the TMA GEMM off and on, one process          ~1.5 min
 #   table       TTFT / decode of bf16 and fp8+kv8 beside their floors (the issue's table; no transformers)  ~3 min
-#   table_vt    one H200 call: the issue's table with fp8-vtpf3+kv8 beside bf16 and fp8+kv8 (one process: the
-#               V-layout decision's TTFT on an H200), then the whole GPU test file                   ~6.5 min
-#   h200        throughput of fp8-vtpf3 and fp8+kv8, then TTFT / decode of bf16 and fp8+kv8 (no transformers)  ~8.5 min
 #   gemm_tma    128/256-row FP8 GEMMs with TMA loads (bench_fp8_decode --tma), then TTFT 2048 cached + 128
 #               without TMA, with the built-in tiles and with the sweep's picks                    ~5 min
 #   prefill_k8  2048 cached + 128's paged attention: QK^T on FP8 tensor cores, with tiles (ncu_prefill_cached),
@@ -48,10 +36,8 @@
 #               32768 with it (fp8+kv8) and without (fp8-bf16attn+kv8)                             ~6 min
 #   compact_ab  the prefill attention's compact grid (the default since session 20) against the grid per
 #               sequence: kernel at 16 / 1 graph rows, the GPU tests, TTFT A/B                     ~5 min
-#   vtpf3_ab    TTFT 2048 (cached + 128) and decode of fp8-vtpf3 against the default, one process  ~2.5 min
 #   cached_probe  cached + 128's paged attention: block-table rows 1 against the graph's 16, then ncu's warp states  ~1.5 min
 #   ncu_layouts ncu of one decode-attention launch per V layout                                        ~2 min
-#   vt_all      one H200 call: decode tiles (3 cases), throughput with each V layout, the fp8-cache GPU tests  ~8 min
 #   throughput_mem  the same shape, FP8 + fp8 KV alone, at gpu_memory_utilization 0.90 then 0.95 (fewer
 #               preemptions; the stats give peak memory against the device's total)                  ~4.5 min
 #   ttft_probe  where TTFT 2048 and 2048 cached + 128 spend the time outside their kernels (FP8 + fp8 KV:
@@ -127,14 +113,14 @@ issue_table() {  # issue 18's table: TTFT and decode of bf16 and fp8+kv8 beside 
     --engines bf16,fp8+kv8 --no-hf "${ENGINE_ARGS[@]}"
 }
 table_beside() {  # table_beside NAME ENGINE: the issue's table with ENGINE beside bf16 and fp8+kv8 (one process),
-  # then every GPU test (table_vt, table_bs64)
+  # then every GPU test (table_bs64)
   run "engine_$1" 300 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
     --engines "bf16,fp8+kv8,$2" --no-hf "${ENGINE_ARGS[@]}"
   [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 280 \
     $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA
 }
-throughputs() {  # throughputs SECONDS ENGINE...: offline throughput of each engine, one process each (h200,
-  # dec_pipe_short: fp8-vtpf3 then the default)
+throughputs() {  # throughputs SECONDS ENGINE...: offline throughput of each engine, one process each (next24,
+  # reserve_ab, h200_only)
   local limit=$1 e
   shift
   for e in "$@"; do
@@ -199,26 +185,6 @@ for stage in "${STAGES[@]}"; do
       run ncu_layouts 220 "${NCU:-ncu}" --clock-control none -k regex:_decode_partial --launch-skip 2 --launch-count 4 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
         --section Occupancy --section LaunchStats $PY bench/ncu_decode_layouts.py ;;
-    vt_h100)  # what fits one call on a 80 GB card: the tiles over both V layouts, the short engine A/B, the GPU tests
-      [ "${SMOKE:-0}" = 1 ] && continue
-      run decode_tiles 75 $PY bench/bench_decode_tiles.py --layouts shuffled --cases 1x2048,256x1100,1000x1500
-      run vt_decode 160 $PY bench/bench_engine.py --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
-        --decode-batches 1,64,256 --engines fp8+kv8,fp8-vt+kv8 --no-hf
-      FIRSTTOKEN_GPU_TESTS=1 run tests_fp8kv 110 $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py \
-        -p no:cacheprovider -rA -k "fp8_kv" ;;
-    dec_pipe)  # is the H200's decode attention short of bytes in flight, or of issue slots? (session 11)
-      if [ "${SMOKE:-0}" != 1 ] && command -v nvidia-smi >/dev/null; then
-        (while true; do nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
-          --format=csv,noheader >>"$OUT/clocks.csv"; sleep 0.5; done) &
-        CLOCKS=$!
-      fi
-      [ "${SMOKE:-0}" = 1 ] || run decode_tiles 80 $PY bench/bench_decode_tiles.py --cases 256x1100,1000x1500,1000x1900 \
-        --variants '{"pf_s3":{"prefetch":true},"vt":{"v_layout":"keys_inner"},"vt_pf_s3":{"v_layout":"keys_inner","prefetch":true},"vt_pf_s4":{"v_layout":"keys_inner","prefetch":true,"num_stages":4},"vt_n32_pf_s4":{"v_layout":"keys_inner","prefetch":true,"num_stages":4,"block_n":32}}'
-      for e in fp8-vtpf3+kv8 fp8+kv8 fp8-vtpf4+kv8; do  # the candidate first: the call may run out of device time
-        run "throughput_${e%%+*}" 150 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
-          --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
-      done
-      [ -n "${CLOCKS:-}" ] && kill "$CLOCKS" ;;
     fp8attn)  # cuDNN's FP8 dense prefill attention: the kernel beside bf16, its GPU tests, TTFT with and without it
       [ "${SMOKE:-0}" = 1 ] || run fp8_attention_probe 150 $PY bench/bench_fp8_attention.py --probe 16,32,64,128,256/37,128,1000
       [ "${SMOKE:-0}" = 1 ] || run fp8_attention 120 $PY bench/bench_fp8_attention.py
@@ -241,10 +207,6 @@ for stage in "${STAGES[@]}"; do
         -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "prefill or graph or compiles or choices"
       run ttft_compact 280 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 512,2048 \
         --engines fp8+kv8,fp8-nocompact+kv8,bf16,bf16-nocompact --no-hf ;;
-    vtpf3_ab)  # keys-inner V with block ids a tile ahead (fp8-vtpf3, +2.1% offline throughput on the H200 in session 19)
-      # against the default on TTFT 2048 / cached + 128 and decode b1-b256, one process              ~2.5 min
-      run vtpf3_ab 280 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode --ttft-lengths 2048 \
-        --engines fp8+kv8,fp8-vtpf3+kv8 --no-hf ;;
     cached_probe)  # why cached + 128's paged attention takes ~26 us against ~6 of FLOPs: the graph's 15 padding rows
       # (block-table rows 1 against 16), then ncu's warp states and occupancy of one launch          ~1.5 min
       [ "${SMOKE:-0}" = 1 ] && continue
@@ -260,14 +222,7 @@ for stage in "${STAGES[@]}"; do
     tma_ab)  # TTFT 2048 (cached + 128) with the TMA GEMM off, then on, in one process                ~1.5 min
       run tma_ab 200 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft --ttft-lengths 2048 \
         --engines fp8-notma+kv8,fp8+kv8 --no-hf ;;
-    table_vt)  # the issue's table (defaults of the day, the compact grid among them) with keys-inner V + prefetch
-      # beside it in one process, then every GPU test (session 20 ran only the prefill/graph subset on the compact default)
-      table_beside vt fp8-vtpf3+kv8 ;;
     table)  # the issue's table alone: TTFT and decode for bf16 and fp8+kv8 beside their floors      ~3 min
-      issue_table ;;
-    h200)  # one H200 call: throughput of keys-inner V + prefetch (fp8-vtpf3) and the default, then TTFT and decode for
-      # bf16 and fp8+kv8 beside their floors (the issue's table)                                       ~8.5 min
-      throughputs 190 fp8-vtpf3+kv8 fp8+kv8
       issue_table ;;
     gemm_tma)  # the 128/256-row FP8 GEMMs with TMA loads against _scaled_mm and the pointer kernel (bench_fp8_decode
       # --tma), then TTFT 2048 cached + 128 without TMA (FIRSTTOKEN_FP8_TMA_CONFIG=off), with the built-in tiles and
@@ -305,31 +260,6 @@ for stage in "${STAGES[@]}"; do
       else
         echo "not an H200: nothing run"
       fi ;;
-    hnd_next)  # K heads first (fp8-hnd) beside the default (blocks of 64, keys-inner V, prefetch): the layout GPU tests,
-      # then offline throughput of each, one process each; on an H200 first the decode tiles at blocks of 16 / 64 and
-      # fp8-rows16's throughput (the layout before session 23)                              ~6 min (H100), ~7 (H200)
-      FIRSTTOKEN_GPU_TESTS=1 run tests_layouts 150 $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py \
-        -p no:cacheprovider -rA -k "blocks_of_64 or v_layouts_agree"
-      if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then
-        run decode_blocks 100 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,64 \
-          --cases 256x1100,1000x1500 --variants "$BLOCK_VARIANTS"
-        throughputs 170 fp8-rows16+kv8 fp8+kv8 fp8-hnd+kv8
-      else
-        throughputs 170 fp8+kv8 fp8-hnd+kv8
-      fi ;;
-    h200_next)  # one call, the first an H200 gets: decode tiles at blocks of 16, 32 and 64 (on an H100 again with 40
-      # SMs held, the H200's bandwidth per SM), then offline throughput of the default and of blocks of 64 with keys-inner
-      # V + prefetch (on an H100 with 40 SMs held its decode attention ran 2898-2961 GB/s against the default's 2284,
-      # session 22), one process each                                                                   ~6-7 min
-      if [ "${SMOKE:-0}" != 1 ]; then
-        run decode_blocks 100 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,32,64 \
-          --cases 256x1100,1000x1500 --variants "$BLOCK_VARIANTS"
-        if $PY -c "import torch, sys; sys.exit('H100' not in torch.cuda.get_device_name())"; then
-          run decode_blocks_hog40 100 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,64 \
-            --cases 1000x1500 --variants "$BLOCK_VARIANTS" --hog-sms 40
-        fi
-      fi
-      throughputs 170 fp8-rows16+kv8 fp8+kv8 ;;
     table_bs64)  # the issue's table with blocks of 64 + keys-inner V + prefetch beside bf16 and fp8+kv8 (one process),
       # then every GPU test                                                                           ~7 min
       table_beside bs64 fp8-rows16+kv8 ;;
@@ -341,17 +271,6 @@ for stage in "${STAGES[@]}"; do
       throughputs 150 fp8+kv8 fp8-bf16logits+kv8 ;;
     overlap_micro)  # one layer's decode attention and FP8 GEMMs x 32, alone, serial and on two streams (bench_overlap)  ~1 min
       [ "${SMOKE:-0}" = 1 ] || run overlap_micro 150 $PY bench/bench_overlap.py --rows 256,512 --context 1500 ;;
-    dec_pipe_short)  # the candidate's throughput and the default's, nothing else (~4.5 min; each ran 107-123 s)
-      throughputs 170 fp8-vtpf3+kv8 fp8+kv8 ;;
-    vt_all)  # one H200 call: the tiles over both V layouts, the fp8-cache GPU tests, throughput keys inner then rows
-      [ "${SMOKE:-0}" = 1 ] || run decode_tiles 75 $PY bench/bench_decode_tiles.py --layouts shuffled \
-        --cases 1x2048,256x1100,1000x1500
-      for e in fp8+kv8 fp8-vt+kv8; do
-        run "throughput_${e%%+*}" 150 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \
-          --engines "$e" --no-hf --gpu-memory-utilization 0.95 "${TPUT_ARGS[@]}"
-      done
-      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 run tests_fp8kv 110 $PY -m pytest -q -s -m gpu \
-        tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "fp8_kv" ;;
     throughput_mem)
       for mem in 0.9 0.95; do
         run "throughput_mem$mem" 270 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections throughput \

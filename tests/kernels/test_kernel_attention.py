@@ -278,7 +278,7 @@ def test_decode_large_blocks(bs, v_layout, block_n, window, splits, k_layout) ->
     kc, vc = lay_out(kc, vc, v_layout, k_layout)
     q = torch.randn(len(ctx), hq + 2 * hk, d)[:, :hq]
     sl = torch.tensor(ctx, dtype=torch.int32)
-    # keys inner with the block ids a tile ahead: the candidate for the H200 (fp8-vtpf3-bs64)
+    # keys inner with the block ids a tile ahead: an fp8 cache's default on the GPU (blocks of 64)
     prefetch = v_layout == "keys_inner"
     out = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=block_n,
                                   prefetch=prefetch)
@@ -417,7 +417,7 @@ def test_decode_fp8_cache(dtype, widen, ctx, hq, hk, d, window, splits, block_n,
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("v_layout", ["rows", "keys_inner"])
 def test_decode_fp8_cache_blocks_of_64(v_layout) -> None:
-    """fp8-vtpf3-bs64's decode: an fp8 cache in blocks of 64, tiles widened to fp16, the block ids a tile ahead."""
+    """An fp8 cache's default decode (since session 23): blocks of 64, tiles widened to fp16, the block ids a tile ahead."""
     ctx, hq, hk, d = [5, 64, 190], 8, 2, 64
     kc, vc, bt = make_paged_kv(ctx, hk, d, 64, BF16)
     kc8, vc8 = kc.to(FP8), to_v_layout(vc.to(FP8), v_layout, stale=448.0)
