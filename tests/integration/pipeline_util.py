@@ -56,6 +56,25 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: f
         time.sleep(every_s)
 
 
+def wait_while_progressing(done: Callable[[], bool], progress: Callable[[], object], what: str,
+                           stall_s: float = 60.0, cap_s: float = 900.0, every_s: float = 0.5) -> None:
+    """Wait for done(), failing when progress() has not changed for stall_s (a hang, a lost job) or after cap_s
+    in all: a bound on progress, not on how fast the machine is (a loaded 2-core box runs a long job several
+    times slower than an idle one, and neither is a defect)."""
+    start = last_change = time.monotonic()
+    last = progress()
+    while not done():
+        now = time.monotonic()
+        mark = progress()
+        if mark != last:
+            last, last_change = mark, now
+        if now - last_change > stall_s:
+            raise AssertionError(f"no progress for {stall_s:.0f} s (at {last!r}) waiting for {what}")
+        if now - start > cap_s:
+            raise AssertionError(f"timed out after {cap_s:.0f} s waiting for {what} (still progressing: {last!r})")
+        time.sleep(every_s)
+
+
 def read_topic(settings: Settings, topic: str, n: int, timeout_s: float = 60.0) -> list:
     """At least the first n records of a topic, read from its beginning outside any group.
 

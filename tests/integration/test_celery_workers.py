@@ -39,7 +39,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
-from pipeline_util import ROOT, make_jobs, terminal_count, wait_until, worker_env
+from pipeline_util import ROOT, make_jobs, terminal_count, wait_until, wait_while_progressing, worker_env
 from sqlalchemy import func, select
 
 from pipeline.producer import Producer
@@ -471,7 +471,13 @@ def successor_finishes_the_rest(
     never written again, and `new` ran only the jobs handed back (`old` committed what it wrote)."""
     n = len(want)
     cluster.replace_gpu_worker(old, new, step_floor_s)
-    wait_until(lambda: terminal_count(cluster.store, batch) == n, 90, f"all {n} rows after the restart")
+
+    def progress() -> tuple:  # rows written, and the successor's engine steps (its long jobs write at their end)
+        stats = cluster.reply("engine_stats", cluster.gpu_node, timeout_s=1.0)
+        return terminal_count(cluster.store, batch), None if stats is None else stats["engine"].get("steps")
+
+    wait_while_progressing(lambda: terminal_count(cluster.store, batch) == n, progress,
+                           f"all {n} rows after the restart")
     assert cluster.row_count(batch) == n
     rows = {r.id: r for r in cluster.rows(batch)}
     assert set(rows) == set(want)
