@@ -42,19 +42,25 @@ def _zeros_in_rows(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return heads.permute(0, 2, 1, 3)
 
 
+def _zeros_v(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+             device: torch.device | str, v_layout: str, k_layout: str) -> torch.Tensor:
+    """A zeroed V cache, seen as [num_blocks, block_size, Hk, D], in v_layout (in rows: laid out as K, k_layout)."""
+    if v_layout not in V_LAYOUTS:
+        raise ValueError(f"v_layout must be one of {V_LAYOUTS}, not {v_layout!r}")
+    if v_layout == "rows":
+        return _zeros_in_rows(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, k_layout)
+    v = torch.zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
+    return v.permute(0, 3, 1, 2)
+
+
 def empty_kv_caches(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device | str, v_layout: str = "rows",
                     k_layout: str = "nhd") -> tuple[torch.Tensor, torch.Tensor]:
     """Zeroed (k_cache, v_cache) of one layer, both seen as [num_blocks, block_size, Hk, D]; V in rows
     lies as K does (k_layout)."""
-    if v_layout not in V_LAYOUTS:
-        raise ValueError(f"v_layout must be one of {V_LAYOUTS}, not {v_layout!r}")
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = _zeros_in_rows(*shape, dtype, device, k_layout)
-    if v_layout == "rows":
-        return k, _zeros_in_rows(*shape, dtype, device, k_layout)
-    v = torch.zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
-    return k, v.permute(0, 3, 1, 2)
+    v = _zeros_v(*shape, dtype, device, v_layout, k_layout)
+    return _zeros_in_rows(*shape, dtype, device, k_layout), v
 
 
 def v_keys_inner(v_cache: torch.Tensor) -> bool:
@@ -90,8 +96,7 @@ def to_k_layout(cache: torch.Tensor, k_layout: str) -> torch.Tensor:
 def to_v_layout(v_cache: torch.Tensor, v_layout: str, stale: float = 0.0) -> torch.Tensor:
     """A copy of v_cache (seen as [num_blocks, block_size, Hk, D]) in the given layout; with the keys
     innermost, NaN slots (a test's poison for unwritten ones) become `stale`, as the layout needs."""
-    nb, bs, hk, d = v_cache.shape
-    _k, out = empty_kv_caches(nb, bs, hk, d, v_cache.dtype, v_cache.device, v_layout)
+    out = _zeros_v(*v_cache.shape, v_cache.dtype, v_cache.device, v_layout, "nhd")
     if v_layout == "keys_inner":
         v_cache = torch.where(v_cache.float().isnan(), stale, v_cache.float()).to(v_cache.dtype)
     return out.copy_(v_cache)
