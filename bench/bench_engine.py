@@ -352,6 +352,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # ... 85% of it: bench/sim_schedule.py's best on an H100's pool for TensorRT-LLM's shape (1.0 leaves a tail of 54
     # requests decoding alone; session23.md)
     "fp8-reserve85": {"quantization": "fp8", "kv_reserve": 0.85},
+    # A/B: no reserve (admit while the prompt fits, preempt and recompute), the default before "auto" (session 24)
+    "fp8-noreserve": {"quantization": "fp8", "kv_reserve": 0.0},
     "fp8-notma": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_TMA_CONFIG": "off"}},  # 65-256 rows off the TMA GEMM
 }
 

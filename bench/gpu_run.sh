@@ -21,7 +21,8 @@
 #   throughput  offline throughput, 1000 prompts of 1000 + 1000 tokens (TensorRT-LLM's shape): FP8, bf16  ~6 min
 #   next24      session 24's first call: H200 tiles, throughput (default, rows16), table; else reserve/hnd    ~9 min
 #   dec_profile where a decode step's time goes (torch profiler): b1, and b1000 (H200) / b600 (H100) at ctx 1500  ~3 min
-#   reserve_ab  offline throughput with kv_reserve 0.85 and 1.0 against the default                        ~7 min
+#   reserve_ab  offline throughput with kv_reserve 0.85 and none against the default (auto)              ~7 min
+#   next24b     H200: throughput of the default and fp8-rows16; elsewhere the default's alone          ~5 / 2.5 min
 #   h200_only   on an H200 only (else it stops at once): throughput of the default, then of fp8-rows16   ~4 min
 #   table_bs64  the issue's table with fp8-rows16+kv8 beside bf16 and fp8+kv8, then every GPU test           ~7 min
 #   logits32    the lm_head's GEMM writing fp32 logits against bf16 + a cast: GPU tests, throughput of each ~6.5 min
@@ -252,14 +253,22 @@ for stage in "${STAGES[@]}"; do
         throughputs 170 fp8-reserve85+kv8 fp8+kv8 fp8-hnd+kv8
       fi ;;
     dec_profile)  # where a decode step's time goes, FP8 + fp8 KV (the default layout), torch profiler: batch 1 at
-      # context 512 and the throughput shape's full batch at context ~1500 (1000 on an H200; 600 fits an H100's pool)  ~3 min
+      # context 1500 and the throughput shape's full batch at context ~1500 (1000 on an H200; 500 fits an H100's pool: 600
+      # did not, and the profiler's wait for every sequence to decode ran out of time, session 24)              ~3 min
       [ "${SMOKE:-0}" = 1 ] && continue
-      BIG=600; $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())" && BIG=1000
+      BIG=500; $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())" && BIG=1000
       run dec_profile 280 $PY bench/profile_engine.py --quantization fp8 --kv-cache-dtype fp8 --cases "" \
         --decode-batches "1,$BIG" --decode-prompt-len 1500 --max-num-seqs 1024 --rows 16 ;;
-    reserve_ab)  # admission with kv_reserve 0.85 and 1.0 against the default (preempt and recompute): offline
-      # throughput, one process each (the H100 run of session 23 preempted 405 times, ~560k tokens recomputed) ~7 min
-      throughputs 170 fp8-reserve85+kv8 fp8-reserve+kv8 fp8+kv8 ;;
+    reserve_ab)  # admission with kv_reserve 0.85 and none against the default ("auto" since session 24): offline
+      # throughput, one process each (with no reserve the H100 run preempted 405 times, ~560k tokens recomputed) ~7 min
+      throughputs 170 fp8-reserve85+kv8 fp8-noreserve+kv8 fp8+kv8 ;;
+    next24b)  # on an H200: offline throughput of the default (blocks of 64, keys-inner V, prefetch; kv_reserve auto),
+      # then of fp8-rows16 (the layout before), one process each (~5 min); elsewhere the default's alone (~2.5 min)
+      if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then
+        throughputs 150 fp8+kv8 fp8-rows16+kv8
+      else
+        throughputs 170 fp8+kv8
+      fi ;;
     h200_only)  # only on an H200 (elsewhere it stops at once, its device time spent on the start alone): throughput of
       # the default (blocks of 64, keys-inner V, prefetch), then of fp8-rows16 (the layout before), one process each ~4 min
       if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then

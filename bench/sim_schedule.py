@@ -8,13 +8,17 @@ every sampled row, and each decode's KV bytes at the copy rate. The default cons
 fp8 cache on an H100 (FP8 1250 TFLOP/s, copy 2950 GB/s); the H100 run of session 23 (fp8+kv8, 13,103 tok/s, 405
 preemptions) is what they are checked against.
 
-    python3 bench/sim_schedule.py [--kv-tokens 969728] [--reserve 0,1] [--prompts 1000]
+    python3 bench/sim_schedule.py [--kv-tokens 969728] [--reserve 0,1,auto] [--prompts 1000] [--stop uniform:20]
+
+--stop uniform:LO gives each answer a length uniform in [LO, output-len] (an EOS) under max_tokens --max-tokens
+(default output-len): what kv_reserve "auto" learns from (workers.engine.scheduler.AdaptiveReserve).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -37,13 +41,26 @@ def step_seconds(tokens: int, sampled: int, decode_ctx: int, a: argparse.Namespa
     return a.overhead_ms / 1e3 + gemm + head + attention
 
 
-def simulate(reserve: float, a: argparse.Namespace) -> dict:
+def output_lengths(a: argparse.Namespace) -> list[int]:
+    """Each request's output length: max_tokens (`--stop max`, ignore_eos), or uniform in [LO, output_len]
+    (`--stop uniform:LO`, an answer that ends at EOS), seeded."""
+    if a.stop == "max":
+        return [a.output_len] * a.prompts
+    lo = int(a.stop.split(":")[1])
+    rng = random.Random(0)
+    return [rng.randint(lo, a.output_len) for _ in range(a.prompts)]
+
+
+def simulate(reserve: float | str, a: argparse.Namespace) -> dict:
+    max_tokens = a.max_tokens or a.output_len
     kv = KVCacheManager(a.kv_tokens // a.block_size, a.block_size, enable_prefix_caching=False)
-    sched = Scheduler(kv, a.max_num_batched_tokens, a.max_num_seqs, a.input_len + a.output_len + 1,
+    sched = Scheduler(kv, a.max_num_batched_tokens, a.max_num_seqs, a.input_len + max_tokens + 1,
                       admission_batch=max(1, a.max_num_seqs // 8), kv_reserve=reserve)
-    sp = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    lengths = output_lengths(a)
     reqs = [Request(f"s{i}", [7 + i % 50] * a.input_len, a.input_len, sp, 0, i, RequestTimes(0.0))
             for i in range(a.prompts)]
+    want = {r.request_id: n for r, n in zip(reqs, lengths)}
     for r in reqs:
         sched.add(r)
     seconds = steps = computed = 0
@@ -63,15 +80,15 @@ def simulate(reserve: float, a: argparse.Namespace) -> dict:
             if r.num_computed_tokens == r.num_tokens:
                 sampled += 1
                 r.token_ids.append(11)
-                if r.num_output_tokens >= a.output_len:
+                if r.num_output_tokens >= want[r.request_id]:
                     sched.finish(r, "length")
         computed += tokens
         peak_running = max(peak_running, len(sched.running))
         seconds += step_seconds(tokens, sampled, decode_ctx, a)
-    output = a.prompts * a.output_len
+    output = sum(lengths)
     return {"kv_reserve": reserve, "modelled_tok_s": output / seconds, "modelled_s": seconds, "steps": steps,
             "preemptions": sched.num_preemptions, "tokens_computed": computed,
-            "recomputed_tokens": computed - a.prompts * (a.input_len + a.output_len - 1),
+            "recomputed_tokens": computed - sum(a.input_len + n - 1 for n in lengths),
             "peak_running": peak_running}
 
 
@@ -79,10 +96,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kv-tokens", type=int, default=15152 * 64, help="KV cache room in tokens (the H100 run's)")
     ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--reserve", default="0,1", help="comma-separated kv_reserve values")
+    ap.add_argument("--reserve", default="0,1", help="comma-separated kv_reserve values (a share, or auto)")
     ap.add_argument("--prompts", type=int, default=1000)
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=1000)
+    ap.add_argument("--max-tokens", type=int, default=None, help="each request's max_tokens (default: output-len)")
+    ap.add_argument("--stop", default="max", help="max: every answer runs to output-len; uniform:LO: its length is "
+                    "uniform in [LO, output-len] (EOS)")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--fp8-tflops", type=float, default=1250.0)
@@ -94,12 +114,12 @@ def main() -> None:
     ap.add_argument("--overhead-ms", type=float, default=1.2, help="a step's launches and small kernels")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    rows = [simulate(float(r), a) for r in a.reserve.split(",")]
+    rows = [simulate(r if r == "auto" else float(r), a) for r in a.reserve.split(",")]
     print(json.dumps({"args": vars(a), "rows": rows, "wall_s": time.perf_counter() - t0}, indent=1))
     print("\n| kv_reserve | modelled tok/s | modelled s | steps | preemptions | recomputed tokens | peak running |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['kv_reserve']:g} | {r['modelled_tok_s']:,.0f} | {r['modelled_s']:.1f} | {r['steps']} | "
+        print(f"| {r['kv_reserve']} | {r['modelled_tok_s']:,.0f} | {r['modelled_s']:.1f} | {r['steps']} | "
               f"{r['preemptions']} | {r['recomputed_tokens']:,} | {r['peak_running']} |")
 
 

@@ -213,15 +213,26 @@ def test_gpu_run_bundles_more_than_the_eight_files_a_device_call_returns(tmp_pat
 
 def test_the_scheduling_model_runs_the_real_scheduler_to_the_end():
     """bench/sim_schedule.py on a pool too small for every request at its end: with kv_reserve 0 the scheduler
-    preempts and recomputes, with 1.0 it never does, and either way every request finishes (the model's steps
-    use the engine's Scheduler itself, so a deadlock or a lost request would show here)."""
+    preempts and recomputes, with 1.0 it never does, "auto" (answers that run to max_tokens: it reserves 0.85 of
+    their growth) less than 0, and every request finishes (the model's steps use the engine's Scheduler itself,
+    so a deadlock or a lost request would show here). Answers that stop early (--stop uniform:5): "auto" learns
+    it and runs more requests at once than 0.85 does."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "sim_schedule.py"), "--prompts", "40", "--input-len", "50",
          "--output-len", "60", "--kv-tokens", "1024", "--block-size", "16", "--max-num-seqs", "32",
-         "--max-num-batched-tokens", "256", "--reserve", "0,1"],
+         "--max-num-batched-tokens", "256", "--reserve", "0,1,auto"],
         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {r["kv_reserve"]: r for r in json.loads(out.stdout[: out.stdout.rindex("}") + 1])["rows"]}
+    assert rows["auto"]["preemptions"] < rows[0.0]["preemptions"]
     assert rows[0.0]["preemptions"] > 0 and rows[0.0]["recomputed_tokens"] > 0
     assert rows[1.0]["preemptions"] == 0 and rows[1.0]["recomputed_tokens"] == 0
     assert rows[1.0]["peak_running"] <= 1024 // (16 * -(-110 // 16)) < rows[0.0]["peak_running"]
+    short = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "sim_schedule.py"), "--prompts", "200", "--input-len", "50",
+         "--output-len", "60", "--stop", "uniform:5", "--kv-tokens", "1024", "--block-size", "16",
+         "--max-num-seqs", "32", "--max-num-batched-tokens", "256", "--reserve", "0.85,auto"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert short.returncode == 0, short.stderr[-2000:]
+    rows = {r["kv_reserve"]: r for r in json.loads(short.stdout[: short.stdout.rindex("}") + 1])["rows"]}
+    assert rows["auto"]["peak_running"] > rows[0.85]["peak_running"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -75,10 +75,11 @@ class EngineSettings(BaseSettings):
         description="with quantization fp8 and an fp8 KV cache: long uncached prompts' attention on FP8 tensor "
                     "cores (cuDNN's sdpa_fp8, the gpu extra); unset: wherever it runs",
     )
-    kv_reserve: float = Field(
-        default=0.0, ge=0.0, le=1.0,
+    kv_reserve: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = Field(
+        default="auto",
         description="admit a request only while free KV blocks keep this share of every running request's "
-                    "remaining max_tokens (1: none is ever preempted and recomputed; 0: admit while its prompt fits)",
+                    "remaining max_tokens (1: none is ever preempted and recomputed; 0: admit while its prompt fits; "
+                    "auto: 0.85 x the share of max_tokens that finished requests used)",
     )
     tpot_target_ms: float | None = Field(
         default=None, gt=0,
@@ -123,6 +124,8 @@ ENGINE_FIELDS = tuple(n for n in EngineSettings.model_fields if n != "model")
 def _argparse_type(annotation: Any) -> tuple[Any, list[str] | None]:
     args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        if len(args) > 1:  # e.g. a number or "auto": the settings model parses the string
+            return str, None
         annotation = args[0]
     if typing.get_origin(annotation) is Literal:
         return str, [str(v) for v in typing.get_args(annotation)]

@@ -186,11 +186,13 @@ class EngineConfig:
     # admission keeps free KV blocks for this share of every running request's remaining output (up to its
     # max_tokens); 1.0: every admitted request runs to its end with no preemption (TensorRT-LLM's
     # GUARANTEED_NO_EVICT); 0.0: admit while the prompt fits, preempting (and later recomputing) the newest
-    # request when blocks run out. In the offline throughput run on an H100 (1000 x 1000 + 1000, KV room for
-    # ~970k tokens) 0.0 preempted 405 times and recomputed ~560k tokens in 11.6 of 76 s
-    # (bench/results/2026-12-07-session23-throughput-fp8kv8-h100-b2d29da.json); bench/sim_schedule.py models
-    # 0.85 at +9% there and 1.0 at +6%, and nothing above 0 helps on an H200's pool (session23.md)
-    kv_reserve: float = 0.0
+    # request when blocks run out; "auto" (the default): 0.85 x the share of max_tokens that finished requests
+    # used, from 1.0 before any has ended (workers.engine.scheduler.AdaptiveReserve). In the offline throughput
+    # run on an H100 (1000 x 1000 + 1000, KV room for ~970k tokens) 0.0 preempted 405 times and recomputed
+    # ~560k tokens: 13,023 output tok/s against 14,448 with 0.85, 32 preemptions
+    # (bench/results/2026-12-07-session24-throughput-*-h100-675e8f1.json); on an H200's pool (room for 1.9M)
+    # bench/sim_schedule.py models every choice but 1.0 alike
+    kv_reserve: float | str = "auto"
     enable_prefix_caching: bool = True
     kernel_backend: str | None = None  # "triton" | "torch"; None: triton on CUDA, torch elsewhere
     cuda_graphs: bool = True  # capture the decode step (CUDA + triton only)
@@ -276,8 +278,9 @@ class EngineConfig:
             raise ValueError("kv_cache_v_layout must be 'rows' or 'keys_inner'")
         if self.kv_cache_k_layout not in ("nhd", "hnd"):
             raise ValueError("kv_cache_k_layout must be 'nhd' or 'hnd'")
-        if not 0.0 <= self.kv_reserve <= 1.0:
-            raise ValueError("kv_reserve must be in [0, 1]")
+        if self.kv_reserve != "auto" and not (
+                isinstance(self.kv_reserve, int | float) and 0.0 <= self.kv_reserve <= 1.0):
+            raise ValueError(f"kv_reserve must be in [0, 1] or 'auto', not {self.kv_reserve!r}")
         if self.tpot_target_ms is not None and self.tpot_target_ms <= 0:
             raise ValueError("tpot_target_ms must be positive")
         if self.dense_graph_max_tokens < 0:

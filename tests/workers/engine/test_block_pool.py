@@ -201,11 +201,13 @@ def test_admission_with_a_cached_prefix_indexes_only_the_new_blocks(monkeypatch)
     assert [b.block_id for b in blocks] == second.block_ids[:4] and n == 16
 
 
-def drive(sched, kv, reqs: list[Request]) -> int:
+def drive(sched, kv, reqs: list[Request], stop_at: dict[str, int] | None = None) -> int:
     """Runs the scheduler to the end as the engine would (a step's tokens computed, a token sampled whenever a
-    request's known tokens are all computed, finished at max_tokens); returns the most blocks held at once."""
+    request's known tokens are all computed, finished at max_tokens, or with "stop" at its `stop_at` output
+    tokens); returns the most blocks held at once."""
     for r in reqs:
         sched.add(r)
+    stop_at = stop_at or {}
     peak = 0
     for _ in range(10_000):
         if not sched.has_work():
@@ -217,8 +219,8 @@ def drive(sched, kv, reqs: list[Request]) -> int:
             r.num_computed_tokens += e.num_new_tokens
             if r.num_computed_tokens == r.num_tokens:
                 r.token_ids.append(7)
-                if r.num_output_tokens >= r.sampling.max_tokens:
-                    sched.finish(r, "length")
+                if r.num_output_tokens >= stop_at.get(r.request_id, r.sampling.max_tokens):
+                    sched.finish(r, "length" if r.num_output_tokens >= r.sampling.max_tokens else "stop")
     raise AssertionError("the scheduler did not finish")
 
 
@@ -247,3 +249,62 @@ def test_kv_reserve_admits_only_what_runs_to_its_end(prefix_caching):
         preemptions[reserve] = sched.num_preemptions
     assert preemptions[1.0] == 0
     assert preemptions[0.0] > preemptions[0.5] > 0
+
+
+def test_adaptive_reserve_learns_the_share_of_max_tokens_answers_use():
+    """kv_reserve "auto": 0.85 of the share of max_tokens that finished requests used, from 1.0 before any ended;
+    aborted ones teach nothing, a preempting step puts the share back to 1.0, and a huge max_tokens counts up
+    to the clip."""
+    from workers.engine.scheduler import AdaptiveReserve
+
+    a = AdaptiveReserve()
+    assert a.ratio == pytest.approx(0.85)
+    for _ in range(400):  # answers that stop at a tenth of their max_tokens
+        a.finished(10, 100)
+    assert a.ratio == pytest.approx(0.085, rel=0.01)
+    a.update(preempted=False)
+    assert a.ratio == pytest.approx(0.085, rel=0.01)
+    a.update(preempted=True)
+    assert a.ratio == pytest.approx(0.85)
+    b = AdaptiveReserve()
+    for _ in range(400):  # 2048 of a max_tokens of 100k: half of the clip (4096), not 2%
+        b.finished(2048, 100_000)
+    assert b.ratio == pytest.approx(0.425, rel=0.01)
+
+
+def test_auto_reserve_packs_short_answers_and_spares_long_ones():
+    """The scheduler with kv_reserve "auto". Answers that run to max_tokens: it reserves like 0.85 does (no more
+    preemptions than a fixed 0.5). Answers that stop at 3 of their 30 tokens: after the first ones end it admits
+    past what a fixed 0.85 allows (more blocks held at once) and finishes in fewer steps, with no preemption."""
+    from workers.engine.scheduler import Scheduler
+
+    def load(tag: str) -> list[Request]:
+        out = []
+        for i in range(64):  # 10 prompt tokens, max_tokens 30: 10 blocks of 4 each at their end
+            n = next(_ids)
+            out.append(Request(f"{tag}{n}", [100 + i] * 10, 10, SamplingParams(max_tokens=30), 0, n, RequestTimes(0.0)))
+        return out
+
+    def run(reserve, short: bool) -> tuple[int, int, int]:
+        kv = KVCacheManager(num_blocks=40, block_size=4, enable_prefix_caching=False)
+        sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=64, max_model_len=64, kv_reserve=reserve)
+        reqs = load("s" if short else "l")
+        stop_at = {r.request_id: 3 for r in reqs} if short else None
+        steps = 0
+        real = sched.schedule
+
+        def counted():
+            nonlocal steps
+            steps += 1
+            return real()
+
+        sched.schedule = counted
+        peak = drive(sched, kv, reqs, stop_at)
+        assert kv.pool.num_used == 0 and all(r.status.name == "FINISHED" for r in reqs)
+        return sched.num_preemptions, peak, steps
+
+    long_auto, long_half = run("auto", False), run(0.5, False)
+    assert long_auto[0] <= long_half[0]
+    short_auto, short_fixed = run("auto", True), run(0.85, True)
+    assert short_auto[0] == short_fixed[0] == 0
+    assert short_auto[1] > short_fixed[1] and short_auto[2] < short_fixed[2]

@@ -131,8 +131,9 @@ def test_chunked_prefill(llama_dir, prompts, want, budget):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption_recomputes_exactly(llama_dir, prompts, want, prefix_caching):
-    # 24 blocks of 4 tokens: far less than the 8 requests need together (~330 tokens)
-    eng = make_engine(llama_dir, num_blocks=24, enable_prefix_caching=prefix_caching)
+    # 24 blocks of 4 tokens: far less than the 8 requests need together (~330 tokens); no reserve: admitted while
+    # each prompt fits, so the running requests' growth preempts
+    eng = make_engine(llama_dir, num_blocks=24, enable_prefix_caching=prefix_caching, kv_reserve=0.0)
     got = run_all(eng, prompts)
     assert eng.scheduler.num_preemptions > 0
     assert sum(f.num_preemptions for f in got) == eng.scheduler.num_preemptions
