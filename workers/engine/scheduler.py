@@ -21,7 +21,7 @@ class AdaptiveReserve:
     1.0 (the requests that ended first, the short ones, made it too low). bench/sim_schedule.py, the real
     scheduler with a cost model per step (2026-12-07, session 24): on an H100's pool (KV room for 970k tokens),
     1000 prompts of 1000 tokens each answered with 1000 output tokens, 16,583 tok/s against 15,158 with no
-    reserve (405 preemptions) and 16,017 reserving all; answers of 20-1000 tokens 14,348 against 14,450 / 14,254
+    reserve (405 preemptions) and 16,017 reserving all; answers of 20-1000 tokens 14,347 against 14,450 / 14,254
     (0.85); chat-like answers of 50-600 tokens under a max_tokens of 4096, 20,721 against 20,790 / 19,031; an
     H200's pool as no reserve. Measured on an H100 (session 24): a fixed 0.85 ran the first case at 14,448
     tok/s against 13,023 with none."""
