@@ -29,6 +29,27 @@ def test_every_engine_option_is_a_flag_of_run_generate_and_worker_and_reaches_en
         EngineSettings.from_args(build_parser("run").parse_args(["run", "x", "--kv-reserve", "1.5"]))
 
 
+def test_kv_reserve_is_auto_unless_a_share_is_given(monkeypatch):
+    """--kv-reserve takes a share in [0, 1] or "auto" (the default, workers.engine.scheduler.AdaptiveReserve);
+    EngineConfig refuses anything else, and the scheduler learns the share only under auto."""
+    from workers.engine.kv_cache_manager import KVCacheManager
+    from workers.engine.scheduler import Scheduler
+
+    parse = build_parser("run").parse_args
+    assert EngineSettings.from_args(parse(["run", "x"])).engine_config().kv_reserve == "auto"
+    assert EngineConfig().kv_reserve == "auto"
+    assert EngineSettings.from_args(parse(["run", "x", "--kv-reserve", "auto"])).kv_reserve == "auto"
+    monkeypatch.setenv("FIRSTTOKEN_KV_RESERVE", "0")
+    assert EngineSettings.from_args(parse(["run", "x"])).engine_config().kv_reserve == 0.0
+    for bad in ("x", -0.1, 2):
+        with pytest.raises(ValueError, match="kv_reserve"):
+            EngineConfig(kv_reserve=bad)
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert Scheduler(kv, 16, 4, 64, kv_reserve="auto").adaptive is not None
+    fixed = Scheduler(kv, 16, 4, 64, kv_reserve=0.5)
+    assert fixed.adaptive is None and fixed.kv_reserve == 0.5
+
+
 def test_a_flag_wins_over_the_variable_which_wins_over_the_default(monkeypatch):
     parse = build_parser("worker").parse_args
     assert WorkerSettings.from_args(parse(["worker"])).max_num_seqs == 512
