@@ -39,6 +39,8 @@ class WorkerCollector(Collector):
             used = st.kv_blocks_used / st.kv_blocks_total if st.kv_blocks_total else 0.0
             yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)", used)
             yield gauge("num_preemptions", "Requests preempted so far", st.num_preemptions)
+            yield gauge("kv_reserve_ratio", "Share of running requests' remaining max_tokens kept in free KV blocks "
+                        "at admission (learned under kv_reserve auto)", st.kv_reserve)
             steps = CounterMetricFamily(PREFIX + "engine_steps", "Engine steps run", labels=names)
             steps.add_metric(values, st.steps)
             yield steps

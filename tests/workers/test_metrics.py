@@ -42,6 +42,8 @@ def test_worker_metrics_count_its_results_and_show_its_engine(queue, store):
     assert _value(m, "firsttoken:request_results_total", status="succeeded") == 6
     assert _value(m, "firsttoken:num_requests_running", **labels) == 0
     assert 0.0 <= _value(m, "firsttoken:kv_cache_usage_perc", **labels) <= 1.0
+    # kv_reserve auto: every job ran to its max_tokens, so the reserve stays at 0.85 of the remaining output
+    assert _value(m, "firsttoken:kv_reserve_ratio", **labels) == pytest.approx(0.85)
     assert _value(m, "firsttoken:jobs_in_flight", **labels) == 0
 
 

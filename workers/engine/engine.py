@@ -656,6 +656,7 @@ class LLMEngine:
             async_scheduling=self.async_scheduling,
             kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
             fp8_attention=self.runner.fp8_attention,
+            kv_reserve=self.scheduler.kv_reserve,
         )
 
 

@@ -115,3 +115,6 @@ class EngineStats:
     step_seconds: float = 0.0
     # the steps' time on the device (CUDA events) read back so far; 0 on a CPU
     device_seconds: float = 0.0
+    # the share of the running requests' remaining max_tokens admission keeps free blocks for now
+    # (EngineConfig.kv_reserve: fixed, or learned under "auto")
+    kv_reserve: float = 0.0
