@@ -270,6 +270,9 @@ def main() -> None:
             eng.step()
         while (eng.scheduler.waiting or len(eng.scheduler.running) < b
                or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running)):
+            if len(eng.scheduler.waiting) + len(eng.scheduler.running) < b:  # one ended: they never all decode
+                sys.exit(f"decode b{b}: a sequence ended before all {b} decoded at once (preempted for room: "
+                         f"the KV pool holds {eng.kv.pool.num_blocks} blocks); take a smaller batch")
             eng.step()  # until every sequence decodes: a profiled step is a decode step
         for _ in range(3):
             eng.step()
