@@ -257,8 +257,9 @@ for stage in "${STAGES[@]}"; do
       # did not, and the profiler's wait for every sequence to decode ran out of time, session 24)              ~3 min
       [ "${SMOKE:-0}" = 1 ] && continue
       BIG=500; $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())" && BIG=1000
+      [ "${DEC_BIG_ONLY:-0}" = 1 ] && DEC_BATCHES=$BIG  # the full batch alone
       run dec_profile 280 $PY bench/profile_engine.py --quantization fp8 --kv-cache-dtype fp8 --cases "" \
-        --decode-batches "1,$BIG" --decode-prompt-len 1500 --max-num-seqs 1024 --rows 16 ;;
+        --decode-batches "${DEC_BATCHES:-1,$BIG}" --decode-prompt-len 1500 --max-num-seqs 1024 --rows 16 ;;
     reserve_ab)  # admission with kv_reserve 0.85 and none against the default ("auto" since session 24): offline
       # throughput, one process each (with no reserve the H100 run preempted 405 times, ~560k tokens recomputed) ~7 min
       throughputs 170 fp8-reserve85+kv8 fp8-noreserve+kv8 fp8+kv8 ;;
