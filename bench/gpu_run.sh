@@ -22,6 +22,7 @@
 #   next24      session 24's first call: H200 tiles, throughput (default, rows16), table; else reserve/hnd    ~9 min
 #   dec_profile where a decode step's time goes (torch profiler): b1, and b1000 (H200) / b600 (H100) at ctx 1500  ~3 min
 #   reserve_ab  offline throughput with kv_reserve 0.85 and none against the default (auto)              ~7 min
+#   gemm_rows   the FP8 GEMMs at 512 / 1024 / 8192 rows (a throughput run's steps) against their floor   ~1.5 min
 #   next24b     H200: throughput of the default and fp8-rows16; elsewhere the default's alone          ~5 / 2.5 min
 #   h200_only   on an H200 only (else it stops at once): throughput of the default, then of fp8-rows16   ~4 min
 #   table_bs64  the issue's table with fp8-rows16+kv8 beside bf16 and fp8+kv8, then every GPU test           ~7 min
@@ -159,6 +160,10 @@ for stage in "${STAGES[@]}"; do
     decode_gemms)
       [ "${SMOKE:-0}" = 1 ] && continue
       run decode_gemms 400 $PY bench/bench_fp8_decode.py ;;
+    gemm_rows)  # the projections' FP8 GEMMs (_scaled_mm, its swapped and fast-accumulating forms) and bf16 at a
+      # throughput run's row counts: ~500 / ~1000 decodes a step, 8192-token mixed steps, against the floor  ~1.5 min
+      [ "${SMOKE:-0}" = 1 ] && continue
+      run gemm_rows 200 $PY bench/bench_fp8_decode.py --rows 512,1024,8192 --no-sweep --weights-mib 256 ;;
     engine)
       run engine 560 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
         --engines bf16,fp8+kv8,fp8-bf16attn+kv8 "${ENGINE_ARGS[@]}" ;;
