@@ -149,9 +149,9 @@ class Scheduler:
     the token budget, `max_num_seqs` and free blocks allow. When blocks run out, the running
     request of lowest priority, newest among equals, is preempted: its blocks are freed and it
     waits to be recomputed (its cached prefix makes the recompute cheap). With kv_reserve > 0 a waiting
-    request is admitted only while the free blocks also cover that share of every running request's
-    remaining max_tokens (1.0: no request admitted is ever preempted for room); "auto" learns the share
-    from the requests that end (`AdaptiveReserve`).
+    request is admitted only while the free blocks also cover that share of the remaining max_tokens of every
+    running request of its priority or higher (1.0: no request admitted is ever preempted for room by one of
+    its priority); "auto" learns the share from the requests that end (`AdaptiveReserve`).
     """
 
     def __init__(
@@ -306,9 +306,11 @@ class Scheduler:
         tokens = req.num_tokens + math.ceil(self.kv_reserve * left)
         return -(-tokens // self.kv.block_size)
 
-    def _reserved(self) -> int:
-        """Free blocks the running requests' growth is counted on (kv_reserve)."""
-        return sum(max(0, self._reserve_blocks(r) - len(r.block_ids)) for r in self.running)
+    def _reserved(self, priority: int) -> int:
+        """Free blocks the growth of the running requests of `priority` or higher is counted on (kv_reserve):
+        those of lower priority are preempted before a request of this one would be, so their growth does not
+        hold it back."""
+        return sum(max(0, self._reserve_blocks(r) - len(r.block_ids)) for r in self.running if r.priority >= priority)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -356,9 +358,9 @@ class Scheduler:
                 (r for r in self.waiting._live.values() if r.request_id in only), key=Request.sort_key, reverse=True
             )
             # (with nothing running the first request is admitted whatever it needs: it can always run, preempting;
-            # the running requests' growth is summed once a request waits: O(running) a step)
+            # the running requests' growth is summed once a request waits: O(running) a step and priority waiting)
             reserving = bool(self.kv_reserve) and only is None
-            reserved = None
+            reserved: dict[int, int] = {}  # priority -> blocks held back for a request of it (_reserved)
             while budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek() if group is None else (group[-1] if group else None)
                 if req is None:
@@ -366,11 +368,12 @@ class Scheduler:
                 cached, n_cached = self.kv.find_cached_prefix(req)
                 n = min(req.num_tokens - n_cached, budget)
                 if reserving and self.running:
-                    if reserved is None:
-                        reserved = self._reserved()
+                    held = reserved.get(req.priority)
+                    if held is None:
+                        held = reserved[req.priority] = self._reserved(req.priority)
                     # the blocks it will hold, less its cached ones that others hold (free ones are taken)
                     need = self._reserve_blocks(req) - sum(1 for b in cached if b.ref_cnt > 0)
-                    if self.kv.pool.num_free - reserved < need:
+                    if self.kv.pool.num_free - held < need:
                         break
                 if not self.kv.allocate_slots(req, n, cached):
                     others = [] if only is None else [r for r in self.running if r.request_id not in only]
@@ -394,9 +397,11 @@ class Scheduler:
                 self.running.append(req)
                 entries.append(ScheduledRequest(req, n, n_cached))
                 budget -= n
-                if reserving:
-                    reserved = (self._reserved() if reserved is None
-                                else reserved + max(0, self._reserve_blocks(req) - len(req.block_ids)))
+                if reserved:  # its growth holds back requests of its priority or lower
+                    grow = max(0, self._reserve_blocks(req) - len(req.block_ids))
+                    for p in reserved:
+                        if p <= req.priority:
+                            reserved[p] += grow
 
         if self.adaptive is not None and only is None:
             self.adaptive.update(bool(preempted))

@@ -308,3 +308,33 @@ def test_auto_reserve_packs_short_answers_and_spares_long_ones():
     short_auto, short_fixed = run("auto", True), run(0.85, True)
     assert short_auto[0] == short_fixed[0] == 0
     assert short_auto[1] > short_fixed[1] and short_auto[2] < short_fixed[2]
+
+
+def test_a_reserve_for_low_priority_growth_does_not_hold_back_a_higher_priority_request():
+    """kv_reserve 1.0: blocks kept for the growth of running low-priority requests hold back a waiting request of
+    their priority, not one of a higher priority (the low ones would be preempted first); the high one is
+    admitted, and every request still finishes."""
+    from workers.engine.scheduler import Scheduler
+
+    kv = KVCacheManager(num_blocks=24, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, kv_reserve=1.0)
+
+    def req(tag: str, priority: int) -> Request:
+        n = next(_ids)  # 8 prompt tokens, 32 output: 2 blocks now, 10 at the end
+        return Request(f"{tag}{n}", [50 + n % 7] * 8, 8, SamplingParams(max_tokens=32), priority, n, RequestTimes(0.0))
+
+    low = [req("low", 0) for _ in range(2)]
+    for r in low:
+        sched.add(r)
+    sched.schedule()
+    assert all(r.status.name == "RUNNING" for r in low)  # 20 blocks held or kept for them: 4 free past the reserve
+    same, high = req("same", 0), req("high", 5)
+    sched.add(same)
+    sched.schedule()
+    assert same.status.name == "WAITING"  # its priority's growth is reserved: no room to run to its end
+    sched.add(high)
+    sched.schedule()
+    assert high.status.name == "RUNNING" and same.status.name == "WAITING"
+    reqs = [*low, same, high]
+    drive(sched, kv, [])  # to the end (nothing more to add)
+    assert all(r.status.name == "FINISHED" for r in reqs) and kv.pool.num_used == 0
