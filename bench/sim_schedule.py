@@ -50,7 +50,10 @@ def output_lengths(a: argparse.Namespace) -> list[int]:
     (`--stop uniform:LO`, an answer that ends at EOS), seeded."""
     if a.stop == "max":
         return [a.output_len] * a.prompts
-    lo = int(a.stop.split(":")[1])
+    kind, _, lo_text = a.stop.partition(":")
+    if kind != "uniform" or not lo_text.isdigit() or not 1 <= int(lo_text) <= a.output_len:
+        raise SystemExit(f"--stop takes max or uniform:LO with 1 <= LO <= --output-len, not {a.stop!r}")
+    lo = int(lo_text)
     rng = random.Random(0)
     return [rng.randint(lo, a.output_len) for _ in range(a.prompts)]
 

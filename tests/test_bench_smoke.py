@@ -236,3 +236,7 @@ def test_the_scheduling_model_runs_the_real_scheduler_to_the_end():
     assert short.returncode == 0, short.stderr[-2000:]
     rows = {r["kv_reserve"]: r for r in json.loads(short.stdout[: short.stdout.rindex("}") + 1])["rows"]}
     assert rows["auto"]["peak_running"] > rows[0.85]["peak_running"]
+    for bad in ("uniform:0", "uniform:61", "normal:5", "uniform"):  # refused with a message, not a traceback
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_schedule.py"), "--output-len", "60",
+                              "--stop", bad], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert out.returncode != 0 and "--stop takes" in out.stderr and "Traceback" not in out.stderr

@@ -29,19 +29,20 @@ class AdaptiveReserve:
     def __init__(self, margin: float = 0.85, alpha: float = 1 / 32, clip: int = 4096) -> None:
         self.margin, self.alpha, self.clip = margin, alpha, clip
         self.used = 1.0
-        self.ratio = margin
+
+    @property
+    def ratio(self) -> float:
+        return self.margin * self.used
 
     def finished(self, output_tokens: int, max_tokens: int) -> None:
         """A request ended (its answer stopped, or reached max_tokens) with `output_tokens` generated."""
         share = min(1.0, output_tokens / max(1, min(max_tokens, self.clip)))
         self.used += self.alpha * (share - self.used)
-        self.ratio = self.margin * self.used
 
     def update(self, preempted: bool) -> None:
         """After each step: a preemption means the reserve was short."""
         if preempted:
             self.used = 1.0
-            self.ratio = self.margin
 
 
 @dataclass
@@ -171,8 +172,7 @@ class Scheduler:
         # "auto": a share learned from the requests that end (AdaptiveReserve), each request's remaining output
         # counted up to a clip
         self.adaptive = AdaptiveReserve() if kv_reserve == "auto" else None
-        self.kv_reserve = self.adaptive.ratio if self.adaptive else float(kv_reserve)
-        self._clip = self.adaptive.clip if self.adaptive else None
+        self._fixed_reserve = 0.0 if self.adaptive else float(kv_reserve)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -297,12 +297,17 @@ class Scheduler:
         free = self.max_num_seqs - len(self.running)
         return free >= min(self.admission_batch, len(self.waiting))
 
+    @property
+    def kv_reserve(self) -> float:
+        """The share of the running requests' remaining output admission keeps free blocks for now."""
+        return self.adaptive.ratio if self.adaptive else self._fixed_reserve
+
     def _reserve_blocks(self, req: Request) -> int:
         """Blocks the request will hold at its kv_reserve share of its remaining output tokens."""
         final = min(req.num_prompt_tokens + req.sampling.max_tokens, self.max_model_len)
         left = max(0, final - req.num_tokens)
-        if self._clip is not None:
-            left = min(left, self._clip)
+        if self.adaptive:
+            left = min(left, self.adaptive.clip)
         tokens = req.num_tokens + math.ceil(self.kv_reserve * left)
         return -(-tokens // self.kv.block_size)
 
@@ -405,7 +410,6 @@ class Scheduler:
 
         if self.adaptive is not None and only is None:
             self.adaptive.update(bool(preempted))
-            self.kv_reserve = self.adaptive.ratio
         forks, copies = self._fork(entries, time.monotonic()) if self.followers else ([], [])
         decodes = [e for e in entries if e.num_new_tokens == 1]
         prefills = [e for e in entries if e.num_new_tokens > 1]
@@ -434,6 +438,5 @@ class Scheduler:
         req.finish_reason = reason
         if self.adaptive is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.adaptive.finished(req.num_output_tokens, req.sampling.max_tokens)
-            self.kv_reserve = self.adaptive.ratio
         if self.followers:
             self._release_followers(req.request_id)  # a leader that ends before its prefill samples
