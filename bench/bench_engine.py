@@ -311,6 +311,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-head": {"quantization": "fp8", "fp8_lm_head": True},
     # A/B: decode's rope_and_cache in its own launch again and torch's argmax in the sampler
     "fp8-unfused": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FUSED_DECODE_ROPE": "0", "FIRSTTOKEN_TRITON_ARGMAX": "0"}},
+    # rope_and_cache inside the decode attention at every decode batch (the default: up to 16; session 25)
+    "fp8-fusedall": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FUSED_ROPE_MAX_BATCH": "4096"}},
     # _scaled_mm's accumulation: fast at every K (down_proj's too), or fp32 everywhere (the default:
     # fast up to kernels.fp8_linear.FAST_ACCUM_MAX_K; bench/bench_fp8_accum.py)
     "fp8-fastacc": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_FAST_ACCUM": "1"}},

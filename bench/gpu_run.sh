@@ -25,6 +25,7 @@
 #   gemm_rows   the FP8 GEMMs at 512 / 1024 / 8192 rows (a throughput run's steps) against their floor   ~1.5 min
 #   next24b     H200: throughput of the default and fp8-rows16; elsewhere the default's alone          ~5 / 2.5 min
 #   next25      H200 only: throughput of the default, the issue's table (bf16, fp8+kv8), bf16's throughput ~9 min
+#   fused_rope  decode b1-b512, rope_and_cache fused into the decode attention at every batch vs up to 16  ~3 min
 #   h200_only   on an H200 only (else it stops at once): throughput of the default, then of fp8-rows16   ~4 min
 #   table_bs64  the issue's table with fp8-rows16+kv8 beside bf16 and fp8+kv8, then every GPU test           ~7 min
 #   logits32    the lm_head's GEMM writing fp32 logits against bf16 + a cast: GPU tests, throughput of each ~6.5 min
@@ -287,6 +288,12 @@ for stage in "${STAGES[@]}"; do
       else
         echo "not an H200: nothing run"
       fi ;;
+    fused_rope)  # rope_and_cache inside the decode attention at every batch (fp8-fusedall) against the default (up
+      # to 16): with V's keys innermost, rope_and_cache's own launch writes each token's V byte by byte (16 us a
+      # layer at b500 on an H100, session 25), one process                                            ~3 min
+      if [ "${SMOKE:-0}" = 1 ]; then DB=(--decode-batches 1,4); else DB=(--decode-batches 1,64,256,512); fi
+      run fused_rope 300 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode \
+        --engines "fp8+kv8,fp8-fusedall+kv8" --no-hf "${DB[@]}" ;;
     h200_only)  # only on an H200 (elsewhere it stops at once, its device time spent on the start alone): throughput of
       # the default (blocks of 64, keys-inner V, prefetch), then of fp8-rows16 (the layout before), one process each ~4 min
       if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then

@@ -164,3 +164,33 @@ def test_the_fused_rope_serves_small_pure_decode_steps_only() -> None:
     assert not attn.fuses_rope(meta(2, 5), 7)  # a mixed step
     assert not attn.fuses_rope(meta(0, 9, dense=True), 9)
     assert not PagedAttention(get_ops("torch"), 8, 2, 64, None).fuses_rope(meta(1), 1)
+
+
+def test_the_fused_rope_bound_is_an_ab_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FIRSTTOKEN_FUSED_ROPE_MAX_BATCH moves the bound for attention built afterwards (0: never fused);
+    anything but a non-negative integer is refused with the variable's name."""
+    from kernels.ops import get_ops
+    from workers.engine.attention import (
+        FUSED_ROPE_ENV,
+        FUSED_ROPE_MAX_BATCH,
+        AttentionMetadata,
+        PagedAttention,
+    )
+
+    def meta(decodes: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=torch.zeros(decodes, dtype=torch.int64), num_decodes=decodes,
+                                 num_decode_tokens=decodes, decode_block_tables=None, decode_seq_lens=None,
+                                 prefill_block_tables=None, prefill_query_start_loc=None, prefill_seq_lens=None)
+
+    big = FUSED_ROPE_MAX_BATCH * 32
+    monkeypatch.setenv(FUSED_ROPE_ENV, str(big))
+    attn = PagedAttention(get_ops("triton"), 8, 2, 64, None)
+    assert attn.fuses_rope(meta(big), big) and not attn.fuses_rope(meta(big + 1), big + 1)
+    monkeypatch.setenv(FUSED_ROPE_ENV, "0")
+    assert not PagedAttention(get_ops("triton"), 8, 2, 64, None).fuses_rope(meta(1), 1)
+    for bad in ("-1", "x", "1.5"):
+        monkeypatch.setenv(FUSED_ROPE_ENV, bad)
+        with pytest.raises(ValueError, match=FUSED_ROPE_ENV):
+            PagedAttention(get_ops("triton"), 8, 2, 64, None)
+    monkeypatch.delenv(FUSED_ROPE_ENV)
+    assert PagedAttention(get_ops("triton"), 8, 2, 64, None).fused_rope_max == FUSED_ROPE_MAX_BATCH

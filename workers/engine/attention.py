@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,21 @@ class AttentionMetadata:
 # (at 256 there is one split a sequence, and each program's rotation before its long loop costs more
 # than the launch it saves)
 FUSED_ROPE_MAX_BATCH = 16
+FUSED_ROPE_ENV = "FIRSTTOKEN_FUSED_ROPE_MAX_BATCH"  # an A/B switch: the bound for engines built afterwards
+
+
+def fused_rope_max_batch() -> int:
+    """FUSED_ROPE_MAX_BATCH, or FIRSTTOKEN_FUSED_ROPE_MAX_BATCH (a non-negative int; 0: never fused)."""
+    env = os.environ.get(FUSED_ROPE_ENV)
+    if env is None or env == "":
+        return FUSED_ROPE_MAX_BATCH
+    try:
+        n = int(env)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{FUSED_ROPE_ENV} must be a non-negative integer, not {env!r}")
+    return n
 
 
 class PagedAttention:
@@ -58,6 +74,7 @@ class PagedAttention:
         self.sliding_window = sliding_window
         # FP8 dense attention where the ops have it and cuDNN's FP8 forward takes these heads
         self.dense_fp8 = ops.dense_attention_fp8 if head_dim in FP8_ATTENTION_HEAD_DIMS else None
+        self.fused_rope_max = fused_rope_max_batch()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -86,9 +103,9 @@ class PagedAttention:
         return out
 
     def fuses_rope(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A pure decode step of at most FUSED_ROPE_MAX_BATCH sequences on ops that fuse rope_and_cache
-        into the decode attention."""
-        return (self.ops.decode_rope_attention is not None and 0 < num_tokens <= FUSED_ROPE_MAX_BATCH
+        """A pure decode step of at most FUSED_ROPE_MAX_BATCH sequences (`fused_rope_max_batch`) on ops
+        that fuse rope_and_cache into the decode attention."""
+        return (self.ops.decode_rope_attention is not None and 0 < num_tokens <= self.fused_rope_max
                 and meta.num_decode_tokens == num_tokens and not meta.prefill_dense)
 
     def decode_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
