@@ -42,8 +42,11 @@ class AttentionMetadata:
 # On the H200, Llama-3.1-8B shape, fp8 + fp8 KV, context ~600 (bench/results/2026-12-03-engine-h200-b3eebdf.md),
 # fused against its own launch: batch 1 2.96 / 3.03 ms, 8 3.41 / 3.48, 64 4.33 / 4.35, 256 9.16 / 8.68
 # (at 256 there is one split a sequence, and each program's rotation before its long loop costs more
-# than the launch it saves)
-FUSED_ROPE_MAX_BATCH = 16
+# than the launch it saves). With V's keys innermost (an fp8 cache's default since session 23), on an H100,
+# one process (bench/results/2026-12-07-session25-fused-rope-h100-29cb0dd.md), fused at every batch against
+# fused up to 16: b64 5.04 / 5.12 ms, b256 9.07 / 8.97, b512 15.52 / 15.35 (b1, the same path in both,
+# 3.61 / 3.62). Both cards put 64 on the fused side, 256 on the other.
+FUSED_ROPE_MAX_BATCH = 64
 FUSED_ROPE_ENV = "FIRSTTOKEN_FUSED_ROPE_MAX_BATCH"  # an A/B switch: the bound for engines built afterwards
 
 
