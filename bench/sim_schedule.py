@@ -58,6 +58,19 @@ def output_lengths(a: argparse.Namespace) -> list[int]:
     return [rng.randint(lo, a.output_len) for _ in range(a.prompts)]
 
 
+def reserve_value(text: str) -> float | str:
+    """One --reserve value: "auto", or a share in [0, 1] (as EngineConfig.kv_reserve takes)."""
+    if text == "auto":
+        return text
+    try:
+        share = float(text)
+    except ValueError:
+        share = float("nan")
+    if not 0.0 <= share <= 1.0:
+        raise SystemExit(f"--reserve takes auto or shares in [0, 1], not {text!r}")
+    return share
+
+
 def simulate(reserve: float | str, a: argparse.Namespace) -> dict:
     max_tokens = a.max_tokens or a.output_len
     kv = KVCacheManager(a.kv_tokens // a.block_size, a.block_size, enable_prefix_caching=False)
@@ -128,8 +141,11 @@ def main() -> None:
     ap.add_argument("--kv-bytes-per-token", type=int, default=32 * 2 * 8 * 128, help="K and V of every layer, fp8")
     ap.add_argument("--overhead-ms", type=float, default=1.2, help="a step's launches and small kernels")
     a = ap.parse_args()
+    if a.max_tokens is not None and a.max_tokens < a.output_len:  # answers would outgrow max_model_len
+        raise SystemExit(f"--max-tokens ({a.max_tokens}) must be at least --output-len ({a.output_len})")
+    reserves = [reserve_value(r) for r in a.reserve.split(",")]
     t0 = time.perf_counter()
-    rows = [simulate(r if r == "auto" else float(r), a) for r in a.reserve.split(",")]
+    rows = [simulate(r, a) for r in reserves]
     print(json.dumps({"args": vars(a), "rows": rows, "wall_s": time.perf_counter() - t0}, indent=1))
     print("\n| kv_reserve | modelled tok/s | modelled s | steps | preemptions | recomputed tokens | peak running | "
           "decode steps, s | mixed steps, s |")

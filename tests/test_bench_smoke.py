@@ -236,7 +236,10 @@ def test_the_scheduling_model_runs_the_real_scheduler_to_the_end():
     assert short.returncode == 0, short.stderr[-2000:]
     rows = {r["kv_reserve"]: r for r in json.loads(short.stdout[: short.stdout.rindex("}") + 1])["rows"]}
     assert rows["auto"]["peak_running"] > rows[0.85]["peak_running"]
-    for bad in ("uniform:0", "uniform:61", "normal:5", "uniform"):  # refused with a message, not a traceback
-        out = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_schedule.py"), "--output-len", "60",
-                              "--stop", bad], capture_output=True, text=True, timeout=60, cwd=ROOT)
-        assert out.returncode != 0 and "--stop takes" in out.stderr and "Traceback" not in out.stderr
+    bad_args = [(["--stop", bad], "--stop takes") for bad in ("uniform:0", "uniform:61", "normal:5", "uniform")]
+    bad_args += [(["--reserve", bad], "--reserve takes") for bad in ("x", "1.5", "0,-0.1", "nan")]
+    bad_args.append((["--max-tokens", "59"], "--max-tokens (59) must be at least --output-len (60)"))
+    for args, message in bad_args:  # refused with a message, not a traceback
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "sim_schedule.py"), "--output-len", "60", *args],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)

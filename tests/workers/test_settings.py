@@ -41,7 +41,7 @@ def test_kv_reserve_is_auto_unless_a_share_is_given(monkeypatch):
     assert EngineSettings.from_args(parse(["run", "x", "--kv-reserve", "auto"])).kv_reserve == "auto"
     monkeypatch.setenv("FIRSTTOKEN_KV_RESERVE", "0")
     assert EngineSettings.from_args(parse(["run", "x"])).engine_config().kv_reserve == 0.0
-    for bad in ("x", -0.1, 2):
+    for bad in ("x", -0.1, 2, True, float("nan")):
         with pytest.raises(ValueError, match="kv_reserve"):
             EngineConfig(kv_reserve=bad)
     kv = KVCacheManager(num_blocks=8, block_size=4)

@@ -278,8 +278,9 @@ class EngineConfig:
             raise ValueError("kv_cache_v_layout must be 'rows' or 'keys_inner'")
         if self.kv_cache_k_layout not in ("nhd", "hnd"):
             raise ValueError("kv_cache_k_layout must be 'nhd' or 'hnd'")
-        if self.kv_reserve != "auto" and not (
-                isinstance(self.kv_reserve, int | float) and 0.0 <= self.kv_reserve <= 1.0):
+        if self.kv_reserve != "auto" and not (isinstance(self.kv_reserve, int | float)
+                                              and not isinstance(self.kv_reserve, bool)
+                                              and 0.0 <= self.kv_reserve <= 1.0):
             raise ValueError(f"kv_reserve must be in [0, 1] or 'auto', not {self.kv_reserve!r}")
         if self.tpot_target_ms is not None and self.tpot_target_ms <= 0:
             raise ValueError("tpot_target_ms must be positive")
