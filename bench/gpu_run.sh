@@ -25,7 +25,7 @@
 #   gemm_rows   the FP8 GEMMs at 512 / 1024 / 8192 rows (a throughput run's steps) against their floor   ~1.5 min
 #   next24b     H200: throughput of the default and fp8-rows16; elsewhere the default's alone          ~5 / 2.5 min
 #   next25      H200 only: throughput of the default, the issue's table (bf16, fp8+kv8), bf16's throughput ~9 min
-#   fused_rope  decode b1-b512, rope_and_cache fused into the decode attention at every batch vs up to 16  ~3 min
+#   fused_rope  decode b1-b512, rope_and_cache fused into the decode attention at every batch vs the default ~3 min
 #   h200_only   on an H200 only (else it stops at once): throughput of the default, then of fp8-rows16   ~4 min
 #   table_bs64  the issue's table with fp8-rows16+kv8 beside bf16 and fp8+kv8, then every GPU test           ~7 min
 #   logits32    the lm_head's GEMM writing fp32 logits against bf16 + a cast: GPU tests, throughput of each ~6.5 min
@@ -123,6 +123,9 @@ table_beside() {  # table_beside NAME ENGINE: the issue's table with ENGINE besi
     --engines "bf16,fp8+kv8,$2" --no-hf "${ENGINE_ARGS[@]}"
   [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests 280 \
     $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA
+}
+on_h200() {  # the card is an H200 (the stages that measure the issue's H200 targets, or size a batch to its pool)
+  $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())" 2>/dev/null
 }
 throughputs() {  # throughputs SECONDS ENGINE...: offline throughput of each engine, one process each (next24,
   # reserve_ab, h200_only)
@@ -250,7 +253,7 @@ for stage in "${STAGES[@]}"; do
       # default and fp8-rows16 (one process each), then the issue's table beside fp8-rows16 (no tests: they passed on
       # an H100 at b2d29da / fb05c41). Elsewhere: throughput of fp8-reserve85, the default and fp8-hnd
       #                                                                                ~9 min (H200), ~6.5 (H100)
-      if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then
+      if on_h200; then
         run decode_blocks 45 $PY bench/bench_decode_tiles.py --layouts shuffled,hnd --block-sizes 16,64 \
           --cases 1000x1500 --variants "$BLOCK_VARIANTS"
         throughputs 150 fp8+kv8 fp8-rows16+kv8
@@ -263,7 +266,7 @@ for stage in "${STAGES[@]}"; do
       # context 1500 and the throughput shape's full batch at context ~1500 (1000 on an H200; 500 fits an H100's pool: 600
       # did not, and the profiler's wait for every sequence to decode ran out of time, session 24)              ~3 min
       [ "${SMOKE:-0}" = 1 ] && continue
-      BIG=500; $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())" && BIG=1000
+      BIG=500; on_h200 && BIG=1000
       [ "${DEC_BIG_ONLY:-0}" = 1 ] && DEC_BATCHES=$BIG  # the full batch alone
       run dec_profile 280 $PY bench/profile_engine.py --quantization fp8 --kv-cache-dtype fp8 --cases "" \
         --decode-batches "${DEC_BATCHES:-1,$BIG}" --decode-prompt-len 1500 --max-num-seqs 1024 --rows 16 ;;
@@ -272,7 +275,7 @@ for stage in "${STAGES[@]}"; do
       throughputs 170 fp8-reserve85+kv8 fp8-noreserve+kv8 fp8+kv8 ;;
     next24b)  # on an H200: offline throughput of the default (blocks of 64, keys-inner V, prefetch; kv_reserve auto),
       # then of fp8-rows16 (the layout before), one process each (~5 min); elsewhere the default's alone (~2.5 min)
-      if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then
+      if on_h200; then
         throughputs 150 fp8+kv8 fp8-rows16+kv8
       else
         throughputs 170 fp8+kv8
@@ -280,7 +283,7 @@ for stage in "${STAGES[@]}"; do
     next25)  # on an H200: offline throughput of the default (fp8+kv8, kv_reserve auto), the issue's table (bf16 and
       # fp8+kv8, one process), then bf16's throughput (~9 min); elsewhere nothing (the GPU tests passed on an H100
       # at e695a58, session 25)
-      if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then
+      if on_h200; then
         throughputs 170 fp8+kv8
         run engine_table 300 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
           --engines "bf16,fp8+kv8" --no-hf "${ENGINE_ARGS[@]}"
@@ -289,14 +292,14 @@ for stage in "${STAGES[@]}"; do
         echo "not an H200: nothing run"
       fi ;;
     fused_rope)  # rope_and_cache inside the decode attention at every batch (fp8-fusedall) against the default (up
-      # to 16): with V's keys innermost, rope_and_cache's own launch writes each token's V byte by byte (16 us a
-      # layer at b500 on an H100, session 25), one process                                            ~3 min
+      # to 64 since session 25, 16 before): with V's keys innermost, rope_and_cache's own launch writes each token's
+      # V byte by byte (16 us a layer at b500 on an H100, session 25), one process                         ~3 min
       if [ "${SMOKE:-0}" = 1 ]; then DB=(--decode-batches 1,4); else DB=(--decode-batches 1,64,256,512); fi
       run fused_rope 300 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode \
         --engines "fp8+kv8,fp8-fusedall+kv8" --no-hf "${DB[@]}" ;;
     h200_only)  # only on an H200 (elsewhere it stops at once, its device time spent on the start alone): throughput of
       # the default (blocks of 64, keys-inner V, prefetch), then of fp8-rows16 (the layout before), one process each ~4 min
-      if $PY -c "import torch, sys; sys.exit('H200' not in torch.cuda.get_device_name())"; then
+      if on_h200; then
         throughputs 150 fp8+kv8 fp8-rows16+kv8
       else
         echo "not an H200: nothing run"
