@@ -21,6 +21,7 @@ per shape; each is built once and kept (`_GRAPHS`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -155,19 +156,22 @@ def release(device: torch.device | str) -> None:
 
 def dense_causal_attention_fp8(
     q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scale: float, o_scale: torch.Tensor,
-    out: torch.Tensor | None = None, seq_len: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, seq_len: torch.Tensor | None = None, built: tuple | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence over itself, all e4m3 with Q/K/V scale 1: q8 [T, Hq, D],
     k8/v8 [T, Hk, D] (last dims contiguous); o_scale: a one-element fp32 device tensor, O's scale
     (kernels.fp8_quant.cast_e4m3_triton's). Returns out, e4m3 [T, Hq, D]: the attention output times o_scale.
     seq_len: a one-element int32 device tensor, the sequence's length when it is shorter than T (rows
-    past it must hold finite values; their outputs are not the sequence's)."""
+    past it must hold finite values; their outputs are not the sequence's). built: `_graph`'s answer for
+    these tensors, when the caller has it."""
     import cudnn
 
     t, hq, d = q8.shape
     if out is None:
         out = torch.empty((t, hq, d), dtype=FP8, device=q8.device)
-    graph, handle, (tq, tk, tv), sc, to, (tas, tao), ws, tlen = _graph(q8, k8, v8, scale, out, seq_len is not None)
+    if built is None:
+        built = _graph(q8, k8, v8, scale, out, seq_len is not None)
+    graph, handle, (tq, tk, tv), sc, to, (tas, tao), ws, tlen = built
     c = _CONSTS.get(q8.device)
     if c is None:  # descale q, k, v; descale and scale of P; then room for the two amax outputs
         c = _CONSTS[q8.device] = torch.tensor([1.0, 1.0, 1.0, 1.0 / P_SCALE, P_SCALE, 0.0, 0.0],
@@ -237,23 +241,61 @@ def dense_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     bucket: the padded length to run at (>= T; None: `bucket_tokens`)."""
     t, hq, d = q.shape
     hk = k.shape[1]
-    c = (hq + 2 * hk) * d
     rows = _split_qkv(q, k, v)
     if rows is None:  # not side by side: one copy puts them so
         rows = torch.cat([x.reshape(t, -1) for x in (q, k, v)], dim=1)
     if reference:
         y, o_scale = cast_e4m3_ref(rows, (hq + hk) * d, O_MARGIN)
-        o8 = causal_attention_fp8_ref(*qkv_views(y, hq, hk, d), scale, o_scale)
-        return o8.view(t, hq * d), torch.reciprocal(o_scale).expand(t, 1).contiguous()
+        return _attend_ref(y, hq, hk, d, scale, o_scale)
+    return _attend(t, hq, hk, d, scale, q.dtype, q.device, bucket,
+                   lambda y: cast_e4m3_triton(rows, (hq + hk) * d, O_MARGIN, out=y)[1])
+
+
+def dense_attention_fp8_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, positions: torch.Tensor,
+                             cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor, reference: bool = False,
+                             bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dense_attention_fp8` from q and k not yet rotated: one launch rotates them, writes k and v to the
+    cache (rope_and_cache's work) and casts q | k | v to e4m3 (kernels.rope_cache.rope_cache_cast_triton),
+    where rope_and_cache would write the rotated q and k back for the cast to read them again. q and k are
+    left unrotated. Raises Unsupported before anything is written where cuDNN refuses the shape (the
+    caller then runs rope_and_cache and its own attention). reference: the same in PyTorch."""
+    from kernels.rope_cache import rope_cache_cast_ref, rope_cache_cast_triton
+
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    args = (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    if reference:
+        y, o_scale = rope_cache_cast_ref(*args, O_MARGIN)
+        return _attend_ref(y, hq, hk, d, scale, o_scale)
+    return _attend(t, hq, hk, d, scale, q.dtype, q.device, bucket,
+                   lambda y: rope_cache_cast_triton(*args, O_MARGIN, out=y)[1])
+
+
+def _attend_ref(y: torch.Tensor, hq: int, hk: int, d: int, scale: float,
+                o_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_attention_fp8_ref` of the cast rows y [T, (Hq + 2 Hk) * D], as dense_attention_fp8 returns it."""
+    t = y.shape[0]
+    o8 = causal_attention_fp8_ref(*qkv_views(y, hq, hk, d), scale, o_scale)
+    return o8.view(t, hq * d), torch.reciprocal(o_scale).expand(t, 1).contiguous()
+
+
+def _attend(t: int, hq: int, hk: int, d: int, scale: float, dtype: torch.dtype, device: torch.device,
+            bucket: int | None, cast: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's attention of one prompt of t tokens at its bucket: the graph first (Unsupported before `cast`
+    runs), then cast(y) writes the first t rows of y [bucket, (Hq + 2 Hk) * D] e4m3 and returns O's scale."""
     tb = bucket_tokens(t) if bucket is None else max(bucket, t)
     # (a bucket over EXACT_MAX is always run padded, below; at or under it the length's own graph)
-    y = torch.empty((tb, c), dtype=FP8, device=q.device)
+    y = torch.empty((tb, (hq + 2 * hk) * d), dtype=FP8, device=device)
+    out = torch.empty((tb, hq, d), dtype=FP8, device=device)
+    padded = tb > EXACT_MAX
+    built = _graph(*qkv_views(y, hq, hk, d), scale, out, padded)  # (or refused) before the cast writes the cache
     if tb > t:
         y[t:].zero_()  # the padding's rows: finite, masked out of the sequence's attention
-    _y, o_scale = cast_e4m3_triton(rows, (hq + hk) * d, O_MARGIN, out=y)
+    o_scale = cast(y)
     # past EXACT_MAX always the bucket's padded graph (a length on the bucket too: one graph a bucket)
-    seq_len = torch.full((1,), t, dtype=torch.int32, device=q.device) if tb > EXACT_MAX else None
-    o8 = dense_causal_attention_fp8(*qkv_views(y, hq, hk, d), scale, o_scale, seq_len=seq_len)
+    seq_len = torch.full((1,), t, dtype=torch.int32, device=device) if padded else None
+    o8 = dense_causal_attention_fp8(*qkv_views(y, hq, hk, d), scale, o_scale, out=out, seq_len=seq_len, built=built)
     return o8[:t].view(t, hq * d), torch.reciprocal(o_scale).expand(t, 1).contiguous()
 
 

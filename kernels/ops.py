@@ -34,6 +34,10 @@ class KernelOps:
     # FP8 tensor cores, its output quantized for an FP8 o_proj (kernels/cudnn_attention.py); None: the
     # dense path stays bf16. Set by the engine (`with_fp8_attention`), not by get_ops
     dense_attention_fp8: Callable | None = None
+    # (q, k, v, scale, positions, cos_sin, k_cache, v_cache, slot_mapping) -> the same, from q and k not yet
+    # rotated: rope_and_cache and the e4m3 cast in one launch first; None: rope_and_cache, then
+    # dense_attention_fp8. Set by `with_fp8_attention` under FIRSTTOKEN_FP8_ATTENTION_ROPE=1 (an A/B switch)
+    dense_attention_fp8_rope: Callable | None = None
 
 
 def get_ops(backend: str) -> KernelOps:
@@ -102,9 +106,17 @@ def with_fp8_attention(ops: KernelOps) -> KernelOps:
     emulation (the references, for CPU tests)."""
     from dataclasses import replace
 
-    from kernels.cudnn_attention import dense_attention_fp8
+    from kernels.cudnn_attention import dense_attention_fp8, dense_attention_fp8_rope
 
-    return replace(ops, dense_attention_fp8=partial(dense_attention_fp8, reference=ops.name == "torch"))
+    ref = ops.name == "torch"
+    fused = os.environ.get(FP8_ATTENTION_ROPE_ENV, "0")
+    if fused not in ("0", "1"):
+        raise ValueError(f"{FP8_ATTENTION_ROPE_ENV} must be 0 or 1, not {fused!r}")
+    return replace(ops, dense_attention_fp8=partial(dense_attention_fp8, reference=ref),
+                   dense_attention_fp8_rope=partial(dense_attention_fp8_rope, reference=ref) if fused == "1" else None)
+
+
+FP8_ATTENTION_ROPE_ENV = "FIRSTTOKEN_FP8_ATTENTION_ROPE"
 
 
 def _bind(fn: Callable, keywords: dict) -> Callable:

@@ -6,7 +6,9 @@ from typing import Any
 
 import torch
 
-from kernels._triton import check, lazy_helper, lazy_jit, next_pow2
+from kernels._triton import cdiv, check, lazy_helper, lazy_jit, next_pow2
+from kernels.fp8_linear import FP8, FP8_MAX
+from kernels.fp8_quant import _hw_cast, _round_e4m3
 from kernels.kv_layout import check_v_layout, finite_v_ref, v_max
 
 
@@ -19,6 +21,7 @@ def rope_and_cache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    tile: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (rotate-half / NeoX layout, as Hugging Face Llama), write k and v to the cache.
 
@@ -27,6 +30,7 @@ def rope_and_cache_ref(
     k_cache, v_cache: [num_blocks, block_size, Hk, D]; slot_mapping: [T] int64.
     Returns (q_rot, k_rot) as new contiguous tensors; the rotation is computed in fp32 and rounded
     to q.dtype. The Triton launcher rotates q and k in place and returns the same tensors.
+    tile: the Triton launcher's tokens per program (`rope_and_cache_triton`); the reference has one path.
     """
     half = q.shape[-1] // 2
     cs = cos_sin[positions]  # [T, D]
@@ -142,24 +146,149 @@ def _rope_and_cache_kernel(
         tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=cm)
 
 
-def rope_and_cache_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `rope_and_cache_ref` in one launch: rotates q and k IN PLACE and returns them.
+@lazy_jit(do_not_specialize=("T",))
+def _rope_cache_tiles_kernel(
+    q_ptr,  # q: [T, Hq, D], last dim contiguous; rotated in place (WRITE_QK)
+    k_ptr,  # k: [T, Hk, D], last dim contiguous; rotated in place (WRITE_QK)
+    v_ptr,  # v: [T, Hk, D], last dim contiguous
+    pos_ptr,  # positions: [T] int64
+    cs_ptr,  # cos_sin: [max_pos, D] fp32, contiguous
+    kc_ptr,  # k_cache: [num_blocks, block_size, Hk, D] (any block, slot and head strides), last dim contiguous
+    vc_ptr,  # v_cache: k_cache's strides, or (V_T) each block's keys innermost
+    slot_ptr,  # slot_mapping: [T] int64; a negative slot (padding) writes nothing
+    y_ptr,  # CAST: [>= T, (Hq + 2 Hk) * D] e4m3, contiguous: the rotated q | k | v cast (scale 1, saturating)
+    scale_ptr,  # CAST: [1] fp32, min over V's cast values of FP8_MAX_ / (MARGIN * |v|) (cast_e4m3's), atomically
+    T,  # tokens
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  # q/k/v token and head strides
+    stride_cb, stride_cs, stride_ch,  # k_cache block, slot and head strides (v_cache's too unless V_T)
+    stride_vcb, stride_vch,  # v_cache block and head strides
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    HALF: tl.constexpr,  # head_dim / 2
+    BLOCK_HALF: tl.constexpr,  # power of two >= HALF
+    BLOCK_SIZE: tl.constexpr,  # KV cache block size
+    V_T: tl.constexpr,  # v_cache [blocks, Hk, D, block_size] in memory; v written finite
+    V_MAX: tl.constexpr,  # V_T: the largest finite value of the cache's dtype
+    TOK: tl.constexpr,  # tokens per program (a power of two)
+    QG: tl.constexpr,  # q heads per program
+    WRITE_QK: tl.constexpr,  # rotate q and k in place
+    CAST: tl.constexpr,  # write y and the V scale
+    FP8_MAX_: tl.constexpr,
+    MARGIN: tl.constexpr,
+    HW_CAST: tl.constexpr,  # CAST: the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
+):
+    # grid: (token tiles, q head groups + kv heads). A program rotates QG q heads, or one kv head's k and
+    # writes it and v to the cache, for TOK consecutive tokens as [TOK, HALF] tiles. With V's keys
+    # innermost a block's slots of one (head, dim) are consecutive bytes: V goes out as [HALF, TOK] tiles,
+    # the lanes along the tokens, so that a prompt's consecutive slots are one row's consecutive bytes
+    # (the per-token kernel writes each byte of a token's V into its own 64-byte row)
+    t = tl.program_id(0).to(tl.int64) * TOK + tl.arange(0, TOK)
+    unit = tl.program_id(1)
+    NQG: tl.constexpr = (HQ + QG - 1) // QG
+    C: tl.constexpr = (HQ + 2 * HK) * 2 * HALF
+    tm = t < T
+    d = tl.arange(0, BLOCK_HALF)
+    dm = d < HALF
+    m2 = tm[:, None] & dm[None, :]
+    pos = tl.load(pos_ptr + t, mask=tm, other=0).to(tl.int64)
+    cs = cs_ptr + pos[:, None] * (2 * HALF) + d[None, :]
+    cos = tl.load(cs, mask=m2, other=0.0)
+    sin = tl.load(cs + HALF, mask=m2, other=0.0)
+    yrow = y_ptr + t[:, None] * C + d[None, :]
+    if unit < NQG:
+        for i in range(QG):
+            h = unit * QG + i
+            mq = m2 & ((d * 0 + h) < HQ)[None, :]  # as a block: the interpreter rejects a scalar mask term
+            qp = q_ptr + t[:, None] * stride_qt + h * stride_qh + d[None, :]
+            q1 = tl.load(qp, mask=mq, other=0.0)
+            q2 = tl.load(qp + HALF, mask=mq, other=0.0)
+            q1f = q1.to(tl.float32)
+            q2f = q2.to(tl.float32)
+            r1 = (q1f * cos - q2f * sin).to(q1.dtype)
+            r2 = (q2f * cos + q1f * sin).to(q1.dtype)
+            if WRITE_QK:
+                tl.store(qp, r1, mask=mq)
+                tl.store(qp + HALF, r2, mask=mq)
+            if CAST:
+                yq = yrow + h * 2 * HALF
+                tl.store(yq, _cast_sat(r1, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=mq)
+                tl.store(yq + HALF, _cast_sat(r2, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=mq)
+    else:
+        h = unit - NQG
+        slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
+        sm = tm & (slot >= 0)
+        blk = tl.where(sm, slot // BLOCK_SIZE, 0)
+        off = tl.where(sm, slot % BLOCK_SIZE, 0)
+        cm = sm[:, None] & dm[None, :]
+        kp = k_ptr + t[:, None] * stride_kt + h * stride_kh + d[None, :]
+        k1 = tl.load(kp, mask=m2, other=0.0)
+        k2 = tl.load(kp + HALF, mask=m2, other=0.0)
+        k1f = k1.to(tl.float32)
+        k2f = k2.to(tl.float32)
+        k1r = (k1f * cos - k2f * sin).to(k1.dtype)
+        k2r = (k2f * cos + k1f * sin).to(k1.dtype)
+        if WRITE_QK:
+            tl.store(kp, k1r, mask=m2)
+            tl.store(kp + HALF, k2r, mask=m2)
+        c_off = blk[:, None] * stride_cb + off[:, None] * stride_cs + h * stride_ch + d[None, :]
+        tl.store(kc_ptr + c_off, k1r.to(kc_ptr.dtype.element_ty), mask=cm)
+        tl.store(kc_ptr + c_off + HALF, k2r.to(kc_ptr.dtype.element_ty), mask=cm)
+        if CAST:
+            yk = yrow + (HQ + h) * 2 * HALF
+            tl.store(yk, _cast_sat(k1r, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=m2)
+            tl.store(yk + HALF, _cast_sat(k2r, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=m2)
+        if V_T:  # [BLOCK_HALF, TOK] tiles
+            mt = dm[:, None] & tm[None, :]
+            vp = v_ptr + t[None, :] * stride_vt + h * stride_vh + d[:, None]
+            v1 = tl.load(vp, mask=mt, other=0.0)
+            v2 = tl.load(vp + HALF, mask=mt, other=0.0)
+            v_off = blk[None, :] * stride_vcb + h * stride_vch + d[:, None] * BLOCK_SIZE + off[None, :]
+            cmt = dm[:, None] & sm[None, :]
+            tl.store(vc_ptr + v_off, finite_v(v1, V_MAX).to(vc_ptr.dtype.element_ty), mask=cmt)
+            tl.store(vc_ptr + v_off + HALF * BLOCK_SIZE, finite_v(v2, V_MAX).to(vc_ptr.dtype.element_ty), mask=cmt)
+            yv = y_ptr + t[None, :] * C + (HQ + HK + h) * 2 * HALF + d[:, None]
+        else:
+            mt = m2
+            vp = v_ptr + t[:, None] * stride_vt + h * stride_vh + d[None, :]
+            v1 = tl.load(vp, mask=mt, other=0.0)
+            v2 = tl.load(vp + HALF, mask=mt, other=0.0)
+            tl.store(vc_ptr + c_off, v1.to(vc_ptr.dtype.element_ty), mask=cm)
+            tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=cm)
+            yv = yrow + (HQ + HK + h) * 2 * HALF
+        if CAST:
+            v1c = _cast_sat(v1, FP8_MAX_, HW_CAST)
+            v2c = _cast_sat(v2, FP8_MAX_, HW_CAST)
+            tl.store(yv, v1c.to(y_ptr.dtype.element_ty), mask=mt)
+            tl.store(yv + HALF, v2c.to(y_ptr.dtype.element_ty), mask=mt)
+            amax = tl.maximum(_finite_amax(v1c, mt), _finite_amax(v2c, mt))
+            cand = FP8_MAX_ / (MARGIN * tl.maximum(amax, 0.001953125))
+            # the scale only falls: a program whose candidate is not under the value read skips its atomic
+            # (thousands of atomics on one address cost ~0.1 ms: cast_e4m3's note)
+            if cand < tl.load(scale_ptr):
+                tl.atomic_min(scale_ptr, cand)
 
-    Same arguments as the reference; q/k/v may be strided views of a fused qkv output (any token
-    and head strides, last dim contiguous). A negative slot in slot_mapping (padding) writes nothing.
-    """
+
+@lazy_helper
+def _cast_sat(x, FP8_MAX_: tl.constexpr, HW_CAST: tl.constexpr):
+    """x cast as kernels.fp8_quant.cast_e4m3 casts (scale 1, clamped to +-FP8_MAX_, NaN kept), fp32 on
+    the e4m3 grid (or, HW_CAST, left for the store's cast to round)."""
+    xf = x.to(tl.float32)
+    return _round_e4m3(tl.minimum(tl.maximum(xf, -FP8_MAX_, propagate_nan=tl.PropagateNan.ALL), FP8_MAX_,
+                                  propagate_nan=tl.PropagateNan.ALL), HW_CAST)
+
+
+@lazy_helper
+def _finite_amax(x, mask):
+    """The largest |x| over the mask's non-NaN elements (0 for none), a scalar."""
+    return tl.max(tl.max(tl.where(mask & (x == x), tl.abs(x), 0.0), axis=1), axis=0)
+
+
+def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Checks rope_and_cache's arguments (`rope_and_cache_ref`'s docstring); returns V's layout (`v_keys_inner`)."""
     # q: [T, Hq, D]; k, v: [T, Hk, D]; k_cache, v_cache: [num_blocks, block_size, Hk, D]
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "rope_and_cache: q, k, v must be [T, H, D]")
-    t, hq, d = q.shape
+    t, _hq, d = q.shape
     hk = k.shape[1]
     check(k.shape == (t, hk, d) and v.shape == (t, hk, d),
           "rope_and_cache: k {} / v {} do not match q {}", tuple(k.shape), tuple(v.shape), tuple(q.shape))
@@ -181,7 +310,59 @@ def rope_and_cache_triton(
           "rope_and_cache: positions and slot_mapping must be contiguous")
     devs = {x.device for x in (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)}
     check(len(devs) == 1, "rope_and_cache: tensors on several devices {}", devs)
+    return v_t
+
+
+TILE_TOKENS = 32  # the tiled kernel's tokens per program: a 32-byte sector of an fp8 keys-inner V row
+Q_HEADS_PER_PROGRAM = 4
+
+
+def _launch_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, v_t: bool, tile: int,
+                  write_qk: bool, y: torch.Tensor | None, scale: torch.Tensor | None, margin: float) -> None:
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    check(tile > 0 and tile & (tile - 1) == 0, "rope_and_cache: tile must be a power of two, not {}", tile)
+    cast = y is not None
+    qg = min(Q_HEADS_PER_PROGRAM, hq)
+    _rope_cache_tiles_kernel.launch((cdiv(t, tile), cdiv(hq, qg) + hk), (
+        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+        y if cast else q, scale if cast else cos_sin, t,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
+    ), {
+        "HQ": hq, "HK": hk, "HALF": d // 2, "BLOCK_HALF": next_pow2(d // 2), "BLOCK_SIZE": k_cache.shape[1],
+        "V_T": v_t, "V_MAX": v_max(v_cache.dtype) if v_t else 0.0, "TOK": tile, "QG": qg,
+        "WRITE_QK": write_qk, "CAST": cast, "FP8_MAX_": FP8_MAX, "MARGIN": float(margin),
+        "HW_CAST": _hw_cast(q, None) if cast else False,
+    }, 4, 1, q.device.type == "cuda")
+
+
+def rope_and_cache_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    tile: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `rope_and_cache_ref` in one launch: rotates q and k IN PLACE and returns them.
+
+    Same arguments as the reference; q/k/v may be strided views of a fused qkv output (any token
+    and head strides, last dim contiguous). A negative slot in slot_mapping (padding) writes nothing.
+    tile: 0, one program a token (every head); else tile consecutive tokens a program, one program per
+    group of q heads and per kv head (`_rope_cache_tiles_kernel`: whole runs of a keys-inner V row).
+    """
+    v_t = _check_args(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    t, hq, d = q.shape
+    hk = k.shape[1]
     if t == 0:
+        return q, k
+    if tile:
+        _launch_tiles(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, v_t, tile, True, None, None, 0.0)
         return q, k
     half = d // 2
     _rope_and_cache_kernel.launch((t,), (
@@ -194,3 +375,40 @@ def rope_and_cache_triton(
         "BLOCK_SIZE": k_cache.shape[1], "V_T": v_t, "V_MAX": v_max(v_cache.dtype) if v_t else 0.0,
     }, 4, 3, q.device.type == "cuda")
     return q, k
+
+
+def rope_cache_cast_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_and_cache_ref`, then the rotated q | k | v cast as kernels.fp8_quant.cast_e4m3_ref casts them
+    (V's columns giving the scale): (e4m3 [T, (Hq + 2 Hk) * D], scale [1] fp32). q and k are left as they are."""
+    from kernels.fp8_quant import cast_e4m3_ref
+
+    t, hq, d = q.shape
+    q_rot, k_rot = rope_and_cache_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    rows = torch.cat([x.reshape(t, -1) for x in (q_rot, k_rot, v)], dim=1)
+    return cast_e4m3_ref(rows, (hq + k.shape[1]) * d, margin)
+
+
+def rope_cache_cast_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                           cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, margin: float, out: torch.Tensor | None = None,
+                           scale: torch.Tensor | None = None, tile: int = TILE_TOKENS,
+                           write_qk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `rope_cache_cast_ref` in one launch: q|k|v read once, the cache written, the e4m3 rows and
+    V's scale out (for cuDNN's FP8 attention: kernels/cudnn_attention.py), in place of rope_and_cache's
+    launch, then cast_e4m3's (which read the rotated q and k back). out: a [>= T, C] contiguous e4m3
+    buffer for the first T rows; scale: a [1] fp32 tensor to take the minimum into, else a new one.
+    write_qk: rotate q and k in place as well (rope_and_cache does)."""
+    v_t = _check_args(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    t, hq, d = q.shape
+    c = (hq + 2 * k.shape[1]) * d
+    y = torch.empty((t, c), dtype=FP8, device=q.device) if out is None else out
+    check(y.dtype == FP8 and y.is_contiguous() and y.shape[0] >= t and y.shape[1] == c,
+          "rope_cache_cast: out must be a contiguous e4m3 [>= {}, {}]", t, c)
+    if scale is None:
+        scale = torch.full((1,), FP8_MAX / (margin * 2.0**-9), dtype=torch.float32, device=q.device)
+    if t:
+        _launch_tiles(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, v_t, tile, write_qk, y, scale,
+                      margin)
+    return y, scale

@@ -189,6 +189,8 @@ def test_a_refused_graph_is_remembered_and_the_layer_runs_bf16(monkeypatch, capl
     assert len(calls) == 1  # the second call did not build again
 
     class Ops:
+        dense_attention_fp8_rope = None
+
         def dense_attention_fp8(self, q, k, v, scale):
             raise ca.Unsupported("refused here")
 

@@ -159,7 +159,34 @@ def tma(cases):
     return out
 
 
-PARTS = {"gemv": gemv, "small_m": small_m, "decode": decode, "prefill": prefill, "cast": cast, "tma": tma}
+def rope_tiles(cases):
+    import re
+
+    from kernels import rope_cache
+    jitted = rope_cache._rope_cache_tiles_kernel.jitted()
+    PTRS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32",
+            "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "slot_ptr": "*i64", "y_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    out = []
+    for cast_, v_t in cases:
+        consts = {"HQ": 32, "HK": 8, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_SIZE": 64, "V_T": v_t, "V_MAX": 448.0,
+                  "TOK": 32, "QG": 4, "WRITE_QK": not cast_, "CAST": cast_, "FP8_MAX_": 448.0, "MARGIN": 1.125,
+                  "HW_CAST": True}
+        sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
+        # the launcher's specialisation: 16-divisible pointers and strides (T is not specialised)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names) if n not in consts and n != "T"}
+        c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+        ir, ptx = c.asm["ttgir"], c.asm["ptx"]
+        layouts = dict(re.findall(r"^(#blocked\d*) = #ttg.blocked<(.*)>", ir, re.M))
+        # each [D/2, TOK] e4m3 store's layout: V's stores into a keys-inner cache (and its cast rows)
+        v_stores = [layouts[m] for m in re.findall(r"tt.store .*: tensor<64x32x!tt.ptr<f8E4M3FN>, (#blocked\d*)>", ir)]
+        out.append({"cubin": len(c.asm["cubin"]), "v_stores": v_stores, "atom_min": "atom.global.gpu.acq_rel.min" in ptx,
+                    "nan_clamp": "max.NaN." in ptx and "min.NaN." in ptx})
+    return out
+
+
+PARTS = {"gemv": gemv, "small_m": small_m, "decode": decode, "prefill": prefill, "cast": cast, "tma": tma,
+         "rope_tiles": rope_tiles}
 results = {}
 for name, cases in json.loads(sys.argv[1]).items():
     try:
@@ -186,6 +213,8 @@ PREFILL_CASES = [  # (widen, block_m, block_n, warps, stages, compact)
     ("fp16", 64, 64, 4, 2, True), ("fp16", 128, 128, 8, 3, True),
 ]
 
+ROPE_TILES_CASES = [(False, True), (True, True), (True, False)]  # (cast, V keys inner)
+
 
 def tma_builtin() -> set:
     """fp8_gemm's built-in TMA tiles for qkv, o and down at 128 and 256 rows."""
@@ -202,7 +231,7 @@ def tma_cases() -> list:  # (block_m, block_n, block_k, warps, stages, split)
 def compiled() -> dict:
     """Every part's cases, compiled for sm90 in one subprocess (Triton not in interpreter mode there)."""
     cases = {"gemv": GEMV_CASES, "small_m": SMALL_M_CASES, "decode": DECODE_CASES, "prefill": PREFILL_CASES,
-             "cast": None}
+             "cast": None, "rope_tiles": ROPE_TILES_CASES}
     with contextlib.suppress(Exception):  # else test_tma_gemm_compiles_for_sm90 raises it, the others run
         cases["tma"] = tma_cases()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -291,3 +320,19 @@ def test_tma_gemm_compiles_for_sm90(compiled):
     for case, g in zip(cases, got, strict=True):
         assert g["tma"] > 0 and g["wgmma_e4m3"] > 0, (case, g)
         assert g["atom"] == (case[5] > 1), (case, g)
+
+
+def test_rope_tiles_compile_for_sm90(compiled):
+    """rope_and_cache's tiled kernel, alone and with the e4m3 cast, V keys inner or in rows. Keys inner, V's
+    stores into the cache run the warp's lanes along the tokens (threadsPerWarp [1, 32], order [1, 0] over
+    [D/2, tokens]): a prompt's consecutive slots are one row's consecutive bytes, the store the per-token
+    kernel makes byte by byte into 64-byte rows far apart. The cast: O's scale by a float atomic min, the
+    clamp keeping NaN, as cast_e4m3's."""
+    got = part(compiled, "rope_tiles")
+    along_tokens = "threadsPerWarp = [1, 32], warpsPerCTA = [4, 1], order = [1, 0]"
+    for (cast_, v_t), g in zip(ROPE_TILES_CASES, got, strict=True):
+        assert g["cubin"] > 0, g
+        if v_t:
+            cache_stores = g["v_stores"][:2]  # the cache's two halves come first; then the cast rows' (d inner)
+            assert len(cache_stores) == 2 and all(along_tokens in lay for lay in cache_stores), g["v_stores"]
+        assert g["atom_min"] == cast_ and g["nan_clamp"] == cast_, g

@@ -170,7 +170,28 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=dev)
         hidden, residual = self.model(ids, positions, self.cos_sin, self.kv_caches, meta)
         self.sampler.argmax(self.model.compute_logits(hidden[-1:], residual[-1:]))  # (its kernels too)
+        self._warm_rope_variants()
         torch.cuda.synchronize(dev)
+
+    def _warm_rope_variants(self) -> None:
+        """Compile the opt-in rope_and_cache variants of prompt steps (FIRSTTOKEN_ROPE_TILE and
+        FIRSTTOKEN_FP8_ATTENTION_ROPE; the warm-up's forward is too short for them) on two padding tokens."""
+        attn = self.model.layers[0].self_attn.attn
+        if self.ops.name != "triton" or not (attn.rope_tile_tokens or attn.dense_fp8_rope is not None):
+            return
+        from kernels.cudnn_attention import O_MARGIN, qkv_views
+        from kernels.rope_cache import rope_cache_cast_triton
+
+        mc, n = self.model_config, 2
+        qkv = torch.zeros((n, mc.q_size + 2 * mc.kv_size), dtype=self.dtype, device=self.device)
+        q, k, v = qkv_views(qkv, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        positions = torch.zeros(n, dtype=torch.int64, device=self.device)
+        slots = torch.full((n,), self.layout.pad_slot, dtype=torch.int64, device=self.device)
+        if attn.rope_tile_tokens:
+            self.ops.rope_and_cache(q, k, v, positions, self.cos_sin, *self.kv_caches[0], slots,
+                                    tile=attn.rope_tile_tokens)
+        if attn.dense_fp8_rope is not None:
+            rope_cache_cast_triton(q, k, v, positions, self.cos_sin, *self.kv_caches[0], slots, O_MARGIN)
 
     def _warm_dense_attention(self) -> None:
         """Load the dense attention library (cuDNN) now: its first call costs about a second."""

@@ -813,6 +813,103 @@ def test_cuda_fp8_attention_in_the_engine(llama_d64_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("slots", ["prompt", "decode"])
+def test_cuda_rope_tiles_and_cast_match_the_per_token_kernel(slots):
+    """Llama-3.1-8B's heads, an fp8 cache of 64-token blocks with V's keys innermost (the FP8 engine's): the tiled
+    rope_and_cache (FIRSTTOKEN_ROPE_TILE) gives the per-token kernel's q, k and cache to the bit, a prompt's
+    consecutive slots (from mid-block) and a decode step's scattered ones alike; rope_cache_cast
+    (FIRSTTOKEN_FP8_ATTENTION_ROPE) gives rope_and_cache then cast_e4m3's e4m3 rows, V scale and cache to the
+    bit, q and k left as they were. The same float ops in the same order: any difference is a defect."""
+    from kernels.cudnn_attention import O_MARGIN, qkv_views
+    from kernels.fp8_quant import cast_e4m3_triton
+    from kernels.kv_layout import empty_kv_caches
+    from kernels.rope_cache import rope_and_cache_triton, rope_cache_cast_triton
+
+    hq, hk, d, bs, t = 32, 8, 128, 64, 3000
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv0 = torch.randn((t, (hq + 2 * hk) * d), device="cuda", generator=g).to(torch.bfloat16) * 3
+    qkv0[5, -1] = float("nan")  # a NaN in V: 0 in a keys-inner cache, NaN in the cast rows, not in the scale
+    nb = t + 8
+    blocks = torch.randperm(nb, device="cuda", generator=g)
+    j = torch.arange(t, device="cuda")
+    if slots == "prompt":
+        slot = blocks[(j + 37) // bs] * bs + (j + 37) % bs
+        pos = j + 37
+    else:
+        slot = blocks[j] * bs + torch.randint(0, bs, (t,), device="cuda", generator=g)
+        pos = torch.randint(0, 8000, (t,), device="cuda", generator=g)
+    slot[7] = -1  # padding: writes nothing
+    inv = 1.0 / 500000.0 ** (torch.arange(0, d, 2, device="cuda") / d)
+    ang = torch.arange(8192, device="cuda")[:, None] * inv[None, :]
+    cs = torch.cat((ang.cos(), ang.sin()), dim=1).float().contiguous()
+
+    def fresh():
+        kc, vc = empty_kv_caches(nb, bs, hk, d, torch.float8_e4m3fn, "cuda", v_layout="keys_inner")
+        return qkv0.clone(), kc, vc
+
+    def same(a, b):
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    want = fresh()
+    rope_and_cache_triton(*qkv_views(want[0], hq, hk, d), pos, cs, want[1], want[2], slot)
+    for tile in (16, 32, 64):
+        got = fresh()
+        rope_and_cache_triton(*qkv_views(got[0], hq, hk, d), pos, cs, got[1], got[2], slot, tile=tile)
+        assert [same(a, b) for a, b in zip(got, want)] == [True] * 3, tile
+    if slots == "decode":
+        return
+    y_want, s_want = cast_e4m3_triton(want[0], (hq + hk) * d, O_MARGIN)
+    got = fresh()
+    y, s = rope_cache_cast_triton(*qkv_views(got[0], hq, hk, d), pos, cs, got[1], got[2], slot, O_MARGIN)
+    assert same(y, y_want) and torch.equal(s, s_want)
+    assert same(got[0], qkv0) and same(got[1], want[1]) and same(got[2], want[2])
+    assert float(s) < 448.0 / (O_MARGIN * 3.0)  # from V's finite values (|v| ~ 3 sigma and more), NaN left out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rope_variants_give_the_default_engines_outputs(llama_d64_dir, monkeypatch):
+    """FP8 + fp8 KV with FP8 attention, prompts of 300-400 tokens alone (the dense path: replayed graphs for
+    greedy tokens, eager steps for prompt log-probabilities): FIRSTTOKEN_ROPE_TILE=32 and
+    FIRSTTOKEN_FP8_ATTENTION_ROPE=1 (each, and both) give the default engine's tokens and prompt log-probabilities
+    exactly (their kernels write the same bits: the test above), and the fused cast ran."""
+    from kernels import cudnn_attention as ca
+
+    if ca.available("cuda") is not None:
+        pytest.skip(ca.available("cuda"))
+    prompts = prompt_set(4, seed=30, min_len=300, max_len=400)
+    sp_graph = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    sp_eager = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
+    outs = {}
+    for tile, cast in (("0", "0"), ("32", "0"), ("0", "1"), ("32", "1")):
+        monkeypatch.setenv("FIRSTTOKEN_ROPE_TILE", tile)
+        monkeypatch.setenv("FIRSTTOKEN_FP8_ATTENTION_ROPE", cast)
+        eng = LLMEngine(str(llama_d64_dir), EngineConfig(
+            device="cuda", kernel_backend="triton", num_blocks=256, max_model_len=512, dtype="bfloat16",
+            quantization="fp8", kv_cache_dtype="fp8", fp8_attention=True, dense_prefill_min_tokens=32,
+            max_num_seqs=1))
+        attn = eng.runner.model.layers[0].self_attn.attn
+        assert attn.rope_tile_tokens == int(tile) and (attn.dense_fp8_rope is not None) == (cast == "1")
+        calls = []
+        if cast == "1":
+            op = attn.dense_fp8_rope
+
+            def counted(*args, _op=op, _calls=calls):
+                _calls.append(1)
+                return _op(*args)
+
+            attn.dense_fp8_rope = counted
+        tokens = [f.output_token_ids for f in run_prompts(eng, prompts, sp_graph, tag="g")]
+        logprobs = [f.prompt_logprobs[1:] for f in run_prompts(eng, prompts, sp_eager, tag="e")]
+        eng.close()
+        assert (len(calls) >= len(prompts)) == (cast == "1"), calls  # every eager prompt step, at least
+        outs[(tile, cast)] = (tokens, logprobs)
+    base = outs[("0", "0")]
+    for key, got in outs.items():
+        assert got[0] == base[0], key
+        assert got[1] == base[1], key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_close_gives_the_memory_back():
     """An engine sized from free memory (KV cache, CUDA graphs), closed: its device memory goes
     back to the driver, and a second engine of the same configuration in the same process gets
