@@ -29,11 +29,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.sampling import SamplingParams
-from workers.engine.kv_cache_manager import KVCacheManager
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Request, RequestTimes
-
 PARAMS = 6.98e9  # Llama-3.1-8B's projection weights (the decoder layers)
 HEAD = 4096 * 128256  # its lm_head
 
@@ -72,6 +67,12 @@ def reserve_value(text: str) -> float | str:
 
 
 def simulate(reserve: float | str, a: argparse.Namespace) -> dict:
+    # the engine's modules import torch (~3 s): only once the arguments are known to be good
+    from schemas.sampling import SamplingParams
+    from workers.engine.kv_cache_manager import KVCacheManager
+    from workers.engine.scheduler import Scheduler
+    from workers.engine.sequence import Request, RequestTimes
+
     max_tokens = a.max_tokens or a.output_len
     kv = KVCacheManager(a.kv_tokens // a.block_size, a.block_size, enable_prefix_caching=False)
     sched = Scheduler(kv, a.max_num_batched_tokens, a.max_num_seqs, a.input_len + max_tokens + 1,
@@ -144,6 +145,7 @@ def main() -> None:
     if a.max_tokens is not None and a.max_tokens < a.output_len:  # answers would outgrow max_model_len
         raise SystemExit(f"--max-tokens ({a.max_tokens}) must be at least --output-len ({a.output_len})")
     reserves = [reserve_value(r) for r in a.reserve.split(",")]
+    output_lengths(a)  # --stop checked before the first run
     t0 = time.perf_counter()
     rows = [simulate(r, a) for r in reserves]
     print(json.dumps({"args": vars(a), "rows": rows, "wall_s": time.perf_counter() - t0}, indent=1))
