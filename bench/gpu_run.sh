@@ -298,7 +298,7 @@ for stage in "${STAGES[@]}"; do
       # one launch), then TTFT of each beside the default, one process                                ~6 min
       if [ "${SMOKE:-0}" = 1 ]; then RT=(--tokens 70 --decode-tokens 40 --tiles 16,32); else RT=(); fi
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests_rope 150 \
-        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "rope_tiles or rope_variants"
+        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "rope_tiles or rope_variants or fp8_attention"
       run rope_kernels 120 $PY bench/bench_rope_tiles.py --out "$OUT" "${RT[@]}"
       run rope_ttft 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft \
         --engines "fp8+kv8,fp8-ropetile+kv8,fp8-ropecast+kv8,fp8-ropeboth+kv8" --no-hf "${ENGINE_ARGS[@]}" ;;

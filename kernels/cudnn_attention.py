@@ -247,7 +247,7 @@ def dense_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     if reference:
         y, o_scale = cast_e4m3_ref(rows, (hq + hk) * d, O_MARGIN)
         return _attend_ref(y, hq, hk, d, scale, o_scale)
-    return _attend(t, hq, hk, d, scale, q.dtype, q.device, bucket,
+    return _attend(t, hq, hk, d, scale, q.device, bucket,
                    lambda y: cast_e4m3_triton(rows, (hq + hk) * d, O_MARGIN, out=y)[1])
 
 
@@ -268,7 +268,7 @@ def dense_attention_fp8_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if reference:
         y, o_scale = rope_cache_cast_ref(*args, O_MARGIN)
         return _attend_ref(y, hq, hk, d, scale, o_scale)
-    return _attend(t, hq, hk, d, scale, q.dtype, q.device, bucket,
+    return _attend(t, hq, hk, d, scale, q.device, bucket,
                    lambda y: rope_cache_cast_triton(*args, O_MARGIN, out=y)[1])
 
 
@@ -280,7 +280,7 @@ def _attend_ref(y: torch.Tensor, hq: int, hk: int, d: int, scale: float,
     return o8.view(t, hq * d), torch.reciprocal(o_scale).expand(t, 1).contiguous()
 
 
-def _attend(t: int, hq: int, hk: int, d: int, scale: float, dtype: torch.dtype, device: torch.device,
+def _attend(t: int, hq: int, hk: int, d: int, scale: float, device: torch.device,
             bucket: int | None, cast: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """cuDNN's attention of one prompt of t tokens at its bucket: the graph first (Unsupported before `cast`
     runs), then cast(y) writes the first t rows of y [bucket, (Hq + 2 Hk) * D] e4m3 and returns O's scale."""

@@ -153,3 +153,26 @@ def test_fp8_attention_rope_gives_the_default_paths_logits_and_cache(monkeypatch
     assert torch.equal(fallback, want)
     assert all(torch.equal(k.view(torch.uint8), wk.view(torch.uint8)) for (k, _), (wk, _) in
                zip(fallback_cache, want_cache))
+
+
+def test_a_refused_fp8_graph_leaves_the_cache_unwritten(monkeypatch):
+    """dense_attention_fp8_rope asks cuDNN for the graph before its launch writes anything: where cuDNN
+    refuses the shape, Unsupported comes with the cache, q and k as they were, so the layer's fallback
+    (rope_and_cache, then attention in bf16) starts from the step's own inputs."""
+    from kernels import cudnn_attention as ca
+
+    monkeypatch.setattr(ca, "_build", lambda *args: (_ for _ in ()).throw(RuntimeError("no engine for this graph")))
+    monkeypatch.setattr(ca, "_GRAPHS", {})
+    monkeypatch.setattr(ca, "_FAILED", {})
+    launched = []
+    monkeypatch.setattr("kernels.rope_cache._launch_tiles", lambda *args: launched.append(1))
+    t, hq, hk, d = 6, 4, 2, 64
+    qkv = torch.randn(t, (hq + 2 * hk) * d)
+    q, k, v = ca.qkv_views(qkv, hq, hk, d)
+    kc = torch.full((4, 4, hk, d), float("nan"))
+    vc = kc.clone()
+    before = qkv.clone()
+    cs = torch.randn(16, d)
+    with pytest.raises(ca.Unsupported, match="no engine for this graph"):
+        ca.dense_attention_fp8_rope(q, k, v, d**-0.5, torch.arange(t), cs, kc, vc, torch.arange(t))
+    assert not launched and torch.equal(qkv, before) and kc.isnan().all() and vc.isnan().all()
