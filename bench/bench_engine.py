@@ -313,12 +313,9 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-unfused": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FUSED_DECODE_ROPE": "0", "FIRSTTOKEN_TRITON_ARGMAX": "0"}},
     # rope_and_cache inside the decode attention at every decode batch (the default: up to 16; session 25)
     "fp8-fusedall": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FUSED_ROPE_MAX_BATCH": "4096"}},
-    # A/B of rope_and_cache in prompt steps (session 26, off by default until measured): several tokens a program
-    # (a keys-inner V's consecutive slots written as runs), and rope + cache write + e4m3 cast in one launch
-    # before cuDNN's FP8 attention (a dense prompt's rope_and_cache and cast_e4m3 launches)
-    "fp8-ropetile": {"quantization": "fp8", "_env": {"FIRSTTOKEN_ROPE_TILE": "32"}},
-    "fp8-ropecast": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_ATTENTION_ROPE": "1"}},
-    "fp8-ropeboth": {"quantization": "fp8", "_env": {"FIRSTTOKEN_ROPE_TILE": "32", "FIRSTTOKEN_FP8_ATTENTION_ROPE": "1"}},
+    # A/B: a dense FP8 prompt's rope_and_cache, then the e4m3 cast of q | k | v, as two launches (the default since
+    # session 26: one, kernels.rope_cache.rope_cache_cast_triton)
+    "fp8-noropecast": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_ATTENTION_ROPE": "0"}},
     # _scaled_mm's accumulation: fast at every K (down_proj's too), or fp32 everywhere (the default:
     # fast up to kernels.fp8_linear.FAST_ACCUM_MAX_K; bench/bench_fp8_accum.py)
     "fp8-fastacc": {"quantization": "fp8", "_env": {"FIRSTTOKEN_FP8_FAST_ACCUM": "1"}},

@@ -98,6 +98,7 @@ def main() -> None:
         for name, op in ops.items():
             for a in layers:
                 a.dense_fp8 = op  # None: the dense path's attention in the model's dtype (k/v as they are)
+                a.dense_fp8_rope = None  # rope_and_cache, then op (the one-launch form gives the same bits)
             got[name].append(dense_logprobs(fp8, ids))
         print(f"# document of {len(ids)} tokens", flush=True)
     ref_t = torch.cat(ref)

@@ -1,15 +1,17 @@
 """rope_and_cache's launches in prompt steps on the GPU, Llama-3.1-8B's heads, an fp8 cache of 64-token blocks
 with V's keys innermost (the FP8 engine's default):
 
-- `per-token`: one program a token (the default);
-- `tiles T`: T tokens a program, a program per 4 q heads and per kv head (FIRSTTOKEN_ROPE_TILE);
-- `rope + cast`: the dense FP8 path's two launches (rope_and_cache, then cast_e4m3 of q | k | v);
-- `rope_cache_cast`: the two in one launch (FIRSTTOKEN_FP8_ATTENTION_ROPE).
+- `per-token`: rope_and_cache, one program a token;
+- `tiles T`: rope_cache_cast's kernel rotating q and k in place, T tokens a program, a program per 4 q heads
+  and per kv head (as rope_and_cache in tiles: tried in session 26 and dropped, slower);
+- `rope + cast`: the dense FP8 path's two launches (rope_and_cache, then cast_e4m3 of q | k | v;
+  FIRSTTOKEN_FP8_ATTENTION_ROPE=0);
+- `rope_cache_cast T`: the two in one launch (the default since session 26; T tokens a program).
 
 Slots as a prompt's (consecutive, through blocks that lie anywhere), and as a decode step's (each its own
-block) for the per-token / tiles comparison. Each variant's outputs are checked bit for bit against the
-per-token kernel's (and the cast's against rope + cast), then timed (median of triton.testing.do_bench);
-`floor` is the bytes each must move at the measured copy rate.
+block) for the per-token / tiles comparison. Each variant's cache and q, k are checked bit for bit against
+the per-token kernel's (and the cast's rows against rope + cast), then timed (median of
+triton.testing.do_bench); `floor` is the bytes each must move at the measured copy rate.
 
     python3 bench/bench_rope_tiles.py --tokens 128,2048,8192,32768
 """
@@ -102,13 +104,14 @@ def run(t: int, kind: str, tiles: list[int], cs: torch.Tensor, gbps: float, dev:
 
     qkv, kc, vc = state()
     row("per-token", _ms(partial(rope_and_cache_triton, *views(qkv), pos, cs, kc, vc, slots)), rope_bytes, True)
-    for tile in tiles:
+    y = torch.empty((t, C), dtype=FP8, device=dev)
+    for tile in tiles:  # (the rows written too: rope_and_cache's bytes and the cast's writes)
         qkv, kc, vc = state()
-        rope_and_cache_triton(*views(qkv), pos, cs, kc, vc, slots, tile=tile)
+        rope_cache_cast_triton(*views(qkv), pos, cs, kc, vc, slots, O_MARGIN, out=y, tile=tile, write_qk=True)
         exact = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip((qkv, kc, vc), want))
         qkv, kc, vc = state()
-        row(f"tiles {tile}", _ms(partial(rope_and_cache_triton, *views(qkv), pos, cs, kc, vc, slots, tile=tile)),
-            rope_bytes, exact)
+        row(f"tiles {tile}", _ms(partial(rope_cache_cast_triton, *views(qkv), pos, cs, kc, vc, slots, O_MARGIN,
+                                         out=y, tile=tile, write_qk=True)), rope_bytes + t * C, exact)
     if kind == "decode":
         return rows
 
@@ -120,16 +123,16 @@ def run(t: int, kind: str, tiles: list[int], cs: torch.Tensor, gbps: float, dev:
     qkv, kc, vc = state()
     y_want, s_want = rope_then_cast(qkv, kc, vc, None)
     qkv, kc, vc = state()
-    y = torch.empty((t, C), dtype=FP8, device=dev)
     row("rope + cast", _ms(partial(rope_then_cast, qkv, kc, vc, y)), rope_bytes + cast_bytes, True)
-    qkv, kc, vc = state()
-    y8, s8 = rope_cache_cast_triton(*views(qkv), pos, cs, kc, vc, slots, O_MARGIN)
-    exact = (torch.equal(y8.view(torch.uint8), y_want.view(torch.uint8)) and torch.equal(s8, s_want)
-             and torch.equal(kc.view(torch.uint8), want[1].view(torch.uint8))
-             and torch.equal(vc.view(torch.uint8), want[2].view(torch.uint8)) and torch.equal(qkv, qkv0))
-    qkv, kc, vc = state()
-    row("rope_cache_cast", _ms(partial(rope_cache_cast_triton, *views(qkv), pos, cs, kc, vc, slots, O_MARGIN, out=y)),
-        fused_bytes, exact)
+    for tile in tiles:
+        qkv, kc, vc = state()
+        y8, s8 = rope_cache_cast_triton(*views(qkv), pos, cs, kc, vc, slots, O_MARGIN, tile=tile)
+        exact = (torch.equal(y8.view(torch.uint8), y_want.view(torch.uint8)) and torch.equal(s8, s_want)
+                 and torch.equal(kc.view(torch.uint8), want[1].view(torch.uint8))
+                 and torch.equal(vc.view(torch.uint8), want[2].view(torch.uint8)) and torch.equal(qkv, qkv0))
+        qkv, kc, vc = state()
+        row(f"rope_cache_cast {tile}", _ms(partial(rope_cache_cast_triton, *views(qkv), pos, cs, kc, vc, slots,
+                                                   O_MARGIN, out=y, tile=tile)), fused_bytes, exact)
     return rows
 
 

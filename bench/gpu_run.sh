@@ -26,8 +26,8 @@
 #   next24b     H200: throughput of the default and fp8-rows16; elsewhere the default's alone          ~5 / 2.5 min
 #   next25      H200 only: throughput of the default, the issue's table (bf16, fp8+kv8), bf16's throughput ~9 min
 #   fused_rope  decode b1-b512, rope_and_cache fused into the decode attention at every batch vs the default ~3 min
-#   rope_ab     the opt-in rope_and_cache variants of prompt steps (tiles; rope + cast in one launch): GPU
-#               tests, the kernels alone (bench_rope_tiles), TTFT beside the default                 ~6 min
+#   rope_ab     FP8 attention's rope + cache write + cast in one launch (the default) against two: GPU
+#               tests, the kernels alone (bench_rope_tiles), TTFT of each                             ~5 min
 #   h200_only   on an H200 only (else it stops at once): throughput of the default, then of fp8-rows16   ~4 min
 #   table_bs64  the issue's table with fp8-rows16+kv8 beside bf16 and fp8+kv8, then every GPU test           ~7 min
 #   logits32    the lm_head's GEMM writing fp32 logits against bf16 + a cast: GPU tests, throughput of each ~6.5 min
@@ -293,15 +293,14 @@ for stage in "${STAGES[@]}"; do
       else
         echo "not an H200: nothing run"
       fi ;;
-    rope_ab)  # session 26's opt-in rope_and_cache variants of prompt steps: their GPU tests (bit-exact against the
-      # default kernels), the kernels alone (bench_rope_tiles: per-token, tiles of 16/32/64, rope + cast against
-      # one launch), then TTFT of each beside the default, one process                                ~6 min
-      if [ "${SMOKE:-0}" = 1 ]; then RT=(--tokens 70 --decode-tokens 40 --tiles 16,32); else RT=(); fi
+    rope_ab)  # FP8 attention's rope + cache write + e4m3 cast in one launch (the default since session 26) against
+      # two: their GPU tests (bit-exact), the kernels alone (bench_rope_tiles), TTFT of each, one process   ~5 min
+      if [ "${SMOKE:-0}" = 1 ]; then RT=(--tokens 70 --tiles 16,32); else RT=(); fi
       [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests_rope 150 \
-        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "rope_tiles or rope_variants or fp8_attention"
+        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA -k "rope or fp8_attention"
       run rope_kernels 120 $PY bench/bench_rope_tiles.py --out "$OUT" "${RT[@]}"
       run rope_ttft 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft \
-        --engines "fp8+kv8,fp8-ropetile+kv8,fp8-ropecast+kv8,fp8-ropeboth+kv8" --no-hf "${ENGINE_ARGS[@]}" ;;
+        --engines "fp8+kv8,fp8-noropecast+kv8" --no-hf "${ENGINE_ARGS[@]}" ;;
     fused_rope)  # rope_and_cache inside the decode attention at every batch (fp8-fusedall) against the default (up
       # to 64 since session 25, 16 before): with V's keys innermost, rope_and_cache's own launch writes each token's
       # V byte by byte (16 us a layer at b500 on an H100, session 25), one process                         ~3 min

@@ -36,7 +36,7 @@ class KernelOps:
     dense_attention_fp8: Callable | None = None
     # (q, k, v, scale, positions, cos_sin, k_cache, v_cache, slot_mapping) -> the same, from q and k not yet
     # rotated: rope_and_cache and the e4m3 cast in one launch first; None: rope_and_cache, then
-    # dense_attention_fp8. Set by `with_fp8_attention` under FIRSTTOKEN_FP8_ATTENTION_ROPE=1 (an A/B switch)
+    # dense_attention_fp8. Set by `with_fp8_attention` (FIRSTTOKEN_FP8_ATTENTION_ROPE=0: None, an A/B switch)
     dense_attention_fp8_rope: Callable | None = None
 
 
@@ -109,7 +109,7 @@ def with_fp8_attention(ops: KernelOps) -> KernelOps:
     from kernels.cudnn_attention import dense_attention_fp8, dense_attention_fp8_rope
 
     ref = ops.name == "torch"
-    fused = os.environ.get(FP8_ATTENTION_ROPE_ENV, "0")
+    fused = os.environ.get(FP8_ATTENTION_ROPE_ENV) or "1"
     if fused not in ("0", "1"):
         raise ValueError(f"{FP8_ATTENTION_ROPE_ENV} must be 0 or 1, not {fused!r}")
     return replace(ops, dense_attention_fp8=partial(dense_attention_fp8, reference=ref),

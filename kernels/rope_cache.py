@@ -21,7 +21,6 @@ def rope_and_cache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    tile: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (rotate-half / NeoX layout, as Hugging Face Llama), write k and v to the cache.
 
@@ -30,7 +29,6 @@ def rope_and_cache_ref(
     k_cache, v_cache: [num_blocks, block_size, Hk, D]; slot_mapping: [T] int64.
     Returns (q_rot, k_rot) as new contiguous tensors; the rotation is computed in fp32 and rounded
     to q.dtype. The Triton launcher rotates q and k in place and returns the same tensors.
-    tile: the Triton launcher's tokens per program (`rope_and_cache_triton`); the reference has one path.
     """
     half = q.shape[-1] // 2
     cs = cos_sin[positions]  # [T, D]
@@ -313,7 +311,7 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: to
     return v_t
 
 
-TILE_TOKENS = 32  # the tiled kernel's tokens per program: a 32-byte sector of an fp8 keys-inner V row
+TILE_TOKENS = 32  # rope_cache_cast's tokens per program: a 32-byte sector of an fp8 keys-inner V row
 Q_HEADS_PER_PROGRAM = 4
 
 
@@ -347,22 +345,21 @@ def rope_and_cache_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    tile: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `rope_and_cache_ref` in one launch: rotates q and k IN PLACE and returns them.
 
     Same arguments as the reference; q/k/v may be strided views of a fused qkv output (any token
     and head strides, last dim contiguous). A negative slot in slot_mapping (padding) writes nothing.
-    tile: 0, one program a token (every head); else tile consecutive tokens a program, one program per
-    group of q heads and per kv head (`_rope_cache_tiles_kernel`: whole runs of a keys-inner V row).
+    One program a token, every head. Tried and dropped (session 26, an H100, bench/results/
+    2026-12-07-session26-rope-kernels-h100-ea8f463.md): tokens in tiles, so that a keys-inner V's consecutive
+    slots go out as runs of a row rather than a byte into each of Hk * D rows: slower at every prompt size
+    (8192 tokens 0.184 ms against 0.148 with 32-token tiles; 32768 0.753 against 0.544), level on a decode
+    step's scattered slots. The byte-wise stores were not what bounds it.
     """
     v_t = _check_args(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     t, hq, d = q.shape
     hk = k.shape[1]
     if t == 0:
-        return q, k
-    if tile:
-        _launch_tiles(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, v_t, tile, True, None, None, 0.0)
         return q, k
     half = d // 2
     _rope_and_cache_kernel.launch((t,), (
@@ -399,7 +396,13 @@ def rope_cache_cast_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     V's scale out (for cuDNN's FP8 attention: kernels/cudnn_attention.py), in place of rope_and_cache's
     launch, then cast_e4m3's (which read the rotated q and k back). out: a [>= T, C] contiguous e4m3
     buffer for the first T rows; scale: a [1] fp32 tensor to take the minimum into, else a new one.
-    write_qk: rotate q and k in place as well (rope_and_cache does)."""
+    write_qk: rotate q and k in place as well (rope_and_cache does). tile: tokens a program.
+
+    On an H100 (session 26, bench/results/2026-12-07-session26-rope-kernels-h100-ea8f463.md), Llama-3.1-8B's
+    heads, an fp8 keys-inner cache: 0.055 / 0.180 / 0.699 ms at 2048 / 8192 / 32768 tokens against 0.085 /
+    0.213 / 0.776 for rope_and_cache then cast_e4m3, the same bits out (tests/workers/engine/test_gpu.py).
+    It runs tiles of tokens (the layout tried for rope_and_cache alone), 3.1x its bytes' floor where the
+    per-token rope_and_cache runs at 2.0-2.2x: a per-token form of this launch is the next thing to try."""
     v_t = _check_args(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     t, hq, d = q.shape
     c = (hq + 2 * k.shape[1]) * d

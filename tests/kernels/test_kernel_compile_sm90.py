@@ -323,7 +323,8 @@ def test_tma_gemm_compiles_for_sm90(compiled):
 
 
 def test_rope_tiles_compile_for_sm90(compiled):
-    """rope_and_cache's tiled kernel, alone and with the e4m3 cast, V keys inner or in rows. Keys inner, V's
+    """rope_cache_cast's kernel (tiles of tokens), with the e4m3 cast and without it (rotation and cache write
+    only, its form tried for rope_and_cache in session 26), V keys inner or in rows. Keys inner, V's
     stores into the cache run the warp's lanes along the tokens (threadsPerWarp [1, 32], order [1, 0] over
     [D/2, tokens]): a prompt's consecutive slots are one row's consecutive bytes, the store the per-token
     kernel makes byte by byte into 64-byte rows far apart. The cast: O's scale by a float atomic min, the

@@ -1,5 +1,6 @@
-"""rope_and_cache's tiled kernel (several tokens a program: a keys-inner V's consecutive slots written as one
-run) and its variant that also casts q | k | v to e4m3 for cuDNN's FP8 attention, against their references."""
+"""rope_cache_cast: rope_and_cache and the e4m3 cast of q | k | v for cuDNN's FP8 attention in one launch
+(several tokens a program), against the references: its cache writes and rotation as rope_and_cache's
+(write_qk rotates q and k in place, as rope_and_cache does), its rows as cast_e4m3's."""
 
 from __future__ import annotations
 
@@ -61,8 +62,7 @@ def test_tiles_match_the_reference(dtype, t, hq, hk, d, bs, tile, v_layout, k_la
     real = slots >= 0  # (the reference writes a negative slot as Python indexes it: the last block's)
     rope_and_cache_ref(q[real], k[real], v[real], pos[real], cs, kr, vr, slots[real])
     v0 = v.clone()
-    q_out, k_out = rope_and_cache_triton(q, k, v, pos, cs, kc, vc, slots, tile=tile)
-    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()
+    rope_cache_cast_triton(q, k, v, pos, cs, kc, vc, slots, 1.0, tile=tile, write_qk=True)
     torch.testing.assert_close(q, q_ref, **TOL[dtype])
     torch.testing.assert_close(k, k_ref, **TOL[dtype])
     assert torch.equal(v, v0)
@@ -93,7 +93,7 @@ def test_tiles_write_a_prompts_consecutive_slots(bs, start, decodes, tile):
     kc, vc = _layouts(kc.to(FP8), vc.to(FP8), "keys_inner", "nhd")
     kr, vr = kc.clone(), vc.clone()
     rope_and_cache_ref(q.clone(), k.clone(), v.clone(), pos, cos_sin_table(8, d), kr, vr, slots)
-    rope_and_cache_triton(q, k, v, pos, cos_sin_table(8, d), kc, vc, slots, tile=tile)
+    rope_cache_cast_triton(q, k, v, pos, cos_sin_table(8, d), kc, vc, slots, 1.0, tile=tile)
     for got, want, src in ((kc, kr, k), (vc, vr, v)):
         gf = got.float().reshape(-1, hk, d)
         assert torch.equal(gf[slots], src.float())
@@ -103,7 +103,7 @@ def test_tiles_write_a_prompts_consecutive_slots(bs, start, decodes, tile):
 def test_a_tile_must_be_a_power_of_two():
     _qkv, q, k, v, pos, slots, kc, vc = make_inputs(4, 4, 2, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="power of two"):
-        rope_and_cache_triton(q, k, v, pos, cos_sin_table(4096, 16), kc, vc, slots, tile=24)
+        rope_cache_cast_triton(q, k, v, pos, cos_sin_table(4096, 16), kc, vc, slots, 1.0, tile=24)
 
 
 @pytest.mark.parametrize(("t", "hq", "hk", "d", "bs", "tile", "v_layout", "k_layout"), CASES[:3])

@@ -64,30 +64,6 @@ def fused_rope_max_batch() -> int:
     return n
 
 
-# tokens per program of rope_and_cache in steps with at least ROPE_TILE_MIN_PREFILL prompt tokens
-# (kernels.rope_cache.rope_and_cache_triton's `tile`; 0: one program a token). Tiles write a keys-inner V's
-# consecutive slots as one run of a row (the per-token kernel writes a byte into each of 128 rows a head);
-# decode tokens each have their own row, so steps of decodes keep the per-token kernel. Off until measured
-# on a GPU: FIRSTTOKEN_ROPE_TILE=32 turns it on (an A/B switch, bench engine fp8-ropetile).
-ROPE_TILE = 0
-ROPE_TILE_ENV = "FIRSTTOKEN_ROPE_TILE"
-ROPE_TILE_MIN_PREFILL = 256
-
-
-def rope_tile() -> int:
-    """ROPE_TILE, or FIRSTTOKEN_ROPE_TILE: 0 or a power of two up to 128."""
-    env = os.environ.get(ROPE_TILE_ENV)
-    if env is None or env == "":
-        return ROPE_TILE
-    try:
-        n = int(env)
-    except ValueError:
-        n = -1
-    if n < 0 or n > 128 or n & (n - 1):
-        raise ValueError(f"{ROPE_TILE_ENV} must be 0 or a power of two up to 128, not {env!r}")
-    return n
-
-
 class PagedAttention:
     """Attention of the step's new tokens over one layer's paged KV cache (no weights)."""
 
@@ -102,7 +78,6 @@ class PagedAttention:
         # FP8 dense attention where the ops have it and cuDNN's FP8 forward takes these heads
         self.dense_fp8 = ops.dense_attention_fp8 if head_dim in FP8_ATTENTION_HEAD_DIMS else None
         self.fused_rope_max = fused_rope_max_batch()
-        self.rope_tile_tokens = rope_tile()
         # cuDNN's FP8 attention with rope_and_cache and the e4m3 cast in one launch before it (or None)
         self.dense_fp8_rope = ops.dense_attention_fp8_rope if self.dense_fp8 is not None else None
 
@@ -131,12 +106,6 @@ class PagedAttention:
         )
         out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta)
         return out
-
-    def rope_tile(self, meta: AttentionMetadata, num_tokens: int) -> int:
-        """rope_and_cache's `tile` for this step: ROPE_TILE (`rope_tile`) when it has prompt tokens enough."""
-        if self.rope_tile_tokens and num_tokens - meta.num_decode_tokens >= ROPE_TILE_MIN_PREFILL:
-            return self.rope_tile_tokens
-        return 0
 
     def dense_fp8_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                             cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -174,10 +174,10 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
 
     def _warm_rope_variants(self) -> None:
-        """Compile the opt-in rope_and_cache variants of prompt steps (FIRSTTOKEN_ROPE_TILE and
-        FIRSTTOKEN_FP8_ATTENTION_ROPE; the warm-up's forward is too short for them) on two padding tokens."""
+        """Compile FP8 attention's rope + cache write + cast launch (FIRSTTOKEN_FP8_ATTENTION_ROPE; the warm-up's
+        forward is no dense step) on two padding tokens."""
         attn = self.model.layers[0].self_attn.attn
-        if self.ops.name != "triton" or not (attn.rope_tile_tokens or attn.dense_fp8_rope is not None):
+        if self.ops.name != "triton" or attn.dense_fp8_rope is None:
             return
         from kernels.cudnn_attention import O_MARGIN, qkv_views
         from kernels.rope_cache import rope_cache_cast_triton
@@ -187,11 +187,7 @@ class ModelRunner:
         q, k, v = qkv_views(qkv, mc.num_heads, mc.num_kv_heads, mc.head_dim)
         positions = torch.zeros(n, dtype=torch.int64, device=self.device)
         slots = torch.full((n,), self.layout.pad_slot, dtype=torch.int64, device=self.device)
-        if attn.rope_tile_tokens:
-            self.ops.rope_and_cache(q, k, v, positions, self.cos_sin, *self.kv_caches[0], slots,
-                                    tile=attn.rope_tile_tokens)
-        if attn.dense_fp8_rope is not None:
-            rope_cache_cast_triton(q, k, v, positions, self.cos_sin, *self.kv_caches[0], slots, O_MARGIN)
+        rope_cache_cast_triton(q, k, v, positions, self.cos_sin, *self.kv_caches[0], slots, O_MARGIN)
 
     def _warm_dense_attention(self) -> None:
         """Load the dense attention library (cuDNN) now: its first call costs about a second."""

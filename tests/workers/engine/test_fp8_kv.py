@@ -123,6 +123,8 @@ def test_fp8_attention_runs_a_dense_prompt_through_the_fp8_o_proj(tmp_path):
     for name, op in (("fp8", fp8), ("exact_e4m3", exact_e4m3), ("planted", planted)):
         for a in layers:
             a.dense_fp8 = op
+            a.dense_fp8_rope = None  # (rope_and_cache, then the op: tests/workers/engine/test_rope_variants.py
+            # checks the one-launch form against it)
         with torch.inference_mode():
             hidden, residual = r.model(ids, torch.arange(t), r.cos_sin, r.kv_caches, meta)
             logp[name] = torch.log_softmax(r.model.compute_logits(hidden, residual), -1)

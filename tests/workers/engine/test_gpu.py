@@ -792,14 +792,15 @@ def test_cuda_fp8_attention_in_the_engine(llama_d64_dir):
         attn = eng.runner.model.layers[0].self_attn.attn
         assert (attn.dense_fp8 is not None) == fp8_attention
         calls[fp8_attention] = 0
-        if fp8_attention:  # count the first layer's FP8 attention calls
-            op = attn.dense_fp8
+        if fp8_attention:  # count the first layer's FP8 attention calls (the rope + cast launch's: the default)
+            assert attn.dense_fp8_rope is not None
+            op = attn.dense_fp8_rope
 
             def counted(*args, _op=op):
                 calls[True] += 1
                 return _op(*args)
 
-            attn.dense_fp8 = counted
+            attn.dense_fp8_rope = counted
         # prompt log-probabilities: each prompt's one step runs eagerly (a graph samples its last row only)
         done = run_prompts(eng, seqs, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=20))
         eng.close()
@@ -814,12 +815,12 @@ def test_cuda_fp8_attention_in_the_engine(llama_d64_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("slots", ["prompt", "decode"])
-def test_cuda_rope_tiles_and_cast_match_the_per_token_kernel(slots):
-    """Llama-3.1-8B's heads, an fp8 cache of 64-token blocks with V's keys innermost (the FP8 engine's): the tiled
-    rope_and_cache (FIRSTTOKEN_ROPE_TILE) gives the per-token kernel's q, k and cache to the bit, a prompt's
-    consecutive slots (from mid-block) and a decode step's scattered ones alike; rope_cache_cast
-    (FIRSTTOKEN_FP8_ATTENTION_ROPE) gives rope_and_cache then cast_e4m3's e4m3 rows, V scale and cache to the
-    bit, q and k left as they were. The same float ops in the same order: any difference is a defect."""
+def test_cuda_rope_cache_cast_matches_rope_then_cast(slots):
+    """Llama-3.1-8B's heads, an fp8 cache of 64-token blocks with V's keys innermost (the FP8 engine's):
+    rope_cache_cast (FP8 attention's one launch, FIRSTTOKEN_FP8_ATTENTION_ROPE) gives rope_and_cache then
+    cast_e4m3's e4m3 rows, V scale and cache to the bit, q and k left as they were (with write_qk, rotated to
+    rope_and_cache's bits), a prompt's consecutive slots (from mid-block) and scattered ones alike. The same
+    float ops in the same order: any difference is a defect."""
     from kernels.cudnn_attention import O_MARGIN, qkv_views
     from kernels.fp8_quant import cast_e4m3_triton
     from kernels.kv_layout import empty_kv_caches
@@ -852,26 +853,24 @@ def test_cuda_rope_tiles_and_cast_match_the_per_token_kernel(slots):
 
     want = fresh()
     rope_and_cache_triton(*qkv_views(want[0], hq, hk, d), pos, cs, want[1], want[2], slot)
-    for tile in (16, 32, 64):
-        got = fresh()
-        rope_and_cache_triton(*qkv_views(got[0], hq, hk, d), pos, cs, got[1], got[2], slot, tile=tile)
-        assert [same(a, b) for a, b in zip(got, want)] == [True] * 3, tile
-    if slots == "decode":
-        return
     y_want, s_want = cast_e4m3_triton(want[0], (hq + hk) * d, O_MARGIN)
     got = fresh()
     y, s = rope_cache_cast_triton(*qkv_views(got[0], hq, hk, d), pos, cs, got[1], got[2], slot, O_MARGIN)
     assert same(y, y_want) and torch.equal(s, s_want)
     assert same(got[0], qkv0) and same(got[1], want[1]) and same(got[2], want[2])
     assert float(s) < 448.0 / (O_MARGIN * 3.0)  # from V's finite values (|v| ~ 3 sigma and more), NaN left out
+    got = fresh()
+    rope_cache_cast_triton(*qkv_views(got[0], hq, hk, d), pos, cs, got[1], got[2], slot, O_MARGIN, tile=64,
+                           write_qk=True)
+    assert [same(a, b) for a, b in zip(got, want)] == [True] * 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_rope_variants_give_the_default_engines_outputs(llama_d64_dir, monkeypatch):
+def test_cuda_fp8_attention_rope_gives_the_two_launch_engines_outputs(llama_d64_dir, monkeypatch):
     """FP8 + fp8 KV with FP8 attention, prompts of 300-400 tokens alone (the dense path: replayed graphs for
-    greedy tokens, eager steps for prompt log-probabilities): FIRSTTOKEN_ROPE_TILE=32 and
-    FIRSTTOKEN_FP8_ATTENTION_ROPE=1 (each, and both) give the default engine's tokens and prompt log-probabilities
-    exactly (their kernels write the same bits: the test above), and the fused cast ran."""
+    greedy tokens, eager steps for prompt log-probabilities): the one-launch rope + cache write + cast (the
+    default) gives the tokens and prompt log-probabilities of rope_and_cache then the cast
+    (FIRSTTOKEN_FP8_ATTENTION_ROPE=0) exactly (the same bits: the test above), and it ran."""
     from kernels import cudnn_attention as ca
 
     if ca.available("cuda") is not None:
@@ -880,15 +879,14 @@ def test_cuda_rope_variants_give_the_default_engines_outputs(llama_d64_dir, monk
     sp_graph = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     sp_eager = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
     outs = {}
-    for tile, cast in (("0", "0"), ("32", "0"), ("0", "1"), ("32", "1")):
-        monkeypatch.setenv("FIRSTTOKEN_ROPE_TILE", tile)
+    for cast in ("0", "1"):
         monkeypatch.setenv("FIRSTTOKEN_FP8_ATTENTION_ROPE", cast)
         eng = LLMEngine(str(llama_d64_dir), EngineConfig(
             device="cuda", kernel_backend="triton", num_blocks=256, max_model_len=512, dtype="bfloat16",
             quantization="fp8", kv_cache_dtype="fp8", fp8_attention=True, dense_prefill_min_tokens=32,
             max_num_seqs=1))
         attn = eng.runner.model.layers[0].self_attn.attn
-        assert attn.rope_tile_tokens == int(tile) and (attn.dense_fp8_rope is not None) == (cast == "1")
+        assert (attn.dense_fp8_rope is not None) == (cast == "1")
         calls = []
         if cast == "1":
             op = attn.dense_fp8_rope
@@ -902,11 +900,9 @@ def test_cuda_rope_variants_give_the_default_engines_outputs(llama_d64_dir, monk
         logprobs = [f.prompt_logprobs[1:] for f in run_prompts(eng, prompts, sp_eager, tag="e")]
         eng.close()
         assert (len(calls) >= len(prompts)) == (cast == "1"), calls  # every eager prompt step, at least
-        outs[(tile, cast)] = (tokens, logprobs)
-    base = outs[("0", "0")]
-    for key, got in outs.items():
-        assert got[0] == base[0], key
-        assert got[1] == base[1], key
+        outs[cast] = (tokens, logprobs)
+    assert outs["1"][0] == outs["0"][0]
+    assert outs["1"][1] == outs["0"][1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,88 +1,20 @@
-"""The two opt-in ways rope_and_cache runs in prompt steps (A/B switches until a GPU measures them):
-FIRSTTOKEN_ROPE_TILE (several tokens a program) and FIRSTTOKEN_FP8_ATTENTION_ROPE (rope, the cache write
-and the e4m3 cast in one launch before cuDNN's FP8 attention). Each must give what the default gives."""
+"""FP8 attention's rope, cache write and e4m3 cast in one launch (FIRSTTOKEN_FP8_ATTENTION_ROPE, on unless 0):
+the layer must give what rope_and_cache, then the cast, give."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from schemas.sampling import SamplingParams
-from tests.workers.engine.conftest import COMMON, _save, hf_greedy, prompt_set, run_prompts
+from tests.workers.engine.conftest import COMMON, _save, prompt_set
 from workers.engine import EngineConfig, LLMEngine
 from workers.engine.attention import AttentionMetadata
-
-
-@pytest.mark.parametrize("value", ["3", "-1", "x", "256", "1.5"])
-def test_a_bad_rope_tile_is_refused_with_its_name(monkeypatch, llama_dir, value):
-    monkeypatch.setenv("FIRSTTOKEN_ROPE_TILE", value)
-    with pytest.raises(ValueError, match="FIRSTTOKEN_ROPE_TILE"):
-        LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="float32", block_size=4, num_blocks=32))
 
 
 def test_a_bad_fp8_attention_rope_switch_is_refused_with_its_name(monkeypatch, tmp_path):
     monkeypatch.setenv("FIRSTTOKEN_FP8_ATTENTION_ROPE", "yes")
     with pytest.raises(ValueError, match="FIRSTTOKEN_FP8_ATTENTION_ROPE"):
         _fp8_engine(tmp_path)
-
-
-def test_the_rope_tile_is_for_prompt_steps(monkeypatch, llama_dir):
-    """The tile goes to rope_and_cache in steps with ROPE_TILE_MIN_PREFILL prompt tokens or more (decodes
-    beside them not counted), never in steps of decodes; off (0) unless asked."""
-    from workers.engine import attention
-
-    def meta(nd):
-        return AttentionMetadata(slot_mapping=torch.zeros(1), num_decodes=nd, num_decode_tokens=nd,
-                                 decode_block_tables=None, decode_seq_lens=None, prefill_block_tables=None,
-                                 prefill_query_start_loc=None, prefill_seq_lens=None)
-
-    eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="float32", block_size=4, num_blocks=32))
-    attn = eng.runner.model.layers[0].self_attn.attn
-    assert attention.ROPE_TILE == 0 and attn.rope_tile(meta(0), 4096) == 0
-    monkeypatch.setenv("FIRSTTOKEN_ROPE_TILE", "32")
-    eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="float32", block_size=4, num_blocks=32))
-    attn = eng.runner.model.layers[0].self_attn.attn
-    n = attention.ROPE_TILE_MIN_PREFILL
-    assert attn.rope_tile(meta(0), n) == 32 and attn.rope_tile(meta(10), n + 10) == 32
-    assert attn.rope_tile(meta(0), n - 1) == 0 and attn.rope_tile(meta(11), n + 10) == 0
-    assert attn.rope_tile(meta(600), 600) == 0  # 600 decodes
-
-
-@pytest.mark.slow
-def test_rope_tiles_give_transformers_tokens(llama_dir, monkeypatch):
-    """FIRSTTOKEN_ROPE_TILE through the Triton kernels (the interpreter), its bound lowered so that these short
-    prompts' steps take it (chunked, one beside decodes, a prefix hit), V's keys innermost (fp32): transformers'
-    greedy tokens exactly, and the tiled kernel ran; the default kernel gives the same tokens."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("FIRSTTOKEN_ROPE_TILE", "8")
-    from kernels import rope_cache
-    from workers.engine import attention
-
-    monkeypatch.setattr(attention, "ROPE_TILE_MIN_PREFILL", 8)
-    tiles = []
-    real = rope_cache._launch_tiles
-
-    def counted(*args):
-        tiles.append(args[9])
-        return real(*args)
-
-    monkeypatch.setattr(rope_cache, "_launch_tiles", counted)
-    prompts = prompt_set(3, seed=8, min_len=20, max_len=40)
-    prompts.append(prompts[-1][:30] + [7, 8])  # a prefix hit of 7 blocks
-    want = hf_greedy(llama_dir, prompts, 4)
-    eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="float32", kernel_backend="triton",
-                                                 block_size=4, max_num_batched_tokens=32,
-                                                 kv_cache_v_layout="keys_inner"))
-    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    got = [f.output_token_ids for f in run_prompts(eng, prompts, sp)]
-    assert tiles and set(tiles) == {8}
-    assert got == want
-    monkeypatch.delenv("FIRSTTOKEN_ROPE_TILE")
-    eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="float32", kernel_backend="triton",
-                                                 block_size=4, max_num_batched_tokens=32,
-                                                 kv_cache_v_layout="keys_inner"))
-    n = len(tiles)
-    assert [f.output_token_ids for f in run_prompts(eng, prompts, sp)] == got and len(tiles) == n
 
 
 def _fp8_engine(path_root) -> LLMEngine:
@@ -114,14 +46,18 @@ def _dense_forward(eng: LLMEngine, t: int) -> tuple[torch.Tensor, list]:
 
 
 def test_fp8_attention_rope_gives_the_default_paths_logits_and_cache(monkeypatch, tmp_path):
-    """FIRSTTOKEN_FP8_ATTENTION_ROPE=1: a dense prompt's layers take the one-launch rope + cache write + cast
-    (once a layer) and give the default path's logits and KV cache to the bit (the references: the same
-    math); where cuDNN refuses the shape, the layer runs the default path, with the same result."""
+    """The default (FIRSTTOKEN_FP8_ATTENTION_ROPE unset): a dense prompt's layers take the one-launch rope +
+    cache write + cast (once a layer) and give the two-launch path's (=0) logits and KV cache to the bit (the
+    references: the same math); where cuDNN refuses the shape, the layer runs the two-launch path, with the
+    same result."""
     from kernels import cudnn_attention as ca
 
     t = 40
-    want, want_cache = _dense_forward(_fp8_engine(tmp_path), t)
-    monkeypatch.setenv("FIRSTTOKEN_FP8_ATTENTION_ROPE", "1")
+    monkeypatch.setenv("FIRSTTOKEN_FP8_ATTENTION_ROPE", "0")
+    off = _fp8_engine(tmp_path)
+    assert all(layer.self_attn.attn.dense_fp8_rope is None for layer in off.runner.model.layers)
+    want, want_cache = _dense_forward(off, t)
+    monkeypatch.delenv("FIRSTTOKEN_FP8_ATTENTION_ROPE")
     eng = _fp8_engine(tmp_path)
     layers = [layer.self_attn.attn for layer in eng.runner.model.layers]
     op = layers[0].dense_fp8_rope

@@ -55,8 +55,7 @@ class Attention(nn.Module):
         elif (o8 := self.attn.dense_fp8_with_rope(q, k, v, positions, cos_sin, k_cache, v_cache, meta)) is not None:
             return self.o_proj(o8)  # one prompt's FP8 attention, rope and the cache write in its cast
         else:
-            q, k = self.ops.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
-                                           tile=self.attn.rope_tile(meta, t))
+            q, k = self.ops.rope_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
             o = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D], or FP8 attention's (e4m3, descale)
             if isinstance(o, tuple):  # already quantized for the FP8 o_proj
                 return self.o_proj(o)
