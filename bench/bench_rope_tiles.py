@@ -6,7 +6,8 @@ with V's keys innermost (the FP8 engine's default):
   and per kv head (as rope_and_cache in tiles: tried in session 26 and dropped, slower);
 - `rope + cast`: the dense FP8 path's two launches (rope_and_cache, then cast_e4m3 of q | k | v;
   FIRSTTOKEN_FP8_ATTENTION_ROPE=0);
-- `rope_cache_cast T`: the two in one launch (the default since session 26; T tokens a program).
+- `rope_cache_cast T`: the two in one launch (the default since session 26: T = 32 tokens a program; 0: one
+  program a token, rope_and_cache's kernel with the cast, not yet timed).
 
 Slots as a prompt's (consecutive, through blocks that lie anywhere), and as a decode step's (each its own
 block) for the per-token / tiles comparison. Each variant's cache and q, k are checked bit for bit against
@@ -124,7 +125,7 @@ def run(t: int, kind: str, tiles: list[int], cs: torch.Tensor, gbps: float, dev:
     y_want, s_want = rope_then_cast(qkv, kc, vc, None)
     qkv, kc, vc = state()
     row("rope + cast", _ms(partial(rope_then_cast, qkv, kc, vc, y)), rope_bytes + cast_bytes, True)
-    for tile in tiles:
+    for tile in (0, *tiles):  # 0: one program a token (rope_and_cache's kernel with the cast)
         qkv, kc, vc = state()
         y8, s8 = rope_cache_cast_triton(*views(qkv), pos, cs, kc, vc, slots, O_MARGIN, tile=tile)
         exact = (torch.equal(y8.view(torch.uint8), y_want.view(torch.uint8)) and torch.equal(s8, s_want)

@@ -72,6 +72,8 @@ def _rope_and_cache_kernel(
     kc_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous
     vc_ptr,  # v_cache: k_cache's shape; k_cache's strides, or (V_T) each block's keys innermost
     slot_ptr,  # slot_mapping: [T] int64; a negative slot (padding) writes nothing
+    y_ptr,  # CAST: [>= T, (Hq + 2 Hk) * D] e4m3, contiguous: the rotated q | k | v cast (rope_cache_cast's)
+    scale_ptr,  # CAST: [1] fp32, V's scale taken by atomic min (rope_cache_cast's)
     stride_qt,  # q token stride (elements)
     stride_qh,  # q head stride
     stride_kt,  # k token stride
@@ -92,6 +94,11 @@ def _rope_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr,  # KV cache block size (tokens per block)
     V_T: tl.constexpr,  # v_cache [blocks, Hk, D, block_size] in memory; v written finite (kernels/kv_layout.py)
     V_MAX: tl.constexpr,  # V_T: the largest finite value of the cache's dtype (v is clamped to it, NaN -> 0)
+    WRITE_QK: tl.constexpr,  # rotate q and k in place (rope_and_cache); else (CAST) leave them
+    CAST: tl.constexpr,  # write y and V's scale too (rope_cache_cast_triton with tile 0)
+    FP8_MAX_: tl.constexpr,
+    MARGIN: tl.constexpr,
+    HW_CAST: tl.constexpr,  # CAST: the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
 ):
     # one program rotates every head of one token and writes its k/v slot
     t = tl.program_id(0).to(tl.int64)
@@ -109,8 +116,17 @@ def _rope_and_cache_kernel(
     q2 = tl.load(qp + HALF, mask=qm, other=0.0)
     q1f = q1.to(tl.float32)
     q2f = q2.to(tl.float32)
-    tl.store(qp, (q1f * cos - q2f * sin).to(q1.dtype), mask=qm)
-    tl.store(qp + HALF, (q2f * cos + q1f * sin).to(q1.dtype), mask=qm)
+    r1 = (q1f * cos - q2f * sin).to(q1.dtype)
+    r2 = (q2f * cos + q1f * sin).to(q1.dtype)
+    if WRITE_QK:
+        tl.store(qp, r1, mask=qm)
+        tl.store(qp + HALF, r2, mask=qm)
+    C: tl.constexpr = (HQ + 2 * HK) * 2 * HALF
+    y_row = y_ptr + t * C + d[None, :]
+    if CAST:
+        yq = y_row + hq[:, None] * (2 * HALF)
+        tl.store(yq, _cast_sat(r1, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=qm)
+        tl.store(yq + HALF, _cast_sat(r2, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=qm)
 
     # k: [BLOCK_HK, HALF] x 2 halves, rotated in place and written with v to the cache slot
     hk = tl.arange(0, BLOCK_HK)
@@ -122,8 +138,13 @@ def _rope_and_cache_kernel(
     k2f = k2.to(tl.float32)
     k1r = (k1f * cos - k2f * sin).to(k1.dtype)
     k2r = (k2f * cos + k1f * sin).to(k1.dtype)
-    tl.store(kp, k1r, mask=km)
-    tl.store(kp + HALF, k2r, mask=km)
+    if WRITE_QK:
+        tl.store(kp, k1r, mask=km)
+        tl.store(kp + HALF, k2r, mask=km)
+    if CAST:
+        yk = y_row + (HQ + hk[:, None]) * (2 * HALF)
+        tl.store(yk, _cast_sat(k1r, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=km)
+        tl.store(yk + HALF, _cast_sat(k2r, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=km)
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     blk = slot // BLOCK_SIZE
@@ -142,6 +163,15 @@ def _rope_and_cache_kernel(
     else:
         tl.store(vc_ptr + c_off, v1.to(vc_ptr.dtype.element_ty), mask=cm)
         tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=cm)
+    if CAST:
+        yv = y_row + (HQ + HK + hk[:, None]) * (2 * HALF)
+        v1c = _cast_sat(v1, FP8_MAX_, HW_CAST)
+        v2c = _cast_sat(v2, FP8_MAX_, HW_CAST)
+        tl.store(yv, v1c.to(y_ptr.dtype.element_ty), mask=km)
+        tl.store(yv + HALF, v2c.to(y_ptr.dtype.element_ty), mask=km)
+        cand = FP8_MAX_ / (MARGIN * tl.maximum(tl.maximum(_finite_amax(v1c, km), _finite_amax(v2c, km)), 0.001953125))
+        if cand < tl.load(scale_ptr):  # the scale only falls: most tokens skip the atomic
+            tl.atomic_min(scale_ptr, cand)
 
 
 @lazy_jit(do_not_specialize=("T",))
@@ -357,21 +387,29 @@ def rope_and_cache_triton(
     step's scattered slots. The byte-wise stores were not what bounds it.
     """
     v_t = _check_args(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    t, hq, d = q.shape
-    hk = k.shape[1]
-    if t == 0:
+    if q.shape[0] == 0:
         return q, k
-    half = d // 2
+    _launch_tokens(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, v_t, True, None, None, 0.0)
+    return q, k
+
+
+def _launch_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, v_t: bool, write_qk: bool,
+                   y: torch.Tensor | None, scale: torch.Tensor | None, margin: float) -> None:
+    """`_rope_and_cache_kernel`, one program a token: rope_and_cache (y None), or rope_cache_cast's work."""
+    t, hq, d = q.shape
+    hk, half, cast = k.shape[1], d // 2, y is not None
     _rope_and_cache_kernel.launch((t,), (
-        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, y if cast else q, scale if cast else cos_sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
     ), {
         "HQ": hq, "HK": hk, "HALF": half,
         "BLOCK_HQ": next_pow2(hq), "BLOCK_HK": next_pow2(hk), "BLOCK_HALF": next_pow2(half),
         "BLOCK_SIZE": k_cache.shape[1], "V_T": v_t, "V_MAX": v_max(v_cache.dtype) if v_t else 0.0,
+        "WRITE_QK": write_qk, "CAST": cast, "FP8_MAX_": FP8_MAX, "MARGIN": float(margin),
+        "HW_CAST": _hw_cast(q, None) if cast else False,
     }, 4, 3, q.device.type == "cuda")
-    return q, k
 
 
 def rope_cache_cast_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -396,7 +434,9 @@ def rope_cache_cast_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     V's scale out (for cuDNN's FP8 attention: kernels/cudnn_attention.py), in place of rope_and_cache's
     launch, then cast_e4m3's (which read the rotated q and k back). out: a [>= T, C] contiguous e4m3
     buffer for the first T rows; scale: a [1] fp32 tensor to take the minimum into, else a new one.
-    write_qk: rotate q and k in place as well (rope_and_cache does). tile: tokens a program.
+    write_qk: rotate q and k in place as well (rope_and_cache does). tile: tokens a program; 0, one program a
+    token with every head (rope_and_cache's kernel: not yet timed on a GPU, `bench_rope_tiles.py` rows
+    `rope_cache_cast 0`).
 
     On an H100 (session 26, bench/results/2026-12-07-session26-rope-kernels-h100-ea8f463.md), Llama-3.1-8B's
     heads, an fp8 keys-inner cache: 0.055 / 0.180 / 0.699 ms at 2048 / 8192 / 32768 tokens against 0.085 /
@@ -411,7 +451,9 @@ def rope_cache_cast_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
           "rope_cache_cast: out must be a contiguous e4m3 [>= {}, {}]", t, c)
     if scale is None:
         scale = torch.full((1,), FP8_MAX / (margin * 2.0**-9), dtype=torch.float32, device=q.device)
-    if t:
+    if t and tile:
         _launch_tiles(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, v_t, tile, write_qk, y, scale,
                       margin)
+    elif t:
+        _launch_tokens(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, v_t, write_qk, y, scale, margin)
     return y, scale

@@ -39,10 +39,12 @@ def _prompt_slots(t: int, bs: int, num_blocks: int, start: int, decodes: int, g:
     return torch.tensor(slots, dtype=torch.int64)
 
 
-CASES = [  # t, hq, hk, d, block size, tile, V layout, K layout
+CASES = [  # t, hq, hk, d, block size, tile (0: one program a token, rope_and_cache's kernel), V layout, K layout
     (37, 9, 3, 64, 16, 16, "rows", "nhd"),  # hq not a multiple of the q heads a program takes
     (70, 8, 2, 32, 64, 32, "keys_inner", "nhd"),
     (5, 4, 1, 128, 16, 32, "keys_inner", "hnd"),  # fewer tokens than a tile
+    (29, 6, 2, 64, 16, 0, "keys_inner", "nhd"),
+    (21, 9, 3, 32, 64, 0, "rows", "hnd"),
     (64, 6, 2, 16, 32, 64, "rows", "hnd"),
     (45, 4, 2, 64, 16, 8, "keys_inner", "hnd"),
 ]
@@ -74,7 +76,8 @@ def test_tiles_match_the_reference(dtype, t, hq, hk, d, bs, tile, v_layout, k_la
     assert int(written.sum()) == t - 1
 
 
-@pytest.mark.parametrize(("bs", "start", "decodes", "tile"), [(16, 5, 0, 16), (64, 50, 3, 32), (16, 0, 7, 32)])
+@pytest.mark.parametrize(("bs", "start", "decodes", "tile"), [(16, 5, 0, 16), (64, 50, 3, 32), (16, 0, 7, 32),
+                                                              (64, 50, 3, 0)])
 def test_tiles_write_a_prompts_consecutive_slots(bs, start, decodes, tile):
     """The case the tiles are for: a prompt's consecutive slots, starting mid-block and crossing blocks, after
     some decode tokens, into an fp8 cache with V's keys innermost. Values exact in e4m3 and position 0 (the
@@ -106,7 +109,7 @@ def test_a_tile_must_be_a_power_of_two():
         rope_cache_cast_triton(q, k, v, pos, cos_sin_table(4096, 16), kc, vc, slots, 1.0, tile=24)
 
 
-@pytest.mark.parametrize(("t", "hq", "hk", "d", "bs", "tile", "v_layout", "k_layout"), CASES[:3])
+@pytest.mark.parametrize(("t", "hq", "hk", "d", "bs", "tile", "v_layout", "k_layout"), CASES[:4] + CASES[5:])
 def test_rope_cache_cast_matches_rope_then_cast(poison_empty, t, hq, hk, d, bs, tile, v_layout, k_layout):
     """One launch gives what rope_and_cache then cast_e4m3 give: the same e4m3 codes for its rotated q, k and
     v (beyond +-448 saturated; V's NaN left out: the interpreter casts an fp32 NaN to e4m3 as 384, the GPU
