@@ -854,10 +854,12 @@ def test_cuda_rope_cache_cast_matches_rope_then_cast(slots):
     want = fresh()
     rope_and_cache_triton(*qkv_views(want[0], hq, hk, d), pos, cs, want[1], want[2], slot)
     y_want, s_want = cast_e4m3_triton(want[0], (hq + hk) * d, O_MARGIN)
-    got = fresh()
-    y, s = rope_cache_cast_triton(*qkv_views(got[0], hq, hk, d), pos, cs, got[1], got[2], slot, O_MARGIN)
-    assert same(y, y_want) and torch.equal(s, s_want)
-    assert same(got[0], qkv0) and same(got[1], want[1]) and same(got[2], want[2])
+    for tile in (32, 0):  # the default tiles, and one program a token (rope_and_cache's kernel with the cast)
+        got = fresh()
+        y, s = rope_cache_cast_triton(*qkv_views(got[0], hq, hk, d), pos, cs, got[1], got[2], slot, O_MARGIN,
+                                      tile=tile)
+        assert same(y, y_want) and torch.equal(s, s_want), tile
+        assert same(got[0], qkv0) and same(got[1], want[1]) and same(got[2], want[2]), tile
     assert float(s) < 448.0 / (O_MARGIN * 3.0)  # from V's finite values (|v| ~ 3 sigma and more), NaN left out
     got = fresh()
     rope_cache_cast_triton(*qkv_views(got[0], hq, hk, d), pos, cs, got[1], got[2], slot, O_MARGIN, tile=64,
