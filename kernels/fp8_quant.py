@@ -349,17 +349,26 @@ def cast_e4m3_ref(x: torch.Tensor, v_col: int, margin: float) -> tuple[torch.Ten
     return y, (FP8_MAX / (margin * amax.clamp_min(2.0**-9))).reshape(1).to(torch.float32).to(x.device)
 
 
+def cast_outputs(name: str, t: int, c: int, margin: float, device: torch.device, out: torch.Tensor | None,
+                 scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cast to e4m3's outputs (`cast_e4m3_triton`'s, and kernels.rope_cache.rope_cache_cast_triton's): out, checked
+    to be a contiguous e4m3 [>= t, c], or a new [t, c]; scale, or a new [1] fp32 at what no V column gives
+    (FP8_MAX / (margin * 2^-9)), for the kernel to take the minimum into."""
+    y = torch.empty((t, c), dtype=FP8, device=device) if out is None else out
+    check(y.dtype == FP8 and y.is_contiguous() and y.shape[0] >= t and y.shape[1] == c,
+          "{}: out must be a contiguous e4m3 [>= {}, {}]", name, t, c)
+    if scale is None:
+        scale = torch.full((1,), FP8_MAX / (margin * 2.0**-9), dtype=torch.float32, device=device)
+    return y, scale
+
+
 def cast_e4m3_triton(x: torch.Tensor, v_col: int, margin: float, scale: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `cast_e4m3_ref` in one launch. scale: a [1] fp32 tensor to take the minimum into (several
     casts sharing one V scale), else a new one. out: a [>= T, C] contiguous e4m3 buffer for the first T rows."""
     check(x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] == 1), "cast_e4m3: x must be [T, C], last dim contiguous")
     t, c = x.shape
-    y = torch.empty((t, c), dtype=FP8, device=x.device) if out is None else out
-    check(y.dtype == FP8 and y.is_contiguous() and y.shape[0] >= t and y.shape[1] == c,
-          "cast_e4m3: out must be a contiguous e4m3 [>= {}, {}]", t, c)
-    if scale is None:
-        scale = torch.full((1,), FP8_MAX / (margin * 2.0**-9), dtype=torch.float32, device=x.device)
+    y, scale = cast_outputs("cast_e4m3", t, c, margin, x.device, out, scale)
     if t and c:
         bc = min(512, next_pow2(c))
         br = max(1, min(32, 8192 // bc, next_pow2(t)))

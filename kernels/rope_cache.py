@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from kernels._triton import cdiv, check, lazy_helper, lazy_jit, next_pow2
-from kernels.fp8_linear import FP8, FP8_MAX
-from kernels.fp8_quant import _hw_cast, _round_e4m3
+from kernels.fp8_linear import FP8_MAX
+from kernels.fp8_quant import _hw_cast, _round_e4m3, cast_outputs
 from kernels.kv_layout import check_v_layout, finite_v_ref, v_max
 
 
@@ -112,66 +112,40 @@ def _rope_and_cache_kernel(
     hq = tl.arange(0, BLOCK_HQ)
     qm = (hq < HQ)[:, None] & dmask[None, :]
     qp = q_ptr + t * stride_qt + hq[:, None] * stride_qh + d[None, :]
-    q1 = tl.load(qp, mask=qm, other=0.0)
-    q2 = tl.load(qp + HALF, mask=qm, other=0.0)
-    q1f = q1.to(tl.float32)
-    q2f = q2.to(tl.float32)
-    r1 = (q1f * cos - q2f * sin).to(q1.dtype)
-    r2 = (q2f * cos + q1f * sin).to(q1.dtype)
+    r1, r2 = _rotated(qp, qm, cos, sin, HALF)
     if WRITE_QK:
-        tl.store(qp, r1, mask=qm)
-        tl.store(qp + HALF, r2, mask=qm)
+        _store_pair(qp, r1, r2, qm, HALF)
     C: tl.constexpr = (HQ + 2 * HK) * 2 * HALF
     y_row = y_ptr + t * C + d[None, :]
     if CAST:
-        yq = y_row + hq[:, None] * (2 * HALF)
-        tl.store(yq, _cast_sat(r1, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=qm)
-        tl.store(yq + HALF, _cast_sat(r2, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=qm)
+        _store_cast_pair(y_row + hq[:, None] * (2 * HALF), r1, r2, qm, HALF, FP8_MAX_, HW_CAST)
 
-    # k: [BLOCK_HK, HALF] x 2 halves, rotated in place and written with v to the cache slot
+    # k: [BLOCK_HK, HALF] x 2 halves, rotated (in place: WRITE_QK) and written with v to the cache slot
     hk = tl.arange(0, BLOCK_HK)
     km = (hk < HK)[:, None] & dmask[None, :]
     kp = k_ptr + t * stride_kt + hk[:, None] * stride_kh + d[None, :]
-    k1 = tl.load(kp, mask=km, other=0.0)
-    k2 = tl.load(kp + HALF, mask=km, other=0.0)
-    k1f = k1.to(tl.float32)
-    k2f = k2.to(tl.float32)
-    k1r = (k1f * cos - k2f * sin).to(k1.dtype)
-    k2r = (k2f * cos + k1f * sin).to(k1.dtype)
+    k1r, k2r = _rotated(kp, km, cos, sin, HALF)
     if WRITE_QK:
-        tl.store(kp, k1r, mask=km)
-        tl.store(kp + HALF, k2r, mask=km)
+        _store_pair(kp, k1r, k2r, km, HALF)
     if CAST:
-        yk = y_row + (HQ + hk[:, None]) * (2 * HALF)
-        tl.store(yk, _cast_sat(k1r, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=km)
-        tl.store(yk + HALF, _cast_sat(k2r, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=km)
+        _store_cast_pair(y_row + (HQ + hk[:, None]) * (2 * HALF), k1r, k2r, km, HALF, FP8_MAX_, HW_CAST)
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     cm = km & ((hk * 0 + slot) >= 0)[:, None]  # as a block: the interpreter rejects a scalar mask term
     c_off = blk * stride_cb + off * stride_cs + hk[:, None] * stride_ch + d[None, :]
-    tl.store(kc_ptr + c_off, k1r.to(kc_ptr.dtype.element_ty), mask=cm)
-    tl.store(kc_ptr + c_off + HALF, k2r.to(kc_ptr.dtype.element_ty), mask=cm)
+    _store_pair(kc_ptr + c_off, k1r, k2r, cm, HALF)
     vp = v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
     v1 = tl.load(vp, mask=km, other=0.0)
     v2 = tl.load(vp + HALF, mask=km, other=0.0)
     if V_T:
         v_off = blk * stride_vcb + hk[:, None] * stride_vch + d[None, :] * BLOCK_SIZE + off
-        tl.store(vc_ptr + v_off, finite_v(v1, V_MAX).to(vc_ptr.dtype.element_ty), mask=cm)
-        tl.store(vc_ptr + v_off + HALF * BLOCK_SIZE, finite_v(v2, V_MAX).to(vc_ptr.dtype.element_ty), mask=cm)
+        _store_pair(vc_ptr + v_off, finite_v(v1, V_MAX), finite_v(v2, V_MAX), cm, HALF * BLOCK_SIZE)
     else:
-        tl.store(vc_ptr + c_off, v1.to(vc_ptr.dtype.element_ty), mask=cm)
-        tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=cm)
+        _store_pair(vc_ptr + c_off, v1, v2, cm, HALF)
     if CAST:
-        yv = y_row + (HQ + HK + hk[:, None]) * (2 * HALF)
-        v1c = _cast_sat(v1, FP8_MAX_, HW_CAST)
-        v2c = _cast_sat(v2, FP8_MAX_, HW_CAST)
-        tl.store(yv, v1c.to(y_ptr.dtype.element_ty), mask=km)
-        tl.store(yv + HALF, v2c.to(y_ptr.dtype.element_ty), mask=km)
-        cand = FP8_MAX_ / (MARGIN * tl.maximum(tl.maximum(_finite_amax(v1c, km), _finite_amax(v2c, km)), 0.001953125))
-        if cand < tl.load(scale_ptr):  # the scale only falls: most tokens skip the atomic
-            tl.atomic_min(scale_ptr, cand)
+        _cast_v(y_row + (HQ + HK + hk[:, None]) * (2 * HALF), scale_ptr, v1, v2, km, HALF, FP8_MAX_, MARGIN, HW_CAST)
 
 
 @lazy_jit(do_not_specialize=("T",))
@@ -184,8 +158,8 @@ def _rope_cache_tiles_kernel(
     kc_ptr,  # k_cache: [num_blocks, block_size, Hk, D] (any block, slot and head strides), last dim contiguous
     vc_ptr,  # v_cache: k_cache's strides, or (V_T) each block's keys innermost
     slot_ptr,  # slot_mapping: [T] int64; a negative slot (padding) writes nothing
-    y_ptr,  # CAST: [>= T, (Hq + 2 Hk) * D] e4m3, contiguous: the rotated q | k | v cast (scale 1, saturating)
-    scale_ptr,  # CAST: [1] fp32, min over V's cast values of FP8_MAX_ / (MARGIN * |v|) (cast_e4m3's), atomically
+    y_ptr,  # [>= T, (Hq + 2 Hk) * D] e4m3, contiguous: the rotated q | k | v cast (scale 1, saturating)
+    scale_ptr,  # [1] fp32, min over V's cast values of FP8_MAX_ / (MARGIN * |v|) (cast_e4m3's), atomically
     T,  # tokens
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  # q/k/v token and head strides
     stride_cb, stride_cs, stride_ch,  # k_cache block, slot and head strides (v_cache's too unless V_T)
@@ -200,12 +174,11 @@ def _rope_cache_tiles_kernel(
     TOK: tl.constexpr,  # tokens per program (a power of two)
     QG: tl.constexpr,  # q heads per program
     WRITE_QK: tl.constexpr,  # rotate q and k in place
-    CAST: tl.constexpr,  # write y and the V scale
     FP8_MAX_: tl.constexpr,
     MARGIN: tl.constexpr,
-    HW_CAST: tl.constexpr,  # CAST: the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
+    HW_CAST: tl.constexpr,  # the store's cast to e4m3 rounds (a GPU), else _round_e4m3 does
 ):
-    # grid: (token tiles, q head groups + kv heads). A program rotates QG q heads, or one kv head's k and
+    # rope_cache_cast in tiles. grid: (token tiles, q head groups + kv heads). A program rotates QG q heads, or one kv head's k and
     # writes it and v to the cache, for TOK consecutive tokens as [TOK, HALF] tiles. With V's keys
     # innermost a block's slots of one (head, dim) are consecutive bytes: V goes out as [HALF, TOK] tiles,
     # the lanes along the tokens, so that a prompt's consecutive slots are one row's consecutive bytes
@@ -228,19 +201,10 @@ def _rope_cache_tiles_kernel(
             h = unit * QG + i
             mq = m2 & ((d * 0 + h) < HQ)[None, :]  # as a block: the interpreter rejects a scalar mask term
             qp = q_ptr + t[:, None] * stride_qt + h * stride_qh + d[None, :]
-            q1 = tl.load(qp, mask=mq, other=0.0)
-            q2 = tl.load(qp + HALF, mask=mq, other=0.0)
-            q1f = q1.to(tl.float32)
-            q2f = q2.to(tl.float32)
-            r1 = (q1f * cos - q2f * sin).to(q1.dtype)
-            r2 = (q2f * cos + q1f * sin).to(q1.dtype)
+            r1, r2 = _rotated(qp, mq, cos, sin, HALF)
             if WRITE_QK:
-                tl.store(qp, r1, mask=mq)
-                tl.store(qp + HALF, r2, mask=mq)
-            if CAST:
-                yq = yrow + h * 2 * HALF
-                tl.store(yq, _cast_sat(r1, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=mq)
-                tl.store(yq + HALF, _cast_sat(r2, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=mq)
+                _store_pair(qp, r1, r2, mq, HALF)
+            _store_cast_pair(yrow + h * 2 * HALF, r1, r2, mq, HALF, FP8_MAX_, HW_CAST)
     else:
         h = unit - NQG
         slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
@@ -249,51 +213,68 @@ def _rope_cache_tiles_kernel(
         off = tl.where(sm, slot % BLOCK_SIZE, 0)
         cm = sm[:, None] & dm[None, :]
         kp = k_ptr + t[:, None] * stride_kt + h * stride_kh + d[None, :]
-        k1 = tl.load(kp, mask=m2, other=0.0)
-        k2 = tl.load(kp + HALF, mask=m2, other=0.0)
-        k1f = k1.to(tl.float32)
-        k2f = k2.to(tl.float32)
-        k1r = (k1f * cos - k2f * sin).to(k1.dtype)
-        k2r = (k2f * cos + k1f * sin).to(k1.dtype)
+        k1r, k2r = _rotated(kp, m2, cos, sin, HALF)
         if WRITE_QK:
-            tl.store(kp, k1r, mask=m2)
-            tl.store(kp + HALF, k2r, mask=m2)
+            _store_pair(kp, k1r, k2r, m2, HALF)
         c_off = blk[:, None] * stride_cb + off[:, None] * stride_cs + h * stride_ch + d[None, :]
-        tl.store(kc_ptr + c_off, k1r.to(kc_ptr.dtype.element_ty), mask=cm)
-        tl.store(kc_ptr + c_off + HALF, k2r.to(kc_ptr.dtype.element_ty), mask=cm)
-        if CAST:
-            yk = yrow + (HQ + h) * 2 * HALF
-            tl.store(yk, _cast_sat(k1r, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=m2)
-            tl.store(yk + HALF, _cast_sat(k2r, FP8_MAX_, HW_CAST).to(y_ptr.dtype.element_ty), mask=m2)
+        _store_pair(kc_ptr + c_off, k1r, k2r, cm, HALF)
+        _store_cast_pair(yrow + (HQ + h) * 2 * HALF, k1r, k2r, m2, HALF, FP8_MAX_, HW_CAST)
         if V_T:  # [BLOCK_HALF, TOK] tiles
             mt = dm[:, None] & tm[None, :]
             vp = v_ptr + t[None, :] * stride_vt + h * stride_vh + d[:, None]
             v1 = tl.load(vp, mask=mt, other=0.0)
             v2 = tl.load(vp + HALF, mask=mt, other=0.0)
             v_off = blk[None, :] * stride_vcb + h * stride_vch + d[:, None] * BLOCK_SIZE + off[None, :]
-            cmt = dm[:, None] & sm[None, :]
-            tl.store(vc_ptr + v_off, finite_v(v1, V_MAX).to(vc_ptr.dtype.element_ty), mask=cmt)
-            tl.store(vc_ptr + v_off + HALF * BLOCK_SIZE, finite_v(v2, V_MAX).to(vc_ptr.dtype.element_ty), mask=cmt)
+            _store_pair(vc_ptr + v_off, finite_v(v1, V_MAX), finite_v(v2, V_MAX), dm[:, None] & sm[None, :],
+                        HALF * BLOCK_SIZE)
             yv = y_ptr + t[None, :] * C + (HQ + HK + h) * 2 * HALF + d[:, None]
         else:
             mt = m2
             vp = v_ptr + t[:, None] * stride_vt + h * stride_vh + d[None, :]
             v1 = tl.load(vp, mask=mt, other=0.0)
             v2 = tl.load(vp + HALF, mask=mt, other=0.0)
-            tl.store(vc_ptr + c_off, v1.to(vc_ptr.dtype.element_ty), mask=cm)
-            tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=cm)
+            _store_pair(vc_ptr + c_off, v1, v2, cm, HALF)
             yv = yrow + (HQ + HK + h) * 2 * HALF
-        if CAST:
-            v1c = _cast_sat(v1, FP8_MAX_, HW_CAST)
-            v2c = _cast_sat(v2, FP8_MAX_, HW_CAST)
-            tl.store(yv, v1c.to(y_ptr.dtype.element_ty), mask=mt)
-            tl.store(yv + HALF, v2c.to(y_ptr.dtype.element_ty), mask=mt)
-            amax = tl.maximum(_finite_amax(v1c, mt), _finite_amax(v2c, mt))
-            cand = FP8_MAX_ / (MARGIN * tl.maximum(amax, 0.001953125))
-            # the scale only falls: a program whose candidate is not under the value read skips its atomic
-            # (thousands of atomics on one address cost ~0.1 ms: cast_e4m3's note)
-            if cand < tl.load(scale_ptr):
-                tl.atomic_min(scale_ptr, cand)
+        _cast_v(yv, scale_ptr, v1, v2, mt, HALF, FP8_MAX_, MARGIN, HW_CAST)
+
+
+@lazy_helper
+def _rotated(p, mask, cos, sin, HALF: tl.constexpr):
+    """The halves x1 at p and x2 at p + HALF rotated in fp32, rounded to their dtype: (x1 cos - x2 sin,
+    x2 cos + x1 sin) (rotate-half, as rope_and_cache_ref)."""
+    x1 = tl.load(p, mask=mask, other=0.0)
+    x2 = tl.load(p + HALF, mask=mask, other=0.0)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    return (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
+
+
+@lazy_helper
+def _store_pair(p, x1, x2, mask, STEP: tl.constexpr):
+    """x1 at p and x2 at p + STEP (a head's two halves), in p's dtype."""
+    tl.store(p, x1.to(p.dtype.element_ty), mask=mask)
+    tl.store(p + STEP, x2.to(p.dtype.element_ty), mask=mask)
+
+
+@lazy_helper
+def _store_cast_pair(p, x1, x2, mask, HALF: tl.constexpr, FP8_MAX_: tl.constexpr, HW_CAST: tl.constexpr):
+    """A head's two halves into e4m3 rows at p, cast as cast_e4m3 casts (`_cast_sat`)."""
+    _store_pair(p, _cast_sat(x1, FP8_MAX_, HW_CAST), _cast_sat(x2, FP8_MAX_, HW_CAST), mask, HALF)
+
+
+@lazy_helper
+def _cast_v(p, scale_ptr, v1, v2, mask, HALF: tl.constexpr, FP8_MAX_: tl.constexpr, MARGIN: tl.constexpr,
+            HW_CAST: tl.constexpr):
+    """v's two halves into the e4m3 rows at p (`_store_cast_pair`), and O's scale from them into scale_ptr
+    (cast_e4m3's: FP8_MAX_ / (MARGIN * the largest finite |v|)). The scale only falls, so a program whose
+    candidate is not under the value read skips the atomic (thousands of atomics on one address cost
+    ~0.1 ms: cast_e4m3's note)."""
+    v1c = _cast_sat(v1, FP8_MAX_, HW_CAST)
+    v2c = _cast_sat(v2, FP8_MAX_, HW_CAST)
+    _store_pair(p, v1c, v2c, mask, HALF)
+    cand = FP8_MAX_ / (MARGIN * tl.maximum(tl.maximum(_finite_amax(v1c, mask), _finite_amax(v2c, mask)), 0.001953125))
+    if cand < tl.load(scale_ptr):
+        tl.atomic_min(scale_ptr, cand)
 
 
 @lazy_helper
@@ -347,22 +328,20 @@ Q_HEADS_PER_PROGRAM = 4
 
 def _launch_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, v_t: bool, tile: int,
-                  write_qk: bool, y: torch.Tensor | None, scale: torch.Tensor | None, margin: float) -> None:
+                  write_qk: bool, y: torch.Tensor, scale: torch.Tensor, margin: float) -> None:
+    """`_rope_cache_tiles_kernel`: rope_cache_cast, `tile` tokens a program."""
     t, hq, d = q.shape
     hk = k.shape[1]
-    check(tile > 0 and tile & (tile - 1) == 0, "rope_and_cache: tile must be a power of two, not {}", tile)
-    cast = y is not None
+    check(tile > 0 and tile & (tile - 1) == 0, "rope_cache_cast: tile must be a power of two, not {}", tile)
     qg = min(Q_HEADS_PER_PROGRAM, hq)
     _rope_cache_tiles_kernel.launch((cdiv(t, tile), cdiv(hq, qg) + hk), (
-        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
-        y if cast else q, scale if cast else cos_sin, t,
+        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, y, scale, t,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
     ), {
         "HQ": hq, "HK": hk, "HALF": d // 2, "BLOCK_HALF": next_pow2(d // 2), "BLOCK_SIZE": k_cache.shape[1],
         "V_T": v_t, "V_MAX": v_max(v_cache.dtype) if v_t else 0.0, "TOK": tile, "QG": qg,
-        "WRITE_QK": write_qk, "CAST": cast, "FP8_MAX_": FP8_MAX, "MARGIN": float(margin),
-        "HW_CAST": _hw_cast(q, None) if cast else False,
+        "WRITE_QK": write_qk, "FP8_MAX_": FP8_MAX, "MARGIN": float(margin), "HW_CAST": _hw_cast(q, None),
     }, 4, 1, q.device.type == "cuda")
 
 
@@ -445,12 +424,7 @@ def rope_cache_cast_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     per-token rope_and_cache runs at 2.0-2.2x: a per-token form of this launch is the next thing to try."""
     v_t = _check_args(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     t, hq, d = q.shape
-    c = (hq + 2 * k.shape[1]) * d
-    y = torch.empty((t, c), dtype=FP8, device=q.device) if out is None else out
-    check(y.dtype == FP8 and y.is_contiguous() and y.shape[0] >= t and y.shape[1] == c,
-          "rope_cache_cast: out must be a contiguous e4m3 [>= {}, {}]", t, c)
-    if scale is None:
-        scale = torch.full((1,), FP8_MAX / (margin * 2.0**-9), dtype=torch.float32, device=q.device)
+    y, scale = cast_outputs("rope_cache_cast", t, (hq + 2 * k.shape[1]) * d, margin, q.device, out, scale)
     if t and tile:
         _launch_tiles(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, v_t, tile, write_qk, y, scale,
                       margin)

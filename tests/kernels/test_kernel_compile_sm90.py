@@ -168,12 +168,12 @@ def rope_tiles(cases):
     out = []
     for cast_, v_t, per_token in cases:
         consts = {"HQ": 32, "HK": 8, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_SIZE": 64, "V_T": v_t, "V_MAX": 448.0,
-                  "TOK": 32, "QG": 4, "WRITE_QK": not cast_, "CAST": cast_, "FP8_MAX_": 448.0, "MARGIN": 1.125,
-                  "HW_CAST": True}
-        jitted = rope_cache._rope_cache_tiles_kernel.jitted()
-        if per_token:  # rope_and_cache's kernel, one program a token (rope_cache_cast's tile 0)
+                  "TOK": 32, "QG": 4, "WRITE_QK": False, "FP8_MAX_": 448.0, "MARGIN": 1.125, "HW_CAST": True}
+        jitted = rope_cache._rope_cache_tiles_kernel.jitted()  # (it always casts)
+        if per_token:  # rope_and_cache's kernel, one program a token: rope_and_cache, or with the cast (tile 0)
             jitted = rope_cache._rope_and_cache_kernel.jitted()
-            consts = {k: v for k, v in consts.items() if k not in ("TOK", "QG")} | {"BLOCK_HQ": 32, "BLOCK_HK": 8}
+            consts = {k: v for k, v in consts.items() if k not in ("TOK", "QG")} | {"BLOCK_HQ": 32, "BLOCK_HK": 8,
+                                                                                   "WRITE_QK": not cast_, "CAST": cast_}
         sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
         # the launcher's specialisation: 16-divisible pointers and strides (T is not specialised)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names) if n not in consts and n != "T"}
@@ -216,8 +216,8 @@ PREFILL_CASES = [  # (widen, block_m, block_n, warps, stages, compact)
     ("fp16", 64, 64, 4, 2, True), ("fp16", 128, 128, 8, 3, True),
 ]
 
-ROPE_TILES_CASES = [(False, True, False), (True, True, False), (True, False, False),  # (cast, V keys inner,
-                    (True, True, True), (False, True, True)]  # rope_and_cache's per-token kernel)
+ROPE_TILES_CASES = [(True, True, False), (True, False, False),  # (cast, V keys inner, rope_and_cache's per-token
+                    (True, True, True), (False, True, True)]  # kernel)
 
 
 def tma_builtin() -> set:
@@ -327,9 +327,8 @@ def test_tma_gemm_compiles_for_sm90(compiled):
 
 
 def test_rope_tiles_compile_for_sm90(compiled):
-    """rope_cache_cast's kernels: tiles of tokens, with the e4m3 cast and without it (rotation and cache write
-    only, its form tried for rope_and_cache in session 26), V keys inner or in rows; and rope_and_cache's
-    per-token kernel with its cast (tile 0) and without (rope_and_cache itself). Tiles, V keys inner: V's
+    """rope_cache_cast's kernels: tiles of tokens, V keys inner or in rows; and rope_and_cache's per-token
+    kernel with the cast (tile 0) and without (rope_and_cache itself). Tiles, V keys inner: V's
     stores into the cache run the warp's lanes along the tokens (threadsPerWarp [1, 32], order [1, 0] over
     [D/2, tokens]): a prompt's consecutive slots are one row's consecutive bytes, the store the per-token
     kernel makes byte by byte into 64-byte rows far apart. The cast: O's scale by a float atomic min, the

@@ -170,10 +170,10 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=dev)
         hidden, residual = self.model(ids, positions, self.cos_sin, self.kv_caches, meta)
         self.sampler.argmax(self.model.compute_logits(hidden[-1:], residual[-1:]))  # (its kernels too)
-        self._warm_rope_variants()
+        self._warm_rope_cast()
         torch.cuda.synchronize(dev)
 
-    def _warm_rope_variants(self) -> None:
+    def _warm_rope_cast(self) -> None:
         """Compile FP8 attention's rope + cache write + cast launch (FIRSTTOKEN_FP8_ATTENTION_ROPE; the warm-up's
         forward is no dense step) on two padding tokens."""
         attn = self.model.layers[0].self_attn.attn
