@@ -28,6 +28,9 @@
 #   fused_rope  decode b1-b512, rope_and_cache fused into the decode attention at every batch vs the default ~3 min
 #   rope_ab     FP8 attention's rope + cache write + cast in one launch (the default) against two: GPU
 #               tests, the kernels alone (bench_rope_tiles), TTFT of each                             ~5 min
+#   dec_rate    decode attention's read rate in the default layout (blocks of 64, keys-inner V, block ids a tile
+#               ahead) against tile variants, B 1-1000 (bench_decode_tiles), then dec_profile: the H200's rate
+#               there was last measured before that layout (77% of its copy rate, session 19)       ~5 min
 #   h200_only   on an H200 only (else it stops at once): throughput of the default, then of fp8-rows16   ~4 min
 #   table_bs64  the issue's table with fp8-rows16+kv8 beside bf16 and fp8+kv8, then every GPU test           ~7 min
 #   logits32    the lm_head's GEMM writing fp32 logits against bf16 + a cast: GPU tests, throughput of each ~6.5 min
@@ -152,6 +155,10 @@ PREFILL_VARIANTS='{"k8": {"widen": "k8"}, "k8_s3": {"widen": "k8", "num_stages":
  "k8_n128": {"widen": "k8", "block_n": 128}, "k8_m128": {"widen": "k8", "block_m": 128, "block_n": 64, "num_warps": 8,
  "num_stages": 2, "num_splits": 4}}'
 BLOCK_VARIANTS='{"pf": {"prefetch": true}, "vt": {"v_layout": "keys_inner", "prefetch": false}, "vtpf": {"v_layout": "keys_inner", "prefetch": true}}'
+RATE_VARIANTS='{"vtpf": {"v_layout": "keys_inner"}, "vtpf_n128": {"v_layout": "keys_inner", "block_n": 128},
+ "vtpf_s2": {"v_layout": "keys_inner", "num_stages": 2}, "vtpf_s4": {"v_layout": "keys_inner", "num_stages": 4},
+ "vtpf_w4": {"v_layout": "keys_inner", "num_warps": 4}, "vtpf_n128_w4": {"v_layout": "keys_inner", "block_n": 128,
+ "num_warps": 4}, "vt_nopf": {"v_layout": "keys_inner", "prefetch": false}}'
 PREFILL_TILES='{"s6": {"num_splits": 6}, "s8": {"num_splits": 8}, "n128_s4": {"block_n": 128, "num_splits": 4},
  "m128n128w8_s8": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "num_splits": 8},
  "w8_s4": {"num_warps": 8, "num_splits": 4}, "m32_s8": {"block_m": 32, "num_splits": 8}}'
@@ -301,6 +308,17 @@ for stage in "${STAGES[@]}"; do
       run rope_kernels 120 $PY bench/bench_rope_tiles.py --out "$OUT" "${RT[@]}"
       run rope_ttft 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft \
         --engines "fp8+kv8,fp8-noropecast+kv8" --no-hf "${ENGINE_ARGS[@]}" ;;
+    dec_rate)  # decode attention in the engine's layout (blocks of 64, keys-inner V, prefetch) beside tile variants
+      # that keep more bytes in flight (128-key tiles, more stages, 4 warps), then where a decode step's time goes
+      # (dec_profile: b1 and the throughput shape's full batch). On the H200 a decode step at ~900 sequences spent
+      # ~27 of ~43 ms on attention at 3.2-3.3 TB/s, 77% of the copy rate (session 19, before this layout); an
+      # H100 read 96.5% of its own in the same layout (session 25)                                      ~5 min
+      [ "${SMOKE:-0}" = 1 ] && continue  # (both need CUDA)
+      run dec_rate 150 $PY bench/bench_decode_tiles.py --block-sizes 64 --cases 1x2048,256x1100,1000x1500,1000x1900 \
+        --variants "$RATE_VARIANTS"
+      BIG=500; on_h200 && BIG=1000
+      run dec_profile 280 $PY bench/profile_engine.py --quantization fp8 --kv-cache-dtype fp8 --cases "" \
+        --decode-batches "1,$BIG" --decode-prompt-len 1500 --max-num-seqs 1024 --rows 16 ;;
     fused_rope)  # rope_and_cache inside the decode attention at every batch (fp8-fusedall) against the default (up
       # to 64 since session 25, 16 before): with V's keys innermost, rope_and_cache's own launch writes each token's
       # V byte by byte (16 us a layer at b500 on an H100, session 25), one process                         ~3 min
