@@ -339,6 +339,10 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # A/B: the paged prefill attention's grid per sequence (programs for a captured graph's padded sequences
     # too), not the default compact one
     "fp8-nocompact": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_COMPACT": "0"}},
+    # A/B: the prefill attention's block ids a tile ahead (two K/V buffers at 3 stages: the next tile's copy under
+    # this tile's math; session 27, not yet timed)
+    "fp8-prefillpf": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_PREFETCH": "1"}},
+    "bf16-prefillpf": {"_env": {"FIRSTTOKEN_PREFILL_PREFETCH": "1"}},
     "bf16-nocompact": {"_env": {"FIRSTTOKEN_PREFILL_COMPACT": "0"}},
     # A/B: the bf16 lm_head's GEMM in bf16 then a cast to fp32 (the layout before its GEMM wrote fp32 logits)
     "fp8-bf16logits": {"quantization": "fp8", "_env": {"FIRSTTOKEN_LOGITS_FP32_GEMM": "0"}},

@@ -28,6 +28,8 @@
 #   fused_rope  decode b1-b512, rope_and_cache fused into the decode attention at every batch vs the default ~3 min
 #   rope_ab     FP8 attention's rope + cache write + cast in one launch (the default) against two: GPU
 #               tests, the kernels alone (bench_rope_tiles), TTFT of each                             ~5 min
+#   prefill_pf  cached + 128's paged attention with the block ids a tile ahead (two K/V buffers at 3 stages):
+#               the kernel (ncu_prefill_cached), its GPU tests, then TTFT 512 / 2048 / cached + 128 A/B   ~5 min
 #   dec_rate    decode attention's read rate in the default layout (blocks of 64, keys-inner V, block ids a tile
 #               ahead) against tile variants, B 1-1000 (bench_decode_tiles), then dec_profile: the H200's rate
 #               there was last measured before that layout (77% of its copy rate, session 19)       ~5 min
@@ -308,6 +310,19 @@ for stage in "${STAGES[@]}"; do
       run rope_kernels 120 $PY bench/bench_rope_tiles.py --out "$OUT" "${RT[@]}"
       run rope_ttft 330 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft \
         --engines "fp8+kv8,fp8-noropecast+kv8" --no-hf "${ENGINE_ARGS[@]}" ;;
+    prefill_pf)  # the paged prefill attention with each key tile's block ids loaded a tile ahead (FIRSTTOKEN_PREFILL_
+      # PREFETCH=1): compiled for sm90 its K and V tiles get two shared buffers at 3 stages (one without), so the
+      # next tile's copy runs under this tile's math (bench/probe_attention_sm90.py). The kernel at 2048 cached +
+      # 128 in the engine's layout beside 3 stages alone, its GPU tests (bit-equal outputs, nothing compiled
+      # after start), then TTFT with and without it in one process                                       ~5 min
+      [ "${SMOKE:-0}" = 1 ] || run prefill_pf_kernel 120 $PY bench/ncu_prefill_cached.py \
+        --variants '{"s3": {"num_stages": 3}, "pf": {"prefetch": true}, "pf_s4": {"prefetch": true, "num_stages": 4}}'
+      [ "${SMOKE:-0}" = 1 ] || FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests_pf 200 \
+        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA \
+        -k "prefetch or never_compiles"
+      if [ "${SMOKE:-0}" = 1 ]; then TL=(--ttft-lengths 64); else TL=(--ttft-lengths 512,2048); fi
+      run prefill_pf_ttft 240 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft \
+        --engines "fp8+kv8,fp8-prefillpf+kv8" --no-hf "${TL[@]}" ;;
     dec_rate)  # decode attention in the engine's layout (blocks of 64, keys-inner V, prefetch) beside tile variants
       # that keep more bytes in flight (128-key tiles, more stages, 4 warps), then where a decode step's time goes
       # (dec_profile: b1 and the throughput shape's full batch). On the H200 a decode step at ~900 sequences spent

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
+from kernels._triton import bounded_put, cdiv, check, lazy_helper, lazy_jit, next_pow2, num_sms
 from kernels.fp8_quant import _round_e4m3
 from kernels.kv_layout import check_v_layout, v_keys_inner
 
@@ -66,6 +66,16 @@ def paged_attention_ref(
 tl: Any = None  # triton.language, bound at the first launch by kernels._triton.lazy_jit
 
 
+@lazy_helper
+def _tile_block_ids(bt_row, start, k_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, V_T: tl.constexpr):
+    """The block id of each key of the tile at `start` (0 past k_end), as the loop reads them."""
+    kpos = start + tl.arange(0, BLOCK_N)
+    blk_in = kpos < k_end
+    if V_T:
+        blk_in = tl.max_constancy(kpos - kpos % BLOCK_SIZE < k_end, BLOCK_SIZE)
+    return tl.load(bt_row + kpos // BLOCK_SIZE, mask=blk_in, other=0)
+
+
 @lazy_jit(do_not_specialize=("window", "num_m_tiles", "num_splits", "num_seqs", "stride_bt"),
           do_not_specialize_on_alignment=("bt_ptr", "qsl_ptr", "seq_lens_ptr"))
 def _paged_attention_kernel(
@@ -113,6 +123,7 @@ def _paged_attention_kernel(
     V_T: tl.constexpr,  # v_cache holds each block's keys innermost: read in whole blocks (BLOCK_N % BLOCK_SIZE == 0)
     COMPACT: tl.constexpr,  # axis 0 enumerates the batch's query tiles (num_m_tiles of them at most), axis 2 is 1
     BLOCK_B: tl.constexpr,  # COMPACT: power of two > num_seqs
+    PREFETCH: tl.constexpr,  # load the next key tile's block-table entries one iteration ahead
 ):
     pid0 = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -193,13 +204,20 @@ def _paged_attention_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kv_head_off = kvh.to(tl.int64) * stride_ch
     v_head_off = kvh.to(tl.int64) * stride_vch
+    if PREFETCH:  # a tile's K/V addresses then hang on no load of its own iteration: Triton 3.6 gives its K and V
+        # two shared buffers at 3 stages (one without), so the next tile's copy runs under this tile's math
+        blk_next = _tile_block_ids(bt_row, k_begin, k_end, BLOCK_N, BLOCK_SIZE, V_T)
     for start in range(k_begin, k_stop, BLOCK_N):  # start: a multiple of BLOCK_N
         kpos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         k_ok = kpos < k_end
         blk_in = k_ok
         if V_T:  # every key of a block in range gets the block's id: V's runs are whole blocks (the hints below)
             blk_in = tl.max_constancy(kpos - kpos % BLOCK_SIZE < k_end, BLOCK_SIZE)
-        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=blk_in, other=0).to(tl.int64)
+        if PREFETCH:
+            blk = blk_next.to(tl.int64)
+            blk_next = _tile_block_ids(bt_row, start + BLOCK_N, k_end, BLOCK_N, BLOCK_SIZE, V_T)
+        else:
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=blk_in, other=0).to(tl.int64)
         c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -437,7 +455,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
                sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits, num_m_tiles) of one launch."""
     hq, hk, d, bs, b, on_gpu, fp8_cache, v_t = static
-    block_m, block_n, num_warps, num_stages, num_splits, widen, compact = over
+    block_m, block_n, num_warps, num_stages, num_splits, widen, compact, prefetch = over
     check(widen in (None, "q", "fp16", "k8"), "paged_attention: widen must be 'q', 'fp16' or 'k8', not {!r}", widen)
     if widen is None:
         widen = default_widen(dtype, fp8_cache, on_gpu)
@@ -466,7 +484,8 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
     check(not v_t or bn % bs == 0, "paged_attention: a V cache with its keys innermost reads whole blocks: "
           "block_n {} must be a multiple of the block size {}", bn, bs)
     warps = num_warps or warps
-    stages = num_stages or stages
+    # prefetch: the K/V tiles get a second shared buffer only from 3 stages (Triton 3.6), so it asks for 3
+    stages = num_stages or (max(stages, 3) if prefetch else stages)
     check(bm >= 16 and bm & (bm - 1) == 0 and bn >= 16 and bn & (bn - 1) == 0,
           "paged_attention: block_m and block_n must be powers of two >= 16")
     g_pack = min(g_pack, bm)
@@ -490,7 +509,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
         "PRECISION": "ieee" if dtype == torch.float32 or not on_gpu else None,
         "DOT_FP32": not on_gpu, "WIDEN_F16": fp8_cache and widen in ("fp16", "k8") and dtype != torch.float32,
         "QK_FP8": fp8_cache and widen == "k8" and dtype != torch.float32,
-        "V_T": v_t, "COMPACT": compact, "BLOCK_B": COMPACT_MAX_SEQS + 1,
+        "V_T": v_t, "COMPACT": compact, "BLOCK_B": COMPACT_MAX_SEQS + 1, "PREFETCH": bool(prefetch),
     }
     return grid, consts, warps, stages, num_splits, num_m_tiles
 
@@ -506,7 +525,7 @@ def plan_prefill_splits(q_dtype: torch.dtype, num_heads: int, k_cache: torch.Ten
     static = (num_heads, hk, d, bs, batch, k_cache.device.type == "cuda", k_cache.dtype == torch.float8_e4m3fn,
               False)  # the V layout changes no split count
     plan = _tile_plan(static, q_dtype, num_tokens, min(max_query_len, num_tokens), ctx_bound,
-                      sliding_window is not None, num_sms(k_cache.device), (None,) * 7)
+                      sliding_window is not None, num_sms(k_cache.device), (None,) * 8)
     return plan[4]
 
 
@@ -529,6 +548,7 @@ def paged_attention_triton(
     num_stages: int | None = None,
     widen: str | None = None,
     compact: bool = True,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """Triton `paged_attention_ref`: the whole varlen batch in one launch (two when split), no host sync.
 
@@ -557,6 +577,11 @@ def paged_attention_triton(
     first figure above that card's 5.9-6.1 of earlier runs: part of the gain may be noise), TTFT 512 8.61 -> 8.36,
     TTFT 2048 and decode unchanged (bench/results/2026-12-07-session20-ab20-h100-16ef669.md).
     compact=False (FIRSTTOKEN_PREFILL_COMPACT=0) is the per-sequence grid: the A/B switch.
+    prefetch (FIRSTTOKEN_PREFILL_PREFETCH=1; off by default until a GPU has timed it): each key tile's
+    block-table entries are loaded in the iteration before, as decode_attention_triton's prefetch does, and the
+    launch takes at least 3 stages. Compiled for sm90 by Triton 3.6, the K and V tiles then get two shared
+    buffers instead of one, so the next tile's copy runs under this tile's math; without it, the copy waits for
+    this tile to be read (bench/probe_attention_sm90.py). The same keys in the same order: the same output.
     """
     # q: [T, Hq, D]; out: [T, Hq, D]; split partials: [T * Hq, S] and [T * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -577,7 +602,7 @@ def paged_attention_triton(
     ctx_bound = block_tables.shape[1] * bs
     if max_seq_len is not None:
         ctx_bound = min(ctx_bound, max_seq_len)
-    over = (block_m, block_n, num_warps, num_stages, num_splits, widen, compact)
+    over = (block_m, block_n, num_warps, num_stages, num_splits, widen, compact, prefetch)
     tkey = (skey, t, max_q, ctx_bound, over)
     plan = _TILES.get(tkey)
     if plan is None:
@@ -616,24 +641,25 @@ def q_as_e4m3_ref(q: torch.Tensor, scale: float) -> torch.Tensor:
 
 def keywords_from_env() -> dict:
     """The prefill attention's A/B switches, bound into every launch and the warm-up by kernels.ops:
-    FIRSTTOKEN_PREFILL_WIDEN (q, fp16 or k8: `paged_attention_triton`'s widen) and FIRSTTOKEN_PREFILL_COMPACT
-    (0: the grid per sequence instead of the default compact one; 1: compact). Unset: the defaults. A bad value
-    raises ValueError naming the variable."""
+    FIRSTTOKEN_PREFILL_WIDEN (q, fp16 or k8: `paged_attention_triton`'s widen), FIRSTTOKEN_PREFILL_COMPACT
+    (0: the grid per sequence instead of the default compact one; 1: compact) and FIRSTTOKEN_PREFILL_PREFETCH
+    (1: block ids a tile ahead; 0: not). Unset: the defaults. A bad value raises ValueError naming the variable."""
     out: dict = {}
     widen = os.environ.get("FIRSTTOKEN_PREFILL_WIDEN")
     if widen:
         check(widen in ("q", "fp16", "k8"), "FIRSTTOKEN_PREFILL_WIDEN must be q, fp16 or k8, not {!r}", widen)
         out["widen"] = widen
-    compact = os.environ.get("FIRSTTOKEN_PREFILL_COMPACT")
-    if compact:
-        check(compact in ("0", "1"), "FIRSTTOKEN_PREFILL_COMPACT must be 0 or 1, not {!r}", compact)
-        out["compact"] = compact == "1"
+    for name, key in (("FIRSTTOKEN_PREFILL_COMPACT", "compact"), ("FIRSTTOKEN_PREFILL_PREFETCH", "prefetch")):
+        value = os.environ.get(name)
+        if value:
+            check(value in ("0", "1"), "{} must be 0 or 1, not {!r}", name, value)
+            out[key] = value == "1"
     return out
 
 
 def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
                     sliding_window: int | None, q_dtype: torch.dtype, widen: str | None = None,
-                    compact: bool = True) -> None:
+                    compact: bool = True, prefetch: bool = False) -> None:
     """Compile every variant `paged_attention_triton` can pick on this GPU for these caches.
 
     A variant is a tile configuration times split-or-not times the grid (with compact, both: a batch of more
@@ -656,4 +682,5 @@ def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
             for c in sorted({False, compact}):
                 paged_attention_triton(q, k_cache, v_cache, tables, qsl, lens, scale, sliding_window, t,
                                        num_splits=splits, block_m=bm, block_n=bn, num_warps=warps,
-                                       num_stages=stages, widen=widen, compact=c)
+                                       num_stages=max(stages, 3) if prefetch else stages, widen=widen,
+                                       compact=c, prefetch=prefetch)

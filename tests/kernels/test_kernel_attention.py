@@ -158,12 +158,19 @@ def test_prefill_compact_grid_counts_only_the_batchs_tiles() -> None:
     from kernels import prefill_attention as pa
 
     static = (32, 8, 128, 16, 16, True, True, False)  # Llama heads, block 16, 16 rows, an fp8 cache, a GPU
-    grid, consts, _, _, splits, tiles = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None,) * 6 + (True,))
-    assert consts["COMPACT"] and tiles == 8 + 15 and grid == (23 * splits, 8, 1)
-    grid, consts, _, _, splits, tiles = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None,) * 7)
+    compact = (None,) * 6 + (True, False)
+    cgrid, consts, _, stages, splits, tiles = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, compact)
+    assert consts["COMPACT"] and tiles == 8 + 15 and cgrid == (23 * splits, 8, 1)
+    assert not consts["PREFETCH"] and stages == 2  # the small tiles' 2 stages
+    grid, consts, _, _, splits, tiles = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None,) * 8)
     assert not consts["COMPACT"] and tiles == 8 and grid == (8 * splits, 8, 16)
     wide = static[:4] + (pa.COMPACT_MAX_SEQS + 1,) + static[5:]
-    assert not pa._tile_plan(wide, BF16, 128, 1, 33024, False, 132, (None,) * 6 + (True,))[1]["COMPACT"]
+    assert not pa._tile_plan(wide, BF16, 128, 1, 33024, False, 132, compact)[1]["COMPACT"]
+    # the block ids a tile ahead: the same grid, at least the 3 stages that give K and V a second buffer
+    pf = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None,) * 6 + (True, True))
+    assert pf[1]["PREFETCH"] and pf[3] == 3 and pf[0] == cgrid
+    asked = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None, None, None, 4, None, None, True, True))
+    assert asked[3] == 4  # stages asked for are kept
 
 
 def test_prefill_split_choice_depends_on_shapes_only() -> None:
@@ -297,6 +304,34 @@ def test_paged_prefill_large_blocks(bs, v_layout, block_n, window, splits, k_lay
         tiles["num_splits"] = splits
     out = paged_attention_triton(q, kc, vc, bt, qsl, sl, d**-0.5, window, max_query_len=max(new), **tiles)
     assert not out.isnan().any()
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, d**-0.5, window), **TOL[F32])
+
+
+# the prefetch's cases: (bs, v_layout, block_n, window, splits, compact); tiles of one block and of two, a
+# window whose first tile starts mid-range, splits whose ranges start mid-context, both grids; each has
+# programs of several key tiles (a block id taken a tile off changes the output)
+PREFETCH_CASES = [
+    (16, "rows", 16, None, None, True),
+    (16, "keys_inner", 16, 37, 3, True),
+    (32, "keys_inner", 32, None, 2, False),
+    (64, "keys_inner", 64, None, None, True),
+    (16, "rows", 32, 40, 2, True),
+]
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize(("bs", "v_layout", "block_n", "window", "splits", "compact"), PREFETCH_CASES)
+def test_paged_prefill_prefetch_gives_the_same_bits(bs, v_layout, block_n, window, splits, compact) -> None:
+    """prefetch (each key tile's block ids loaded in the iteration before) reads the same keys in the same
+    order: the same bits as without it, with prefixes ending mid-block, empty splits and padding-free grids;
+    a tile taken one too early or late would change them. And the reference's output."""
+    prefix, new, hq, hk, d = [0, 61, 100, 7], [19, 9, 14, 1], 4, 2, 32
+    q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, d, bs, F32)
+    kc, vc = lay_out(kc, vc, v_layout, "nhd")
+    kw = {"max_query_len": max(new), "block_m": 16, "block_n": block_n, "num_splits": splits, "compact": compact}
+    base = paged_attention_triton(q, kc, vc, bt, qsl, sl, d**-0.5, window, **kw)
+    out = paged_attention_triton(q, kc, vc, bt, qsl, sl, d**-0.5, window, prefetch=True, **kw)
+    assert torch.equal(out, base)
     torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, d**-0.5, window), **TOL[F32])
 
 

@@ -57,18 +57,20 @@ def test_get_ops_prefill_widen_switch(monkeypatch) -> None:
     monkeypatch.setenv("FIRSTTOKEN_PREFILL_WIDEN", "bf8")
     with pytest.raises(ValueError, match="FIRSTTOKEN_PREFILL_WIDEN"):
         get_ops("triton")
-    # the grid: compact by default (nothing bound), per sequence with 0, bound into the launches and the warm-up
+    # the grid (compact by default, per sequence with 0) and the block ids a tile ahead (off by default): nothing
+    # bound unless set, then bound into the launches and the warm-up alike; a value other than 0 or 1 fails
     monkeypatch.delenv("FIRSTTOKEN_PREFILL_WIDEN")
     assert not hasattr(get_ops("triton").prefill_attention, "keywords")
-    monkeypatch.setenv("FIRSTTOKEN_PREFILL_COMPACT", "0")
-    ops = get_ops("triton")
-    assert ops.prefill_attention.keywords == {"compact": False}
-    assert ops.warm_up.keywords == {"compact": False, "decode_tiles": {}}
-    monkeypatch.setenv("FIRSTTOKEN_PREFILL_COMPACT", "1")
-    assert get_ops("triton").prefill_attention.keywords == {"compact": True}
-    monkeypatch.setenv("FIRSTTOKEN_PREFILL_COMPACT", "yes")
-    with pytest.raises(ValueError, match="FIRSTTOKEN_PREFILL_COMPACT"):
-        get_ops("triton")
+    for name, key in (("FIRSTTOKEN_PREFILL_COMPACT", "compact"), ("FIRSTTOKEN_PREFILL_PREFETCH", "prefetch")):
+        for value, bound in (("0", False), ("1", True)):
+            monkeypatch.setenv(name, value)
+            ops = get_ops("triton")
+            assert ops.prefill_attention.keywords == {key: bound}
+            assert ops.warm_up.keywords == {key: bound, "decode_tiles": {}}
+        monkeypatch.setenv(name, "yes")
+        with pytest.raises(ValueError, match=name):
+            get_ops("triton")
+        monkeypatch.delenv(name)
 
 
 def test_get_ops_decode_tiles_switch(monkeypatch) -> None:

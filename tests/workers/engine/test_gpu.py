@@ -115,14 +115,20 @@ def test_cuda_choices_share_the_prompt_blocks_in_one_step(llama_dir, n_prompt):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("graphs", "fields"), [(True, {}), (False, {}),
-                                                (True, {"quantization": "fp8", "fp8_lm_head": True})])
-def test_cuda_serving_never_compiles_after_start(graphs, fields):
+                                                (True, {"quantization": "fp8", "fp8_lm_head": True}),
+                                                (True, {"_env": {"FIRSTTOKEN_PREFILL_PREFETCH": "1"}})])
+def test_cuda_serving_never_compiles_after_start(graphs, fields, monkeypatch):
     """Every Triton variant is compiled at start-up: a mixed workload (decodes, chunked and
     split prefills, batch sizes from 1 to 48) launches no new specialisation (also with the
-    FP8 projections and lm_head: its GEMV, few-row GEMM and fused final norm)."""
+    FP8 projections and lm_head: its GEMV, few-row GEMM and fused final norm; and with the prefill
+    attention's block ids a tile ahead, whose 3 stages the warm-up compiles)."""
     import random
 
     from kernels._triton import _KERNELS, kernel_compiles
+
+    fields = dict(fields)
+    for name, value in fields.pop("_env", {}).items():
+        monkeypatch.setenv(name, value)
 
     eng = LLMEngine("tiny", EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton", num_blocks=512,
                                          max_model_len=1024, max_num_seqs=48, max_num_batched_tokens=384,
@@ -667,6 +673,27 @@ def test_cuda_prompt_logprobs_beside_graph_steps(llama_dir):
     assert max(diffs) < PROMPT_LP_RATIO * hf_diffs.max().item(), (max(diffs), hf_diffs.max())
 
 
+def cached_prefix_case(bs: int, v_layout: str, seed: int, prefix: int = 2048, new: int = 128) -> tuple:
+    """TTFT 2048 cached + 128's paged attention inputs: Llama-3.1-8B heads, an fp8 cache of blocks of `bs` in
+    scattered order (V in rows or keys inner), bf16 q. Returns (q, k_cache, v_cache, block_tables,
+    query_start_loc, seq_lens, scale, new)."""
+    from kernels.kv_layout import to_v_layout
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hq, hk, d = 32, 8, 128
+    ctx = prefix + new
+    nblk = -(-ctx // bs)
+    kc = torch.randn((nblk + 4, bs, hk, d), device="cuda", generator=g).to(torch.float8_e4m3fn)
+    vc = torch.randn((nblk + 4, bs, hk, d), device="cuda", generator=g).to(torch.float8_e4m3fn)
+    if v_layout == "keys_inner":
+        vc = to_v_layout(vc, "keys_inner")
+    bt = torch.randperm(nblk + 4, device="cuda", generator=g)[None, :nblk].int()
+    q = torch.randn((new, hq, d), device="cuda", generator=g).to(torch.bfloat16)
+    qsl = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+    sl = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+    return q, kc, vc, bt, qsl, sl, d**-0.5, new
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_prefill_attention_k8_matches_its_emulation():
     """The paged prefill attention with widen="k8" (QK^T on the e4m3 wgmma, q rounded by the GPU's cvt) at
@@ -676,17 +703,7 @@ def test_cuda_prefill_attention_k8_matches_its_emulation():
     scale or a truncating cast would leave the first bound."""
     from kernels.prefill_attention import paged_attention_ref, paged_attention_triton, q_as_e4m3_ref
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    hq, hk, d, bs, prefix, new = 32, 8, 128, 16, 2048, 128
-    ctx = prefix + new
-    nblk = -(-ctx // bs)
-    kc = torch.randn((nblk + 4, bs, hk, d), device="cuda", generator=g).to(torch.float8_e4m3fn)
-    vc = torch.randn((nblk + 4, bs, hk, d), device="cuda", generator=g).to(torch.float8_e4m3fn)
-    bt = torch.randperm(nblk + 4, device="cuda", generator=g)[None, :nblk].int()
-    q = torch.randn((new, hq, d), device="cuda", generator=g).to(torch.bfloat16)
-    qsl = torch.tensor([0, new], dtype=torch.int32, device="cuda")
-    sl = torch.tensor([ctx], dtype=torch.int32, device="cuda")
-    scale = d**-0.5
+    q, kc, vc, bt, qsl, sl, scale, new = cached_prefix_case(16, "rows", seed=0)
     exact = paged_attention_ref(q, kc, vc, bt, qsl, sl, scale).float()
     emu = paged_attention_ref(q_as_e4m3_ref(q, scale), kc, vc, bt, qsl, sl, scale).float()
 
@@ -705,6 +722,29 @@ def test_cuda_prefill_attention_k8_matches_its_emulation():
     for splits in (None, 1):
         r = result[f"splits_{splits}"]
         assert r["vs_emulation"] < 0.008 and 0.01 < r["vs_exact"] < 0.05, result
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_prefill_prefetch_gives_the_same_bits():
+    """The paged prefill attention with each key tile's block ids loaded a tile ahead (prefetch: two K/V shared
+    buffers at 3 stages on sm90) at 2048 cached + 128 new tokens in the engine's fp8 layout (blocks of 64, V
+    keys inner, scattered blocks), Llama-3.1-8B heads, split as the engine splits it and unsplit, eagerly and
+    replayed in a CUDA graph: the same keys in the same order, so the same bits as without it."""
+    from kernels.prefill_attention import paged_attention_ref, paged_attention_triton
+
+    q, kc, vc, bt, qsl, sl, scale, new = cached_prefix_case(64, "keys_inner", seed=1)
+    exact = paged_attention_ref(q, kc, vc, bt, qsl, sl, scale).float()
+    for splits in (None, 1):
+        kw = {"max_query_len": new, "num_splits": splits}
+        base = paged_attention_triton(q, kc, vc, bt, qsl, sl, scale, **kw)
+        out = paged_attention_triton(q, kc, vc, bt, qsl, sl, scale, prefetch=True, **kw)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = paged_attention_triton(q, kc, vc, bt, qsl, sl, scale, prefetch=True, **kw)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, base) and torch.equal(replayed, base), splits
+        assert float((out.float() - exact).norm() / exact.norm()) < 0.005, splits  # the fp16 path's ~0.001
 
 
 def test_cuda_fp8_attention_matches_its_emulation():

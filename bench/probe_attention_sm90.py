@@ -1,18 +1,27 @@
-"""How Triton schedules the cached-prefix attention loop for Hopper, compiled on a machine with no GPU.
+"""How Triton schedules the attention loops for Hopper, compiled on a machine with no GPU: shared buffers,
+registers and programs an SM, from the TTGIR and Triton's bundled ptxas.
 
-    python3 bench/probe_prefill_sm90.py
-    PYTHONPATH=/path/to/triton-3.6 python3 bench/probe_prefill_sm90.py   # the device image's Triton
+    python3 bench/probe_attention_sm90.py
+    PYTHONPATH=/path/to/triton-3.6 python3 bench/probe_attention_sm90.py   # the device image's Triton
 
-TTFT 2048 cached + 128 spends ~25 us a layer in `kernels.prefill_attention._paged_attention_kernel`, bound by
-the latency of its loop's serial chain (load, QK^T, softmax, PV) with two programs an SM (session 19's ncu).
-This compiles the engine's form of that launch for sm90 (fp8 cache, blocks of 64, V keys inner, K/V widened to
-fp16, splits, the compact grid; 64 x 64 tiles, 4 warps) at 2, 3 and 4 pipeline stages and reports, from the
-TTGIR, how many shared-memory buffers the K and V tiles get (1: the next tile's copy can start only after this
-tile is read, so no load overlaps the tile's math) and, from Triton's bundled ptxas, the registers a thread.
+Cached prefix (TTFT 2048 cached + 128). The loop spends ~25 us a layer in
+`kernels.prefill_attention._paged_attention_kernel`, bound by the latency of its serial chain (load, QK^T,
+softmax, PV) with two programs an SM (session 19's ncu).
+- The engine's form of that launch is compiled at 2, 3 and 4 pipeline stages: fp8 cache, blocks of 64, V keys
+  inner, K/V widened to fp16, splits, the compact grid, 64 x 64 tiles, 4 warps.
+- The K and V tiles' buffer count is reported. With 1, the next tile's copy starts only after this tile is read,
+  so no load overlaps the tile's math. The same launch with each tile's block ids loaded a tile ahead
+  (`paged_attention_triton(prefetch=True)`, as decode's prefetch) is compiled at 3 and 4 stages.
+- Then a minimal loop of the same math, with K and V^T by TMA (one cache block a tile), asks for Triton's
+  automatic warp specialization (`tl.range(..., warp_specialize=True)`: the producer/consumer split
+  FlashAttention-3 builds by hand) at 4 and at 8 warps.
 
-Then it asks whether Triton's automatic warp specialization (`tl.range(..., warp_specialize=True)`, the
-producer/consumer split FlashAttention-3 builds by hand) takes such a loop: a minimal loop of the same math
-whose K and V^T tiles come by TMA, one cache block a tile, at 4 and at 8 warps. Prints one JSON line a case.
+Decode (the throughput shape's ~27 of ~43 ms a step on the H200). `_decode_partial_kernel` is compiled in the
+engine's form (fp8 cache, blocks of 64, V keys inner, block ids a tile ahead, 64-key tiles, 2 warps, 3 stages)
+and in the variants `gpu_run.sh dec_rate` times. For each, the programs an SM that registers and shared memory
+allow, which bounds the bytes a multiprocessor keeps in flight.
+
+Prints one JSON line a case.
 """
 
 from __future__ import annotations
@@ -52,25 +61,71 @@ def registers(ptx: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def engine_loop(stages: int) -> dict:
+def programs_per_sm(regs: int | None, shared: int, warps: int) -> int | None:
+    """Resident programs an sm90 multiprocessor holds: 64 warps, 32 programs, 64K registers (a warp's taken in
+    units of 256, a thread's rounded up to 8), 228 KB of shared memory (1 KB of it reserved a program)."""
+    if regs is None:
+        return None
+    per_warp = -(-(-(-regs // 8) * 8 * 32) // 256) * 256
+    return min(64 // warps, 32, 65536 // (per_warp * warps), (228 * 1024) // (shared + 1024))
+
+
+def fp8_buffers(ir: str) -> list[int]:
+    """Depths of the fp8 tiles' shared buffers (the K and V tiles: local_alloc of memdesc<N x R x C x f8>)."""
+    return sorted({int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+xf8E4M3FN", ir)})
+
+
+def engine_loop(stages: int, prefetch: bool = False) -> dict:
     from kernels import prefill_attention
 
     jitted = prefill_attention._paged_attention_kernel.jitted()
     consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_Q": 16, "BLOCK_M": 64, "BLOCK_N": 64,
               "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 64, "HAS_WINDOW": False, "SPLIT": True,
               "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": True, "QK_FP8": False, "V_T": True,
-              "COMPACT": True, "BLOCK_B": prefill_attention.COMPACT_MAX_SEQS + 1}
+              "COMPACT": True, "BLOCK_B": prefill_attention.COMPACT_MAX_SEQS + 1, "PREFETCH": prefetch}
     sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names)
              if n not in consts and n not in NOT_DIV16}
     c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts, attrs=attrs),
                        target=TARGET, options={"num_warps": 4, "num_stages": stages})
-    ir = c.asm["ttgir"]
-    # the K and V tiles' shared buffers: memdesc<NxBLOCK_Nx128xf8E4M3FN> and <Nx128xBLOCK_NxE4M3FN>
-    depth = sorted({int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x(?:64x128|128x64)xf8E4M3FN",
-                                                 ir)})
-    return {"case": f"engine loop, {stages} stages", "kv_buffers": depth, "registers": registers(c.asm["ptx"]),
-            "shared_bytes": c.metadata.shared}
+    regs = registers(c.asm["ptx"])
+    return {"case": f"prefill: engine loop, {stages} stages{', block ids a tile ahead' if prefetch else ''}",
+            "kv_buffers": fp8_buffers(c.asm["ttgir"]),
+            "registers": regs, "shared_bytes": c.metadata.shared,
+            "programs_per_sm": programs_per_sm(regs, c.metadata.shared, 4)}
+
+
+# decode_attention_triton's keywords per case: the engine's default, then gpu_run.sh dec_rate's variants
+DECODE_CASES = {"default": {}, "n128": {"block_n": 128}, "s2": {"num_stages": 2}, "s4": {"num_stages": 4},
+                "w4": {"num_warps": 4}, "n128_w4": {"block_n": 128, "num_warps": 4}, "nopf": {"prefetch": False}}
+DECODE_PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "bt_ptr": "*i32",
+               "seq_lens_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
+               "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
+               "qk_scale": "fp32"}
+# what the launcher specialises as 16-divisible (the compile test's list): pointers the cache tiles come through,
+# and the strides
+DECODE_DIV16 = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "m_ptr", "l_ptr", "acc_ptr", "out_ptr", "kn_ptr", "vn_ptr",
+                "cs_ptr", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "num_q_heads", "stride_qb",
+                "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_vcb", "stride_vch"}
+
+
+def decode_loop(name: str, kw: dict) -> dict:
+    from kernels import decode_attention
+
+    jitted = decode_attention._decode_partial_kernel.jitted()
+    bn, warps, stages = kw.get("block_n", 64), kw.get("num_warps", 2), kw.get("num_stages", 3)
+    consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": bn, "HEAD_DIM": 128,
+              "BLOCK_D": 128, "BLOCK_SIZE": 64, "SPLIT": False, "HAS_WINDOW": False, "PRECISION": None,
+              "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": kw.get("prefetch", True), "ROPE": False,
+              "V_T": True, "V_MAX": 0.0}
+    sig = {n: DECODE_PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts,
+                                                                                                      "constexpr")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names) if n in DECODE_DIV16}
+    c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts, attrs=attrs),
+                       target=TARGET, options={"num_warps": warps, "num_stages": stages})
+    regs = registers(c.asm["ptx"])
+    return {"case": f"decode: {name}", "kv_buffers": fp8_buffers(c.asm["ttgir"]), "registers": regs,
+            "shared_bytes": c.metadata.shared, "programs_per_sm": programs_per_sm(regs, c.metadata.shared, warps)}
 
 
 @triton.jit
@@ -118,9 +173,9 @@ def tma_loop(ws: bool, warps: int) -> dict:
     sig = {"q_ptr": "*bf16", "k_desc": "tensordesc<fp8e4nv[64, 128]>", "v_desc": "tensordesc<fp8e4nv[128, 64]>",
            "bt_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "ctx": "i32", "n_new": "i32",
            "stride_qt": "i32", "stride_qh": "i32", "num_splits": "i32"} | dict.fromkeys(consts, "constexpr")
-    case = f"TMA loop, warp_specialize={ws}, {warps} warps"
+    case = f"prefill: TMA loop, warp_specialize={ws}, {warps} warps"
     # (a failed pass can abort the process from C++: each case runs in its own)
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import probe_prefill_sm90 as p, "
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import probe_attention_sm90 as p, "
             f"triton, json; c = triton.compile(triton.compiler.ASTSource(fn=p._tma_loop, signature={sig!r}, "
             f"constexprs={consts!r}), target=p.TARGET, options={{'num_warps': {warps}, 'num_stages': 3}}); "
             "ir = c.asm['ttgir']; print(json.dumps({'partitions': ir.count('ttg.warp_specialize'), "
@@ -136,8 +191,12 @@ def main() -> None:
     print(json.dumps({"triton": triton.__version__}))
     for stages in (2, 3, 4):
         print(json.dumps(engine_loop(stages)), flush=True)
+    for stages in (3, 4):  # paged_attention_triton(prefetch=True): at least 3 stages
+        print(json.dumps(engine_loop(stages, prefetch=True)), flush=True)
     for ws, warps in ((False, 4), (True, 4), (True, 8)):
         print(json.dumps(tma_loop(ws, warps)), flush=True)
+    for name, kw in DECODE_CASES.items():
+        print(json.dumps(decode_loop(name, kw)), flush=True)
 
 
 if __name__ == "__main__":
