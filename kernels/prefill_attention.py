@@ -581,7 +581,8 @@ def paged_attention_triton(
     block-table entries are loaded in the iteration before, as decode_attention_triton's prefetch does, and the
     launch takes at least 3 stages. Compiled for sm90 by Triton 3.6, the K and V tiles then get two shared
     buffers instead of one, so the next tile's copy runs under this tile's math; without it, the copy waits for
-    this tile to be read (bench/probe_attention_sm90.py). The same keys in the same order: the same output.
+    this tile to be read (bench/probe_attention_sm90.py): it is the fp8 tiles' widening through registers that
+    leaves them one buffer (a 16-bit cache's get two without it). The same keys in the same order: the same output.
     """
     # q: [T, Hq, D]; out: [T, Hq, D]; split partials: [T * Hq, S] and [T * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
