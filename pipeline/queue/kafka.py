@@ -46,6 +46,7 @@ from pipeline.queue.kafka_internals import (
     commit_in_loop,
     heartbeat_clock,
     install_eager_writes,
+    membership,
     polling_thread_client,
     record_format,
 )
@@ -483,7 +484,8 @@ class KafkaJobConsumer(JobConsumer):
         silent, unassigned = watch.silent_s, watch.unassigned_s
         log.warning(
             "consumer of %s is out of its group (%.0f s without a heartbeat answer, %.0f s revoked "
-            "without an assignment): rejoining with a new client", self.group, silent, unassigned,
+            "without an assignment; %s): rejoining with a new client", self.group, silent, unassigned,
+            membership(self._consumer),
         )
         for p in list(self._tracker.partitions()):
             self._tracker.revoke(p)

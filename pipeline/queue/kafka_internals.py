@@ -194,6 +194,17 @@ def polling_thread_client(**configs: Any) -> KafkaNetClient:
     return KafkaNetClient(net=_PollingThreadSelector(**configs), **configs)
 
 
+def membership(consumer: KafkaConsumer) -> str:
+    """The client's place in its group as it holds it, for a log line: its generation and whether it still has
+    a member id (a client that lost it rejoins as a new member: a rebalance then waits for the old member's
+    session to expire, unless static membership names it)."""
+    gen = getattr(getattr(consumer, "_coordinator", None), "_generation", None)
+    if gen is None:
+        return "no coordinator"
+    kept = bool(getattr(gen, "member_id", ""))
+    return f"generation {getattr(gen, 'generation_id', '?')}, member id {'kept' if kept else 'lost'}"
+
+
 def heartbeat_clock(consumer: KafkaConsumer) -> float | None:
     """When the consumer's group coordinator last answered a heartbeat (or its heartbeat was
     reset: a join), on the monotonic clock; None before it has a coordinator."""

@@ -119,3 +119,20 @@ def test_the_password_filter_redacts_and_never_raises_on_a_malformed_record():
     assert f.filter(ok) and ok.getMessage() == "auth x ***"
     bad = logging.LogRecord("kafka.net.connection", logging.DEBUG, __file__, 1, "two %s %s", ("one",), None)
     assert f.filter(bad)  # left for the handler to report, not raised into kafka-python's call
+
+
+def test_membership_says_whether_the_client_still_has_its_member_id():
+    """The watchdog's log line names the client's generation and whether it kept its member id (a client
+    that lost it rejoins as a new member, and the rebalance waits for the old one's session)."""
+    from types import SimpleNamespace
+
+    from kafka.coordinator.base import Generation
+
+    from pipeline.queue.kafka_internals import membership
+
+    def consumer(gen):
+        return SimpleNamespace(_coordinator=SimpleNamespace(_generation=gen))
+
+    assert membership(consumer(Generation(7, "member-1", "range"))) == "generation 7, member id kept"
+    assert membership(consumer(Generation.NO_GENERATION)) == "generation -1, member id lost"
+    assert membership(SimpleNamespace()) == "no coordinator"
