@@ -68,7 +68,8 @@ tl: Any = None  # triton.language, bound at the first launch by kernels._triton.
 
 @lazy_helper
 def _tile_block_ids(bt_row, start, k_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, V_T: tl.constexpr):
-    """The block id of each key of the tile at `start` (0 past k_end), as the loop reads them."""
+    """The block id of each key of the tile at `start` (0 past k_end): the loop's, read in its own iteration or,
+    with PREFETCH, in the one before (the default's PTX is the same as when the loop read them inline)."""
     kpos = start + tl.arange(0, BLOCK_N)
     blk_in = kpos < k_end
     if V_T:
@@ -217,7 +218,7 @@ def _paged_attention_kernel(
             blk = blk_next.to(tl.int64)
             blk_next = _tile_block_ids(bt_row, start + BLOCK_N, k_end, BLOCK_N, BLOCK_SIZE, V_T)
         else:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=blk_in, other=0).to(tl.int64)
+            blk = _tile_block_ids(bt_row, start, k_end, BLOCK_N, BLOCK_SIZE, V_T).to(tl.int64)
         c_off = blk * stride_cb + (kpos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_off  # [BLOCK_N]
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
