@@ -341,8 +341,8 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-nocompact": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_COMPACT": "0"}},
     # A/B: the prefill attention's block ids a tile ahead (two K/V buffers at 3 stages: the next tile's copy under
     # this tile's math; session 27, not yet timed)
+    # (an fp8 cache's: a 16-bit cache's tiles have two buffers without it)
     "fp8-prefillpf": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_PREFETCH": "1"}},
-    "bf16-prefillpf": {"_env": {"FIRSTTOKEN_PREFILL_PREFETCH": "1"}},
     "bf16-nocompact": {"_env": {"FIRSTTOKEN_PREFILL_COMPACT": "0"}},
     # A/B: the bf16 lm_head's GEMM in bf16 then a cast to fp32 (the layout before its GEMM wrote fp32 logits)
     "fp8-bf16logits": {"quantization": "fp8", "_env": {"FIRSTTOKEN_LOGITS_FP32_GEMM": "0"}},

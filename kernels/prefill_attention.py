@@ -485,8 +485,9 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
     check(not v_t or bn % bs == 0, "paged_attention: a V cache with its keys innermost reads whole blocks: "
           "block_n {} must be a multiple of the block size {}", bn, bs)
     warps = num_warps or warps
-    # prefetch: the K/V tiles get a second shared buffer only from 3 stages (Triton 3.6), so it asks for 3
-    stages = num_stages or (max(stages, 3) if prefetch else stages)
+    stages = num_stages or stages
+    if prefetch:  # the K/V tiles get a second shared buffer only from 3 stages (Triton 3.6)
+        stages = max(stages, 3)
     check(bm >= 16 and bm & (bm - 1) == 0 and bn >= 16 and bn & (bn - 1) == 0,
           "paged_attention: block_m and block_n must be powers of two >= 16")
     g_pack = min(g_pack, bm)
@@ -580,7 +581,7 @@ def paged_attention_triton(
     compact=False (FIRSTTOKEN_PREFILL_COMPACT=0) is the per-sequence grid: the A/B switch.
     prefetch (FIRSTTOKEN_PREFILL_PREFETCH=1; off by default until a GPU has timed it): each key tile's
     block-table entries are loaded in the iteration before, as decode_attention_triton's prefetch does, and the
-    launch takes at least 3 stages. Compiled for sm90 by Triton 3.6, the K and V tiles then get two shared
+    launch takes at least 3 stages (fewer asked for are raised to 3). Compiled for sm90 by Triton 3.6, the K and V tiles then get two shared
     buffers instead of one, so the next tile's copy runs under this tile's math; without it, the copy waits for
     this tile to be read (bench/probe_attention_sm90.py): it is the fp8 tiles' widening through registers that
     leaves them one buffer (a 16-bit cache's get two without it). The same keys in the same order: the same output.
@@ -684,5 +685,4 @@ def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
             for c in sorted({False, compact}):
                 paged_attention_triton(q, k_cache, v_cache, tables, qsl, lens, scale, sliding_window, t,
                                        num_splits=splits, block_m=bm, block_n=bn, num_warps=warps,
-                                       num_stages=max(stages, 3) if prefetch else stages, widen=widen,
-                                       compact=c, prefetch=prefetch)
+                                       num_stages=stages, widen=widen, compact=c, prefetch=prefetch)

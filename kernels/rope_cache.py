@@ -421,7 +421,7 @@ def rope_cache_cast_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     heads, an fp8 keys-inner cache: 0.055 / 0.180 / 0.699 ms at 2048 / 8192 / 32768 tokens against 0.085 /
     0.213 / 0.776 for rope_and_cache then cast_e4m3, the same bits out (tests/workers/engine/test_gpu.py).
     It runs tiles of tokens (the layout tried for rope_and_cache alone), 3.1x its bytes' floor where the
-    per-token rope_and_cache runs at 2.0-2.2x: a per-token form of this launch is the next thing to try."""
+    per-token rope_and_cache runs at 2.0-2.2x: tile=0, its per-token form, may beat it (gpu_run.sh rope_ab)."""
     v_t = _check_args(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     t, hq, d = q.shape
     y, scale = cast_outputs("rope_cache_cast", t, (hq + 2 * k.shape[1]) * d, margin, q.device, out, scale)
