@@ -27,6 +27,7 @@
 #   next25      H200 only: throughput of the default, the issue's table (bf16, fp8+kv8), bf16's throughput ~9 min
 #   fuse_comb   decode attention's splits combined in its own launch's last program, not a second launch: GPU
 #               tests, the kernel at B 1-64 (bench_decode_tiles), then decode b1/b8/b64 A/B (bench_engine)   ~4 min
+#   next28      H200 only: next25 without bf16's throughput                                          ~8 min
 #   fused_rope  decode b1-b512, rope_and_cache fused into the decode attention at every batch vs the default ~3 min
 #   rope_ab     FP8 attention's rope + cache write + cast in one launch (the default) against two: GPU
 #               tests, the kernels alone (bench_rope_tiles), TTFT of each                             ~5 min
@@ -301,6 +302,14 @@ for stage in "${STAGES[@]}"; do
         run engine_table 300 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
           --engines "bf16,fp8+kv8" --no-hf "${ENGINE_ARGS[@]}"
         throughputs 200 bf16  # the issue wants bf16 beside FP8 in the same run (last: a cut call loses only it)
+      else
+        echo "not an H200: nothing run"
+      fi ;;
+    next28)  # next25 without bf16's throughput (~8 min: what fits a session's device time left after refused starts)
+      if on_h200; then
+        throughputs 170 fp8+kv8
+        run engine_table 300 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
+          --engines "bf16,fp8+kv8" --no-hf "${ENGINE_ARGS[@]}"
       else
         echo "not an H200: nothing run"
       fi ;;
