@@ -64,3 +64,42 @@ def test_fp8_cache_v_layouts_give_the_same_tokens(llama_dir, monkeypatch):
         assert done[4].usage.cached_prompt_tokens > 0
         got[layout, k_layout] = [f.output_token_ids for f in done]
     assert got["rows", "nhd"] == got["keys_inner", "nhd"] == got["keys_inner", "hnd"]
+
+
+@pytest.mark.slow
+def test_fused_combines_give_the_two_launch_tokens(llama_dir, monkeypatch):
+    """Both attentions' splits combined by their last program (FIRSTTOKEN_PREFILL_FUSE_COMBINE=1 and
+    FIRSTTOKEN_DECODE_TILES' fuse_combine) give the tokens of the second launch they replace, over contexts long
+    enough to split (a prefix hit and chunked prefills included); without them the combine launches, with them
+    it never does."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import kernels.decode_attention as da
+    import kernels.prefill_attention as pa
+
+    combines = []  # (rows, splits) of each combine launch
+    real_combine = pa.combine_splits
+
+    def spied_combine(m, *args, **kwargs):
+        combines.append(tuple(m.shape))
+        return real_combine(m, *args, **kwargs)
+
+    monkeypatch.setattr(pa, "combine_splits", spied_combine)
+    monkeypatch.setattr(da, "combine_splits", spied_combine)
+    # a 300-token prompt (chunks of 96 over a growing context), a short one, then a prefix hit of 70 blocks with
+    # 3 new tokens: one query tile a kv head over 9 key tiles, too few programs to fill the interpreter's 8 "SMs"
+    prompts = prompt_set(1, seed=22, min_len=300, max_len=300) + prompt_set(1, seed=23, min_len=20, max_len=20)
+    prompts.append(prompts[0][:280] + [7, 8, 9])
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    got = {}
+    for fuse in (False, True):
+        if fuse:
+            monkeypatch.setenv("FIRSTTOKEN_PREFILL_FUSE_COMBINE", "1")
+            monkeypatch.setenv("FIRSTTOKEN_DECODE_TILES", '{"fuse_combine": true}')
+        combines.clear()
+        eng = LLMEngine(str(llama_dir), EngineConfig(device="cpu", dtype="float32", kernel_backend="triton",
+                                                     block_size=4, max_num_batched_tokens=96))
+        done = run_prompts(eng, prompts, sp)
+        assert done[2].usage.cached_prompt_tokens > 0
+        got[fuse] = [f.output_token_ids for f in done]
+        assert bool(combines) != fuse, (fuse, combines)
+    assert got[True] == got[False]
