@@ -348,17 +348,16 @@ for stage in "${STAGES[@]}"; do
     fuse_comb)  # decode's and the prefill's attention splits combined by the last split program to finish (arrival
       # counters, as the split-K GEMV) against combine_splits' second launch a layer: decode's small batches that
       # split their contexts (b1: 32 combine launches of ~2.5 us a step on an H100, session 24) and 2048 cached +
-      # 128 (32 of ~4.3 us, session 25). TTFT 512 / 2048 / cached + 128 and decode b1-b64 of each engine in one
-      # process, then its GPU tests and decode's kernel alone (bench_decode_tiles, engine layout)        ~5 min
+      # 128 (32 of ~4.3 us, session 25). Its GPU tests, decode's kernel alone (bench_decode_tiles, engine layout),
+      # then TTFT 512 / 2048 / cached + 128 and decode b1-b64 of each engine in one process            ~5 min
       [ "${SMOKE:-0}" = 1 ] && continue  # (needs CUDA)
-      # (the engine A/B first: on an H200 its fp8+kv8 rows are also the issue's TTFT cached + 128 and decode b1)
-      run fc_engine 270 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
-        --engines "fp8+kv8,fp8-fusecomb+kv8" --no-hf --ttft-lengths 512,2048 --decode-batches 1,8,64
       FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests_fc 200 \
         $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA \
         -k "fused_combine or never_compiles"
       run fc_kernel 100 $PY bench/bench_decode_tiles.py --block-sizes 64 --cases 1x2048,8x2048,64x2048,1x8192 \
-        --variants '{"vtpf": {"v_layout": "keys_inner"}, "vtpf_fc": {"v_layout": "keys_inner", "fuse_combine": true}}' ;;
+        --variants '{"vtpf": {"v_layout": "keys_inner"}, "vtpf_fc": {"v_layout": "keys_inner", "fuse_combine": true}}'
+      run fc_engine 270 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections ttft,decode \
+        --engines "fp8+kv8,fp8-fusecomb+kv8" --no-hf --ttft-lengths 512,2048 --decode-batches 1,8,64 ;;
     fused_rope)  # rope_and_cache inside the decode attention at every batch (fp8-fusedall) against the default (up
       # to 64 since session 25, 16 before): with V's keys innermost, rope_and_cache's own launch writes each token's
       # V byte by byte (16 us a layer at b500 on an H100, session 25), one process                         ~3 min
