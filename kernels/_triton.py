@@ -221,7 +221,7 @@ def num_sms(device: Any) -> int:
 
 
 ARRIVAL_COUNTERS: dict = {}  # device -> zeroed int32 counters
-ARRIVAL_COUNTERS_MIN = 1 << 16
+_MIN_COUNTERS = 1 << 16
 
 
 def arrival_counters(device: Any, n: int) -> Any:
@@ -236,7 +236,7 @@ def arrival_counters(device: Any, n: int) -> Any:
     if buf is None or buf.numel() < n:
         check(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
               "arrival counters must exist before a graph capture (launch the kernel once eagerly)")
-        buf = ARRIVAL_COUNTERS[device] = torch.zeros(max(n, ARRIVAL_COUNTERS_MIN), dtype=torch.int32, device=device)
+        buf = ARRIVAL_COUNTERS[device] = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
     return buf
 
 

@@ -6,25 +6,9 @@ from typing import Any
 
 import torch
 
-from kernels._triton import (
-    ARRIVAL_COUNTERS_MIN,
-    arrival_counters,
-    bounded_put,
-    cdiv,
-    check,
-    lazy_jit,
-    next_pow2,
-    num_sms,
-)
+from kernels._triton import arrival_counters, bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
 from kernels.kv_layout import v_keys_inner, v_max
-from kernels.prefill_attention import (
-    _combine_when_last,
-    check_paged_inputs,
-    combine_splits,
-    paged_attention_ref,
-    split_partials,
-    tile_counters,
-)
+from kernels.prefill_attention import check_paged_inputs, combine_splits, paged_attention_ref, split_partials
 
 
 def decode_attention_ref(
@@ -51,8 +35,7 @@ tl: Any = None  # triton.language, bound at the first launch by kernels._triton.
 
 # block tables are as wide as the step's longest sequence: their row stride changes every step
 @lazy_jit(do_not_specialize=("window", "num_splits", "stride_bt"),
-          do_not_specialize_on_alignment=("bt_ptr", "seq_lens_ptr", "kn_ptr", "vn_ptr", "pos_ptr", "slot_ptr",
-                                          "count_ptr"))
+          do_not_specialize_on_alignment=("bt_ptr", "seq_lens_ptr", "kn_ptr", "vn_ptr", "pos_ptr", "slot_ptr"))
 def _decode_partial_kernel(
     q_ptr,  # q: [B, Hq, D], last dim contiguous
     k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous; q's dtype or fp8 e4m3
@@ -263,10 +246,34 @@ def _decode_partial_kernel(
         tl.store(l_ptr + part, l_i, mask=row_ok)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=(row_ok & (l_i > 0.0))[:, None] & dmask[None, :])
-        if FUSE_COMBINE:  # the last split of this (sequence, kv program) to finish combines: no second launch
-            _combine_when_last(count_ptr + b * tl.num_programs(1) + pid_h, num_splits, m_ptr, l_ptr, acc_ptr,
-                               (b * num_q_heads + qh) * num_splits, row_ok, d, dmask,
-                               out_ptr + (b * num_q_heads + qh)[:, None] * HEAD_DIM + d[None, :], HEAD_DIM)
+        if FUSE_COMBINE:
+            # the split-K GEMV's hand-off (kernels/fp8_gemv.py): each split takes a ticket once its partials
+            # are stored; the last to arrive sees them all and combines them as `combine_splits` does, in
+            # split order (the same result whichever split is last), online over one split at a time
+            tl.debug_barrier()  # every thread's partials stored before the ticket releases them
+            counter = count_ptr + b * tl.num_programs(1) + pid_h
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                row0 = (b * num_q_heads + qh) * num_splits  # [BLOCK_H]: split 0's partial of each row
+                m_run = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+                total = tl.zeros([BLOCK_H], dtype=tl.float32)
+                o = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+                for s in range(0, num_splits):
+                    ms = tl.load(m_ptr + row0 + s, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+                    ls = tl.load(l_ptr + row0 + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    live = row_ok & (ls > 0.0)  # an empty split's acc is unwritten: not read
+                    a = tl.load(acc_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :],
+                                mask=live[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m_run, tl.where(live, ms, -1.0e30))
+                    alpha = tl.math.exp2(m_run - m_new)
+                    w = tl.where(live, tl.math.exp2(ms - m_new), 0.0)
+                    total = total * alpha + w * ls
+                    o = o * alpha[:, None] + w[:, None] * a
+                    m_run = m_new
+                o = o / tl.where(total > 0.0, total, 1.0)[:, None]  # no key seen (seq_len 0, padding): zeros
+                tl.store(out_ptr + (b * num_q_heads + qh)[:, None] * HEAD_DIM + d[None, :],
+                         o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: int) -> int:
@@ -339,8 +346,7 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
         "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch, "ROPE": False,
-        "V_T": v_t, "V_MAX": 0.0, "FUSE_COMBINE": bool(fuse_combine) and num_splits > 1
-        and tile_counters((b * num_splits, hk * head_chunks, 1), num_splits) <= ARRIVAL_COUNTERS_MIN,
+        "V_T": v_t, "V_MAX": 0.0, "FUSE_COMBINE": bool(fuse_combine) and num_splits > 1,
     }
     return (b, hk * head_chunks, num_splits), consts, num_warps, num_stages or 3, num_splits
 

@@ -79,8 +79,7 @@ def get_ops(backend: str) -> KernelOps:
 
         # FIRSTTOKEN_PREFILL_WIDEN: what the prefill attention widens an fp8 cache to, or k8 (QK^T in FP8);
         # FIRSTTOKEN_PREFILL_COMPACT=0: its grid per sequence, not the compact one; FIRSTTOKEN_PREFILL_PREFETCH=1:
-        # block ids a tile ahead; FIRSTTOKEN_PREFILL_FUSE_COMBINE=1: splits combined by their last program
-        # (kernels.prefill_attention.keywords_from_env; A/B switches)
+        # block ids a tile ahead (kernels.prefill_attention.keywords_from_env; A/B switches)
         prefill_kw = keywords_from_env()
         # FIRSTTOKEN_DECODE_TILES: decode attention's tile keywords, for every launch and the warm-up (an A/B switch)
         tiles = tiles_from_env()
@@ -127,10 +126,9 @@ def _bind(fn: Callable, keywords: dict) -> Callable:
 
 def _warm_up_triton(k_cache, v_cache, num_heads: int, scale: float, sliding_window: int | None, q_dtype,
                     widen: str | None = None, compact: bool = True, prefetch: bool = False,
-                    fuse_combine: bool = False, decode_tiles: dict | None = None) -> None:
+                    decode_tiles: dict | None = None) -> None:
     from kernels.decode_attention import warm_up_decode
     from kernels.prefill_attention import warm_up_prefill
 
-    warm_up_prefill(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype, widen, compact, prefetch,
-                    fuse_combine)
+    warm_up_prefill(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype, widen, compact, prefetch)
     warm_up_decode(k_cache, v_cache, num_heads, scale, sliding_window, q_dtype, decode_tiles)

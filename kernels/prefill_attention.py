@@ -7,17 +7,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import (
-    ARRIVAL_COUNTERS_MIN,
-    arrival_counters,
-    bounded_put,
-    cdiv,
-    check,
-    lazy_helper,
-    lazy_jit,
-    next_pow2,
-    num_sms,
-)
+from kernels._triton import bounded_put, cdiv, check, lazy_helper, lazy_jit, next_pow2, num_sms
 from kernels.fp8_quant import _round_e4m3
 from kernels.kv_layout import check_v_layout, v_keys_inner
 
@@ -87,39 +77,8 @@ def _tile_block_ids(bt_row, start, k_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.
     return tl.load(bt_row + kpos // BLOCK_SIZE, mask=blk_in, other=0)
 
 
-@lazy_helper
-def _combine_when_last(counter, num_splits, m_ptr, l_ptr, acc_ptr, row0, row_ok, d, dmask, out_ptrs,
-                       HEAD_DIM: tl.constexpr):
-    """FUSE_COMBINE: after a split program has stored its partials (m, l, acc of rows `row0 + split`), it takes a
-    ticket at `counter`, one per group of splits, as the split-K GEMV's parts do (kernels/fp8_gemv.py); the last
-    to arrive sees every split's partials, combines them as `combine_splits` does (online, in split order: the
-    same result whichever split is last), writes the rows to `out_ptrs` ([R, BLOCK_D]) and sets the counter back
-    to zero for the next launch: no second launch. row0: [R] each row's split 0 partial; row_ok: its real rows."""
-    tl.debug_barrier()  # every thread's partials stored before the ticket releases them
-    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if ticket == num_splits - 1:
-        m_run = tl.full(row0.shape, -1.0e30, dtype=tl.float32)
-        total = tl.zeros(row0.shape, dtype=tl.float32)
-        o = tl.zeros([row0.shape[0], d.shape[0]], dtype=tl.float32)
-        for s in range(0, num_splits):
-            ms = tl.load(m_ptr + row0 + s, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
-            ls = tl.load(l_ptr + row0 + s, mask=row_ok, other=0.0, cache_modifier=".cg")
-            live = row_ok & (ls > 0.0)  # an empty split's acc is unwritten: not read
-            a = tl.load(acc_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :], mask=live[:, None] & dmask[None, :],
-                        other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_run, tl.where(live, ms, -1.0e30))
-            alpha = tl.math.exp2(m_run - m_new)
-            w = tl.where(live, tl.math.exp2(ms - m_new), 0.0)
-            total = total * alpha + w * ls
-            o = o * alpha[:, None] + w[:, None] * a
-            m_run = m_new
-        o = o / tl.where(total > 0.0, total, 1.0)[:, None]  # a row that saw no key (seq_len 0, padding): zeros
-        tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
-
 @lazy_jit(do_not_specialize=("window", "num_m_tiles", "num_splits", "num_seqs", "stride_bt"),
-          do_not_specialize_on_alignment=("bt_ptr", "qsl_ptr", "seq_lens_ptr", "count_ptr"))
+          do_not_specialize_on_alignment=("bt_ptr", "qsl_ptr", "seq_lens_ptr"))
 def _paged_attention_kernel(
     q_ptr,  # q: [T, Hq, D], last dim contiguous
     k_cache_ptr,  # k_cache: [num_blocks, block_size, Hk, D], last dim contiguous; q's dtype or fp8 e4m3
@@ -131,7 +90,6 @@ def _paged_attention_kernel(
     bt_ptr,  # block_tables: [B, max_blocks] int32
     qsl_ptr,  # query_start_loc: [B + 1] int32
     seq_lens_ptr,  # seq_lens: [B] int32, context length including the new tokens
-    count_ptr,  # FUSE_COMBINE: int32 arrival counters, one a (query tile, head chunk, sequence), zero between launches
     qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
     window,  # sliding window W (read only when HAS_WINDOW)
     num_m_tiles,  # query tiles per sequence (an upper bound); axis 0 of the grid is num_m_tiles * num_splits
@@ -167,7 +125,6 @@ def _paged_attention_kernel(
     COMPACT: tl.constexpr,  # axis 0 enumerates the batch's query tiles (num_m_tiles of them at most), axis 2 is 1
     BLOCK_B: tl.constexpr,  # COMPACT: power of two > num_seqs
     PREFETCH: tl.constexpr,  # load the next key tile's block-table entries one iteration ahead
-    FUSE_COMBINE: tl.constexpr,  # SPLIT: the last split of a query tile to finish combines (no second launch)
 ):
     pid0 = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -313,11 +270,6 @@ def _paged_attention_kernel(
         tl.store(l_ptr + part, l_i, mask=row_ok)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=(row_ok & (l_i > 0.0))[:, None] & dmask[None, :])
-        if FUSE_COMBINE:  # one counter a tile of the grid (the compact grid's axis 2 is 1)
-            tile = (tl.program_id(2) * num_m_tiles + pid0 // num_splits) * tl.num_programs(1) + pid_h
-            _combine_when_last(count_ptr + tile, num_splits, m_ptr, l_ptr, acc_ptr,
-                               (row_t * num_q_heads + qh) * num_splits, row_ok, d, dmask,
-                               out_ptr + row_t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :], HEAD_DIM)
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
@@ -377,13 +329,6 @@ COMBINE_ROWS = (1, 4, 16)
 
 def combine_rows_per_program(rows: int) -> int:
     return 1 if rows <= 2048 else 4 if rows <= 16384 else 16
-
-
-def tile_counters(grid: tuple, num_splits: int) -> int:
-    """Arrival counters a split launch over `grid` takes with its combine fused: one per group of splits. A launch
-    fuses its combine only when they fit the shared buffer's least size (ARRIVAL_COUNTERS_MIN, made at the eager
-    warm-up: a graph capture cannot allocate it), else it combines in a second launch."""
-    return grid[0] // num_splits * grid[1] * grid[2]
 
 
 def split_partials(rows: int, num_splits: int, d: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -511,7 +456,7 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
                sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits, num_m_tiles) of one launch."""
     hq, hk, d, bs, b, on_gpu, fp8_cache, v_t = static
-    block_m, block_n, num_warps, num_stages, num_splits, widen, compact, prefetch, fuse_combine = over
+    block_m, block_n, num_warps, num_stages, num_splits, widen, compact, prefetch = over
     check(widen in (None, "q", "fp16", "k8"), "paged_attention: widen must be 'q', 'fp16' or 'k8', not {!r}", widen)
     if widen is None:
         widen = default_widen(dtype, fp8_cache, on_gpu)
@@ -567,7 +512,6 @@ def _tile_plan(static: tuple, dtype: torch.dtype, t: int, max_q: int, ctx_bound:
         "DOT_FP32": not on_gpu, "WIDEN_F16": fp8_cache and widen in ("fp16", "k8") and dtype != torch.float32,
         "QK_FP8": fp8_cache and widen == "k8" and dtype != torch.float32,
         "V_T": v_t, "COMPACT": compact, "BLOCK_B": COMPACT_MAX_SEQS + 1, "PREFETCH": bool(prefetch),
-        "FUSE_COMBINE": bool(fuse_combine) and num_splits > 1 and tile_counters(grid, num_splits) <= ARRIVAL_COUNTERS_MIN,
     }
     return grid, consts, warps, stages, num_splits, num_m_tiles
 
@@ -583,7 +527,7 @@ def plan_prefill_splits(q_dtype: torch.dtype, num_heads: int, k_cache: torch.Ten
     static = (num_heads, hk, d, bs, batch, k_cache.device.type == "cuda", k_cache.dtype == torch.float8_e4m3fn,
               False)  # the V layout changes no split count
     plan = _tile_plan(static, q_dtype, num_tokens, min(max_query_len, num_tokens), ctx_bound,
-                      sliding_window is not None, num_sms(k_cache.device), (None,) * 9)
+                      sliding_window is not None, num_sms(k_cache.device), (None,) * 8)
     return plan[4]
 
 
@@ -607,7 +551,6 @@ def paged_attention_triton(
     widen: str | None = None,
     compact: bool = True,
     prefetch: bool = False,
-    fuse_combine: bool = False,
 ) -> torch.Tensor:
     """Triton `paged_attention_ref`: the whole varlen batch in one launch (two when split), no host sync.
 
@@ -642,9 +585,6 @@ def paged_attention_triton(
     buffers instead of one, so the next tile's copy runs under this tile's math; without it, the copy waits for
     this tile to be read (bench/probe_attention_sm90.py): it is the fp8 tiles' widening through registers that
     leaves them one buffer (a 16-bit cache's get two without it). The same keys in the same order: the same output.
-    fuse_combine (FIRSTTOKEN_PREFILL_FUSE_COMBINE=1; off by default until a GPU has timed it): split, the last
-    split program of each query tile to finish combines the partials (`_combine_when_last`) instead of
-    combine_splits' second launch (4.3 us a layer of 2048 cached + 128's 24 on an H100, session 25's profile).
     """
     # q: [T, Hq, D]; out: [T, Hq, D]; split partials: [T * Hq, S] and [T * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
@@ -665,22 +605,20 @@ def paged_attention_triton(
     ctx_bound = block_tables.shape[1] * bs
     if max_seq_len is not None:
         ctx_bound = min(ctx_bound, max_seq_len)
-    over = (block_m, block_n, num_warps, num_stages, num_splits, widen, compact, prefetch, fuse_combine)
+    over = (block_m, block_n, num_warps, num_stages, num_splits, widen, compact, prefetch)
     tkey = (skey, t, max_q, ctx_bound, over)
     plan = _TILES.get(tkey)
     if plan is None:
         plan = bounded_put(_TILES, tkey, _tile_plan(static, q.dtype, t, max_q, ctx_bound, sliding_window is not None,
                                                     num_sms(q.device), over))
     grid, consts, warps, stages, splits, num_m_tiles = plan
-    fused = consts["FUSE_COMBINE"]
     if splits > 1:
         m, lsum, acc = split_partials(t * hq, splits, d, q.device)
         dst = (out, m, lsum, acc)
     else:
         dst = (out, out, out, out)
-    count = arrival_counters(q.device, tile_counters(grid, splits)) if fused else seq_lens
     _paged_attention_kernel.launch(grid, (
-        q, k_cache, v_cache, *dst, block_tables, query_start_loc, seq_lens, count,
+        q, k_cache, v_cache, *dst, block_tables, query_start_loc, seq_lens,
         scale * 1.4426950408889634,
         sliding_window or 0,
         num_m_tiles, splits, b, hq,
@@ -688,7 +626,7 @@ def paged_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
         block_tables.stride(0),
     ), consts, warps, stages, on_gpu)
-    if splits > 1 and not fused:
+    if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
 
@@ -707,16 +645,14 @@ def q_as_e4m3_ref(q: torch.Tensor, scale: float) -> torch.Tensor:
 def keywords_from_env() -> dict:
     """The prefill attention's A/B switches, bound into every launch and the warm-up by kernels.ops:
     FIRSTTOKEN_PREFILL_WIDEN (q, fp16 or k8: `paged_attention_triton`'s widen), FIRSTTOKEN_PREFILL_COMPACT
-    (0: the grid per sequence instead of the default compact one; 1: compact), FIRSTTOKEN_PREFILL_PREFETCH
-    (1: block ids a tile ahead; 0: not) and FIRSTTOKEN_PREFILL_FUSE_COMBINE (1: splits combined by their last
-    program; 0: by a second launch). Unset: the defaults. A bad value raises ValueError naming the variable."""
+    (0: the grid per sequence instead of the default compact one; 1: compact) and FIRSTTOKEN_PREFILL_PREFETCH
+    (1: block ids a tile ahead; 0: not). Unset: the defaults. A bad value raises ValueError naming the variable."""
     out: dict = {}
     widen = os.environ.get("FIRSTTOKEN_PREFILL_WIDEN")
     if widen:
         check(widen in ("q", "fp16", "k8"), "FIRSTTOKEN_PREFILL_WIDEN must be q, fp16 or k8, not {!r}", widen)
         out["widen"] = widen
-    for name, key in (("FIRSTTOKEN_PREFILL_COMPACT", "compact"), ("FIRSTTOKEN_PREFILL_PREFETCH", "prefetch"),
-                      ("FIRSTTOKEN_PREFILL_FUSE_COMBINE", "fuse_combine")):
+    for name, key in (("FIRSTTOKEN_PREFILL_COMPACT", "compact"), ("FIRSTTOKEN_PREFILL_PREFETCH", "prefetch")):
         value = os.environ.get(name)
         if value:
             check(value in ("0", "1"), "{} must be 0 or 1, not {!r}", name, value)
@@ -726,7 +662,7 @@ def keywords_from_env() -> dict:
 
 def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
                     sliding_window: int | None, q_dtype: torch.dtype, widen: str | None = None,
-                    compact: bool = True, prefetch: bool = False, fuse_combine: bool = False) -> None:
+                    compact: bool = True, prefetch: bool = False) -> None:
     """Compile every variant `paged_attention_triton` can pick on this GPU for these caches.
 
     A variant is a tile configuration times split-or-not times the grid (with compact, both: a batch of more
@@ -749,5 +685,4 @@ def warm_up_prefill(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
             for c in sorted({False, compact}):
                 paged_attention_triton(q, k_cache, v_cache, tables, qsl, lens, scale, sliding_window, t,
                                        num_splits=splits, block_m=bm, block_n=bn, num_warps=warps,
-                                       num_stages=stages, widen=widen, compact=c, prefetch=prefetch,
-                                       fuse_combine=fuse_combine)
+                                       num_stages=stages, widen=widen, compact=c, prefetch=prefetch)

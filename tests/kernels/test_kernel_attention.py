@@ -158,19 +158,19 @@ def test_prefill_compact_grid_counts_only_the_batchs_tiles() -> None:
     from kernels import prefill_attention as pa
 
     static = (32, 8, 128, 16, 16, True, True, False)  # Llama heads, block 16, 16 rows, an fp8 cache, a GPU
-    compact = (None,) * 6 + (True, False, False)
+    compact = (None,) * 6 + (True, False)
     cgrid, consts, _, stages, splits, tiles = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, compact)
     assert consts["COMPACT"] and tiles == 8 + 15 and cgrid == (23 * splits, 8, 1)
     assert not consts["PREFETCH"] and stages == 2  # the small tiles' 2 stages
-    grid, consts, _, _, splits, tiles = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None,) * 9)
+    grid, consts, _, _, splits, tiles = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None,) * 8)
     assert not consts["COMPACT"] and tiles == 8 and grid == (8 * splits, 8, 16)
     wide = static[:4] + (pa.COMPACT_MAX_SEQS + 1,) + static[5:]
     assert not pa._tile_plan(wide, BF16, 128, 1, 33024, False, 132, compact)[1]["COMPACT"]
     # the block ids a tile ahead: the same grid, at least the 3 stages that give K and V a second buffer
-    pf = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None,) * 6 + (True, True, False))
+    pf = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None,) * 6 + (True, True))
     assert pf[1]["PREFETCH"] and pf[3] == 3 and pf[0] == cgrid
     for asked, got in ((4, 4), (2, 3)):  # more stages asked for are kept; fewer raised to the 3 it needs
-        plan = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None, None, None, asked, None, None, True, True, False))
+        plan = pa._tile_plan(static, BF16, 128, 128, 33024, False, 132, (None, None, None, asked, None, None, True, True))
         assert plan[3] == got
 
 
@@ -372,42 +372,6 @@ def test_paged_prefill_prefetch_gives_the_same_bits(bs, v_layout, block_n, windo
     out = paged_attention_triton(q, kc, vc, bt, qsl, sl, d**-0.5, window, prefetch=True, **kw)
     assert torch.equal(out, base)
     torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, qsl, sl, d**-0.5, window), **TOL[F32])
-
-
-# the fused combine's prefill cases: (v_layout, window, splits, compact, padded); both grids, more splits than some
-# tiles have key tiles (empty splits), a window, a captured graph's padding sequences (no new tokens: no program)
-PREFILL_FUSED_CASES = [
-    ("rows", None, 3, True, False),
-    ("keys_inner", 37, 2, True, True),
-    ("rows", None, 5, False, True),
-    ("keys_inner", None, 4, False, False),
-]
-
-
-@pytest.mark.usefixtures("poison_empty")
-@pytest.mark.parametrize(("v_layout", "window", "splits", "compact", "padded"), PREFILL_FUSED_CASES)
-def test_paged_prefill_fused_combine(v_layout, window, splits, compact, padded) -> None:
-    """fuse_combine: each query tile's last split program to take its ticket combines the splits' partials in
-    place of combine_splits' launch: the two launches' output up to fp32 rounding, the reference's, counters
-    left at zero (a second launch of other shapes right too). Partials start as NaN (poison_empty)."""
-    from kernels._triton import ARRIVAL_COUNTERS
-
-    prefix, new, hq, hk, d = [0, 61, 100, 7], [19, 9, 14, 1], 8, 2, 32
-    if padded:  # sequences with no new tokens after the real ones, as a captured graph pads its batch
-        prefix, new = [*prefix, 0, 0], [*new, 0, 0]
-    q, kc, vc, bt, qsl, sl = make_prefill(prefix, new, hq, hk, d, 16, F32)
-    kc, vc = lay_out(kc, vc, v_layout, "nhd")
-    want = paged_attention_ref(q, kc, vc, bt, qsl, sl, d**-0.5, window)
-    for n in (len(new), 2):  # then the first two sequences alone: another grid over the same counters
-        t = int(qsl[n])
-        kw = {"max_query_len": max(new[:n]), "block_m": 16, "block_n": 16, "num_splits": splits, "compact": compact}
-        args = (q[:t], kc, vc, bt[:n], qsl[: n + 1], sl[:n], d**-0.5, window)
-        two = paged_attention_triton(*args, **kw)
-        got = paged_attention_triton(*args, fuse_combine=True, **kw)
-        assert not got.isnan().any(), "a tile combined before its splits were stored, or never written"
-        torch.testing.assert_close(got, two, atol=2e-6, rtol=2e-6)
-        torch.testing.assert_close(got, want[:t], **TOL[F32])
-        assert all(int(c.abs().sum()) == 0 for c in ARRIVAL_COUNTERS.values()), "counters not reset"
 
 
 def test_keys_inner_v_needs_whole_blocks_in_a_tile() -> None:

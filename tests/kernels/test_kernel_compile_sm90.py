@@ -111,18 +111,18 @@ def prefill(cases):
     jitted = prefill_attention._paged_attention_kernel.jitted()
     PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "out_ptr": "*bf16",
             "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "bt_ptr": "*i32", "qsl_ptr": "*i32",
-            "seq_lens_ptr": "*i32", "count_ptr": "*i32", "qk_scale": "fp32"}
+            "seq_lens_ptr": "*i32", "qk_scale": "fp32"}
     # what the launcher does not specialise as 16-divisible (its lazy_jit arguments, and the float)
     NOT_DIV16 = {"window", "num_m_tiles", "num_splits", "num_seqs", "stride_bt", "bt_ptr", "qsl_ptr", "seq_lens_ptr",
-                 "count_ptr", "qk_scale"}
+                 "qk_scale"}
     out = []
     for widen, bm, bn, warps, stages, compact, *more in cases:
-        v_t, bs, prefetch, fuse = (*more, False)[:4] if more else (False, 16, False, False)
+        v_t, bs, prefetch = more if more else (False, 16, False)
         consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_Q": bm // 4, "BLOCK_M": bm, "BLOCK_N": bn,
                   "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": bs, "HAS_WINDOW": False, "SPLIT": True,
                   "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": widen != "q", "QK_FP8": widen == "k8",
                   "V_T": v_t, "COMPACT": compact, "BLOCK_B": prefill_attention.COMPACT_MAX_SEQS + 1,
-                  "PREFETCH": prefetch, "FUSE_COMBINE": fuse}
+                  "PREFETCH": prefetch}
         sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
         # the cases with a layout given also get the launcher's divisibility hints (the loads it compiles then)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names)
@@ -135,7 +135,7 @@ def prefill(cases):
         out.append({"cubin": len(c.asm["cubin"]), "wgmma": "wgmma" in ptx,
                     "e4m3_pairs": ptx.count("cvt.rn.f16x2.e4m3x2"), "f16_to_bf16": ptx.count("cvt.bf16.f16"),
                     "wgmma_e4m3": ptx.count("e4m3.e4m3"), "q_to_e4m3": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
-                    "kv_buffers": sorted({int(x) for x in depth}), "atom": "atom." in ptx})
+                    "kv_buffers": sorted({int(x) for x in depth})})
     return out
 
 
@@ -225,16 +225,13 @@ DECODE_CASES = [  # (rope, split, window, maxnreg, v_t[, block size, prefetch[, 
     # the engine's layout with the splits combined by their last program (with the rope fused in, and without)
     (True, True, False, 0, True, 64, True, True), (False, True, False, 0, True, 64, True, True),
 ]
-PREFILL_CASES = [  # (widen, block_m, block_n, warps, stages, compact[, V keys inner, block size, prefetch[, fused
-    # combine]])
+PREFILL_CASES = [  # (widen, block_m, block_n, warps, stages, compact[, V keys inner, block size, prefetch])
     ("q", 64, 64, 4, 2, False), ("fp16", 64, 64, 4, 2, False), ("q", 128, 128, 8, 3, False),
     ("fp16", 128, 128, 8, 3, False), ("k8", 64, 64, 4, 2, False), ("k8", 128, 128, 8, 3, False),
     ("fp16", 64, 64, 4, 2, True), ("fp16", 128, 128, 8, 3, True),
     # 2048 cached + 128's launch in the engine's layout (blocks of 64, V keys inner), at 3 stages without and
     # with the block ids a tile ahead
     ("fp16", 64, 64, 4, 3, True, True, 64, False), ("fp16", 64, 64, 4, 3, True, True, 64, True),
-    # the same with the splits combined by their last program (and the large tiles of chunked prefills)
-    ("fp16", 64, 64, 4, 3, True, True, 64, False, True), ("fp16", 128, 128, 8, 3, True, True, 64, False, True),
 ]
 
 ROPE_TILES_CASES = [(True, True, False), (True, False, False),  # (cast, V keys inner, rope_and_cache's per-token
@@ -335,16 +332,8 @@ def test_prefill_prefetch_gives_the_tiles_a_second_buffer_for_sm90(compiled):
     tile's copy can run under this tile's math; without, one (the copy waits for this tile to be read). Triton
     3.6 and 3.9 alike (bench/probe_attention_sm90.py)."""
     got = part(compiled, "prefill")
-    without, with_prefetch = got[-4:-2]
+    without, with_prefetch = got[-2:]
     assert without["kv_buffers"] == [1] and with_prefetch["kv_buffers"] == [2], (without, with_prefetch)
-
-
-def test_prefill_fused_combine_takes_a_ticket_for_sm90(compiled):
-    """The splits combined by their last program (fuse_combine): the arrival counter's atomics there and only
-    there, and the tiles' buffers as without it."""
-    got = part(compiled, "prefill")
-    assert [g["atom"] for g in got] == [len(c) > 9 and c[9] for c in PREFILL_CASES], got
-    assert got[-2]["kv_buffers"] == got[-4]["kv_buffers"] == [1], got
 
 
 def test_fp8_attention_cast_compiles_for_sm90(compiled):

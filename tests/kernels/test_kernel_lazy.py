@@ -61,8 +61,7 @@ def test_get_ops_prefill_widen_switch(monkeypatch) -> None:
     # bound unless set, then bound into the launches and the warm-up alike; a value other than 0 or 1 fails
     monkeypatch.delenv("FIRSTTOKEN_PREFILL_WIDEN")
     assert not hasattr(get_ops("triton").prefill_attention, "keywords")
-    for name, key in (("FIRSTTOKEN_PREFILL_COMPACT", "compact"), ("FIRSTTOKEN_PREFILL_PREFETCH", "prefetch"),
-                      ("FIRSTTOKEN_PREFILL_FUSE_COMBINE", "fuse_combine")):
+    for name, key in (("FIRSTTOKEN_PREFILL_COMPACT", "compact"), ("FIRSTTOKEN_PREFILL_PREFETCH", "prefetch")):
         for value, bound in (("0", False), ("1", True)):
             monkeypatch.setenv(name, value)
             ops = get_ops("triton")
