@@ -351,9 +351,6 @@ ENGINES = {  # --engines names -> EngineConfig fields
     "fp8-bs32": {"quantization": "fp8", "block_size": 32},
     # A/B: the fp8 cache's default without the block ids a tile ahead (keys-inner V read in whole blocks)
     "fp8-nopf": {"quantization": "fp8", "_env": {"FIRSTTOKEN_DECODE_TILES": '{"prefetch": false}'}},
-    # A/B: decode attention's splits combined by the last split program to finish (arrival counters) instead of a
-    # second launch a layer (session 28, not yet timed): for the small batches that split their contexts
-    "fp8-fusecomb": {"quantization": "fp8", "_env": {"FIRSTTOKEN_DECODE_TILES": '{"fuse_combine": true}'}},
     # A/B: the fp8 cache's layout before blocks of 64 with keys-inner V became its default (session 23): blocks of
     # 16, V in rows (the block ids not prefetched)
     "fp8-rows16": {"quantization": "fp8", "kv_cache_v_layout": "rows", "block_size": 16},

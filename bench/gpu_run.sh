@@ -25,8 +25,6 @@
 #   gemm_rows   the FP8 GEMMs at 512 / 1024 / 8192 rows (a throughput run's steps) against their floor   ~1.5 min
 #   next24b     H200: throughput of the default and fp8-rows16; elsewhere the default's alone          ~5 / 2.5 min
 #   next25      H200 only: throughput of the default, the issue's table (bf16, fp8+kv8), bf16's throughput ~9 min
-#   fuse_comb   decode attention's splits combined in its own launch's last program, not a second launch: GPU
-#               tests, the kernel at B 1-64 (bench_decode_tiles), then decode b1/b8/b64 A/B (bench_engine)   ~4 min
 #   next28      H200 only: next25 without bf16's throughput                                          ~8 min
 #   fused_rope  decode b1-b512, rope_and_cache fused into the decode attention at every batch vs the default ~3 min
 #   rope_ab     FP8 attention's rope + cache write + cast in one launch (the default) against two: GPU
@@ -345,18 +343,6 @@ for stage in "${STAGES[@]}"; do
       BIG=500; on_h200 && BIG=1000
       run dec_profile 280 $PY bench/profile_engine.py --quantization fp8 --kv-cache-dtype fp8 --cases "" \
         --decode-batches "1,$BIG" --decode-prompt-len 1500 --max-num-seqs 1024 --rows 16 ;;
-    fuse_comb)  # decode attention's splits combined by the last split program to finish (arrival counters, as the
-      # split-K GEMV) against combine_splits' second launch a layer: the small batches that split their contexts (b1
-      # at ~13 splits: 32 combine launches of ~2.5 us a step on an H100, session 24). Its GPU tests, the kernel
-      # alone (bench_decode_tiles, engine layout), then decode b1-b64 of each engine in one process        ~4 min
-      [ "${SMOKE:-0}" = 1 ] && continue  # (needs CUDA)
-      FIRSTTOKEN_GPU_TESTS=1 FIRSTTOKEN_MEASURE_OUT="$OUT/measure.jsonl" run tests_fc 200 \
-        $PY -m pytest -q -s -m gpu tests/workers/engine/test_gpu.py -p no:cacheprovider -rA \
-        -k "fused_combine or never_compiles"
-      run fc_kernel 100 $PY bench/bench_decode_tiles.py --block-sizes 64 --cases 1x2048,8x2048,64x2048,1x8192 \
-        --variants '{"vtpf": {"v_layout": "keys_inner"}, "vtpf_fc": {"v_layout": "keys_inner", "fuse_combine": true}}'
-      run fc_decode 240 $PY bench/bench_engine.py "${DEV[@]}" --preset $PRESET --sections decode \
-        --engines "fp8+kv8,fp8-fusecomb+kv8" --no-hf --decode-batches 1,8,64 ;;
     fused_rope)  # rope_and_cache inside the decode attention at every batch (fp8-fusedall) against the default (up
       # to 64 since session 25, 16 before): with V's keys innermost, rope_and_cache's own launch writes each token's
       # V byte by byte (16 us a layer at b500 on an H100, session 25), one process                         ~3 min

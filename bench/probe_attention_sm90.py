@@ -97,12 +97,11 @@ def engine_loop(stages: int, prefetch: bool = False) -> dict:
 
 # decode_attention_triton's keywords per case: the engine's default, then gpu_run.sh dec_rate's variants
 DECODE_CASES = {"default": {}, "n128": {"block_n": 128}, "s2": {"num_stages": 2}, "s4": {"num_stages": 4},
-                "w4": {"num_warps": 4}, "n128_w4": {"block_n": 128, "num_warps": 4}, "nopf": {"prefetch": False},
-                "fused_combine": {"fuse_combine": True}}
+                "w4": {"num_warps": 4}, "n128_w4": {"block_n": 128, "num_warps": 4}, "nopf": {"prefetch": False}}
 DECODE_PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "bt_ptr": "*i32",
                "seq_lens_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
                "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
-               "count_ptr": "*i32", "qk_scale": "fp32"}
+               "qk_scale": "fp32"}
 # what the launcher specialises as 16-divisible (the compile test's list): pointers the cache tiles come through,
 # and the strides
 DECODE_DIV16 = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "m_ptr", "l_ptr", "acc_ptr", "out_ptr", "kn_ptr", "vn_ptr",
@@ -116,9 +115,9 @@ def decode_loop(name: str, kw: dict) -> dict:
     jitted = decode_attention._decode_partial_kernel.jitted()
     bn, warps, stages = kw.get("block_n", 64), kw.get("num_warps", 2), kw.get("num_stages", 3)
     consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": bn, "HEAD_DIM": 128,
-              "BLOCK_D": 128, "BLOCK_SIZE": 64, "SPLIT": kw.get("fuse_combine", False), "HAS_WINDOW": False,
-              "PRECISION": None, "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": kw.get("prefetch", True), "ROPE": False,
-              "V_T": True, "V_MAX": 0.0, "FUSE_COMBINE": kw.get("fuse_combine", False)}
+              "BLOCK_D": 128, "BLOCK_SIZE": 64, "SPLIT": False, "HAS_WINDOW": False, "PRECISION": None,
+              "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": kw.get("prefetch", True), "ROPE": False,
+              "V_T": True, "V_MAX": 0.0}
     sig = {n: DECODE_PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts,
                                                                                                       "constexpr")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names) if n in DECODE_DIV16}

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import arrival_counters, bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
+from kernels._triton import bounded_put, cdiv, check, lazy_jit, next_pow2, num_sms
 from kernels.kv_layout import v_keys_inner, v_max
 from kernels.prefill_attention import check_paged_inputs, combine_splits, paged_attention_ref, split_partials
 
@@ -51,7 +51,6 @@ def _decode_partial_kernel(
     pos_ptr,  # ROPE: positions [B] int64
     cs_ptr,  # ROPE: cos_sin [max_pos, D] fp32 = cat(cos[:, :D/2], sin[:, :D/2])
     slot_ptr,  # ROPE: slot_mapping [B] int64; a negative slot writes nothing
-    count_ptr,  # FUSE_COMBINE: [B * grid axis 1] int32 arrival counters, zero between launches (else a dummy)
     stride_kt,  # ROPE: new k token stride (elements)
     stride_kh,  # ROPE: new k head stride
     stride_vt,  # ROPE: new v token stride
@@ -85,7 +84,6 @@ def _decode_partial_kernel(
     ROPE: tl.constexpr,  # q (and the new k) arrive unrotated: rotate them here and write k, v to the cache
     V_T: tl.constexpr,  # v_cache holds each block's keys innermost ([blocks, Hk, D, block_size]): tiles of whole blocks
     V_MAX: tl.constexpr,  # V_T and ROPE: the new v is written finite, clamped to +-V_MAX (kernels/kv_layout.py)
-    FUSE_COMBINE: tl.constexpr,  # SPLIT: the last split of a (sequence, kv program) to finish combines (no 2nd launch)
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -246,34 +244,6 @@ def _decode_partial_kernel(
         tl.store(l_ptr + part, l_i, mask=row_ok)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=(row_ok & (l_i > 0.0))[:, None] & dmask[None, :])
-        if FUSE_COMBINE:
-            # the split-K GEMV's hand-off (kernels/fp8_gemv.py): each split takes a ticket once its partials
-            # are stored; the last to arrive sees them all and combines them as `combine_splits` does, in
-            # split order (the same result whichever split is last), online over one split at a time
-            tl.debug_barrier()  # every thread's partials stored before the ticket releases them
-            counter = count_ptr + b * tl.num_programs(1) + pid_h
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
-                row0 = (b * num_q_heads + qh) * num_splits  # [BLOCK_H]: split 0's partial of each row
-                m_run = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-                total = tl.zeros([BLOCK_H], dtype=tl.float32)
-                o = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-                for s in range(0, num_splits):
-                    ms = tl.load(m_ptr + row0 + s, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
-                    ls = tl.load(l_ptr + row0 + s, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    live = row_ok & (ls > 0.0)  # an empty split's acc is unwritten: not read
-                    a = tl.load(acc_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :],
-                                mask=live[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m_run, tl.where(live, ms, -1.0e30))
-                    alpha = tl.math.exp2(m_run - m_new)
-                    w = tl.where(live, tl.math.exp2(ms - m_new), 0.0)
-                    total = total * alpha + w * ls
-                    o = o * alpha[:, None] + w[:, None] * a
-                    m_run = m_new
-                o = o / tl.where(total > 0.0, total, 1.0)[:, None]  # no key seen (seq_len 0, padding): zeros
-                tl.store(out_ptr + (b * num_q_heads + qh)[:, None] * HEAD_DIM + d[None, :],
-                         o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def default_num_splits(batch: int, num_kv_programs: int, max_context: int, sms: int) -> int:
@@ -313,7 +283,7 @@ def _static_plan(q, k_cache, v_cache, block_tables, seq_lens, sliding_window) ->
 def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -> tuple:
     """(grid, consts, num_warps, num_stages, num_splits) of the partial launch."""
     hq, hk, d, bs, on_gpu, fp32, has_window, fp8_cache, v_t = static
-    num_splits, block_n, num_warps, num_stages, widen, prefetch, fuse_combine = over
+    num_splits, block_n, num_warps, num_stages, widen, prefetch = over
     check(widen in (None, "q", "fp16"), "decode_attention: widen must be 'q' or 'fp16', not {!r}", widen)
     # a V cache with its keys innermost: the block ids a tile ahead by default on the GPU (at blocks of 64, B =
     # 1000, context 1500: 2898 GB/s against 2755 without, on an H100 with 40 SMs held; session22.md)
@@ -346,7 +316,7 @@ def _tile_plan(static: tuple, b: int, max_context: int, sms: int, over: tuple) -
         "BLOCK_N": bn, "HEAD_DIM": d, "BLOCK_D": next_pow2(d), "BLOCK_SIZE": bs, "SPLIT": num_splits > 1,
         "HAS_WINDOW": has_window, "PRECISION": "ieee" if fp32 or not on_gpu else None, "DOT_FP32": not on_gpu,
         "WIDEN_F16": fp8_cache and widen == "fp16", "PREFETCH": prefetch, "ROPE": False,
-        "V_T": v_t, "V_MAX": 0.0, "FUSE_COMBINE": bool(fuse_combine) and num_splits > 1,
+        "V_T": v_t, "V_MAX": 0.0,
     }
     return (b, hk * head_chunks, num_splits), consts, num_warps, num_stages or 3, num_splits
 
@@ -367,7 +337,6 @@ def decode_attention_triton(
     num_stages: int | None = None,
     widen: str | None = None,
     prefetch: bool | None = None,
-    fuse_combine: bool | None = None,
     rope: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Triton `decode_attention_ref` (flash-decoding): q [B, Hq, D] -> [B, Hq, D].
@@ -381,9 +350,7 @@ def decode_attention_triton(
     (q, pre-scaled, and the probabilities cast to fp16 too); None: "fp16" for an fp8 cache on
     the GPU with a 16-bit q, else "q". prefetch: load each key tile's block-table entries in the
     iteration before; None: on the GPU over a keys-inner V cache (+5% at blocks of 64), else off (V in rows:
-    2% at B=640 on the H200, noise-level). fuse_combine: with splits, the last split of each (sequence, kv
-    program) to finish combines the partials itself (arrival counters, as the split-K GEMV's) instead of a
-    second launch; None: off. A V cache with its keys
+    2% at B=640 on the H200, noise-level). A V cache with its keys
     innermost (`kernels.kv_layout`) is read as V^T tiles of whole blocks. (Measured and removed: a
     register cap on this launch, 128 or 96 against Triton's 167, 13% and 45% slower at B = 1000 on the
     H200, bench/results/2026-12-04-session8-h200.md; tiles addressed by one block-table entry per block
@@ -416,7 +383,7 @@ def decode_attention_triton(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch, fuse_combine)
+    over = (num_splits, block_n, num_warps, num_stages, widen, prefetch)
     tkey = (skey, b, block_tables.shape[1], over, rope is None)
     plan = _TILES.get(tkey)
     if plan is None:
@@ -426,12 +393,10 @@ def decode_attention_triton(
                     *plan[2:])
         bounded_put(_TILES, tkey, plan)
     grid, consts, warps, stages, splits = plan
-    fused = consts["FUSE_COMBINE"]
     if splits > 1:
         m, lsum, acc = split_partials(b * hq, splits, d, q.device)
     else:
         m = lsum = acc = out
-    count = arrival_counters(q.device, b * grid[1]) if fused else seq_lens
     if rope is not None:
         kn, vn, positions, cos_sin, slots = rope
         _check_rope(q, kn, vn, positions, cos_sin, slots, k_cache)
@@ -439,7 +404,7 @@ def decode_attention_triton(
     else:
         rope_args = (q, q, q, q, q, 0, 0, 0, 0)
     _decode_partial_kernel.launch(grid, (
-        q, k_cache, v_cache, block_tables, seq_lens, m, lsum, acc, out, *rope_args[:5], count, *rope_args[5:],
+        q, k_cache, v_cache, block_tables, seq_lens, m, lsum, acc, out, *rope_args,
         scale * 1.4426950408889634,
         sliding_window or 0,
         splits,
@@ -448,7 +413,7 @@ def decode_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
         block_tables.stride(0),
     ), consts, warps, stages, on_gpu)
-    if splits > 1 and not fused:
+    if splits > 1:
         combine_splits(m, lsum, acc, out, on_gpu)
     return out
 
@@ -495,12 +460,12 @@ def decode_rope_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 TILES_ENV = "FIRSTTOKEN_DECODE_TILES"
-TILE_KEYWORDS = {"block_n": int, "num_warps": int, "num_stages": int, "prefetch": bool, "fuse_combine": bool}
+TILE_KEYWORDS = {"block_n": int, "num_warps": int, "num_stages": int, "prefetch": bool}
 
 
 def tiles_from_env() -> dict[str, Any]:
     """FIRSTTOKEN_DECODE_TILES, an A/B switch: a JSON object of `decode_attention_triton` tile keywords
-    (block_n, num_warps, num_stages, prefetch, fuse_combine) that every decode launch of an engine built afterwards
+    (block_n, num_warps, num_stages, prefetch) that every decode launch of an engine built afterwards
     takes, its warm-up too (read when the engine binds its ops). Empty or unset: the defaults."""
     import json
     import os
@@ -514,7 +479,7 @@ def tiles_from_env() -> dict[str, Any]:
         raise ValueError(f"{TILES_ENV} must be a JSON object, not {raw!r}") from None
     if not isinstance(tiles, dict) or not all(
             k in TILE_KEYWORDS and type(v) is TILE_KEYWORDS[k] for k, v in tiles.items()):
-        raise ValueError(f"{TILES_ENV}: a JSON object of {sorted(TILE_KEYWORDS)} (ints, prefetch and fuse_combine bools), "
+        raise ValueError(f"{TILES_ENV}: a JSON object of {sorted(TILE_KEYWORDS)} (ints, prefetch a bool), "
                          f"not {raw!r}")
     return tiles
 

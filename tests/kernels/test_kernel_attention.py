@@ -256,44 +256,6 @@ def test_decode(dtype, ctx, hq, hk, d, window, splits, block_n, mode) -> None:
     torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, window), **TOL[dtype])
 
 
-# the fused combine's cases: (context lens, Hq, Hk, window, splits, v_layout); more splits than a short context
-# has tiles (empty splits, which drop out), a padding row (seq_len 0: zeros), a window, GQA packs of 1-8 heads
-FUSED_COMBINE_CASES = [
-    ([1, 17, 100, 0], 8, 2, None, 5, "rows"),
-    ([300, 40], 8, 1, 50, 7, "rows"),
-    ([64, 129], 4, 4, None, 2, "keys_inner"),
-    ([33, 200, 5], 32, 4, 7, 16, "keys_inner"),
-]
-
-
-@pytest.mark.usefixtures("poison_empty")
-@pytest.mark.parametrize(("ctx", "hq", "hk", "window", "splits", "v_layout"), FUSED_COMBINE_CASES)
-def test_decode_fused_combine(ctx, hq, hk, window, splits, v_layout) -> None:
-    """fuse_combine: the last split of each (sequence, kv program) to take its ticket combines every split's
-    partials in place of combine_splits' launch. Its output matches the two launches' (the same partials, the
-    sum online in split order against one chunk: fp32 rounding apart) and the reference, and it leaves its
-    arrival counters at zero, so a second launch (another batch) is right too. Partials are NaN until written
-    (poison_empty): a combine that ran before the other splits stored theirs would read NaN."""
-    from kernels._triton import ARRIVAL_COUNTERS
-
-    d = 64
-    kc, vc, bt = make_paged_kv(ctx, hk, d, 16, F32)
-    if v_layout == "keys_inner":
-        vc = to_v_layout(vc, v_layout, stale=300.0)
-    q = torch.randn(len(ctx), hq + 2 * hk, d)[:, :hq]
-    sl = torch.tensor(ctx, dtype=torch.int32)
-    ref = decode_attention_ref(q, kc, vc, bt, sl, d**-0.5, window)
-    two = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, window, num_splits=splits, block_n=16)
-    for rows in (len(ctx), 1):  # then a batch of one: counters another launch left must read zero
-        got = decode_attention_triton(q[:rows], kc, vc, bt[:rows], sl[:rows], d**-0.5, window, num_splits=splits,
-                                      block_n=16, fuse_combine=True)
-        assert not got.isnan().any(), "a row combined before its splits were stored, or never written"
-        torch.testing.assert_close(got, two[:rows], atol=2e-6, rtol=2e-6)
-        torch.testing.assert_close(got, ref[:rows], **TOL[F32])
-        assert all(int(c.abs().sum()) == 0 for c in ARRIVAL_COUNTERS.values()), "counters not reset"
-    assert got[0].abs().sum() > 0 and (len(ctx) < 4 or two[3].abs().sum() == 0)
-
-
 # blocks of 32 and 64 tokens (EngineConfig.block_size: any power of two; TensorRT-LLM serves 32-64): key tiles
 # shorter than a block (rows only: keys inner reads whole blocks), as long, and longer; windows across blocks.
 # k_layout "hnd": K (and V in rows) heads first in memory, one head's block one run (kernels/kv_layout.py)

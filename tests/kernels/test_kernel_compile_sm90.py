@@ -72,7 +72,7 @@ def decode(cases):
     PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "bt_ptr": "*i32",
             "seq_lens_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
             "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
-            "count_ptr": "*i32", "qk_scale": "fp32"}
+            "qk_scale": "fp32"}
     # what the launcher's specialisation tells Triton of these (16-divisible pointers and strides): it lets the
     # cache tiles load as 16-byte runs, as on the device
     DIV16 = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "m_ptr", "l_ptr", "acc_ptr", "out_ptr", "kn_ptr", "vn_ptr",
@@ -80,18 +80,18 @@ def decode(cases):
              "stride_cb", "stride_cs", "stride_ch", "stride_vcb", "stride_vch"}
     out = []
     for rope, split, window, maxnreg, v_t, *more in cases:
-        bs, prefetch, fuse = (*more, False)[:3] if more else (16, False, False)
+        bs, prefetch = more if more else (16, False)
         consts = {"GROUP": 4, "G_PACK": 4, "HEAD_CHUNKS": 1, "BLOCK_H": 16, "BLOCK_N": 64, "HEAD_DIM": 128,
                   "BLOCK_D": 128, "BLOCK_SIZE": bs, "SPLIT": split, "HAS_WINDOW": window, "PRECISION": None,
                   "DOT_FP32": False, "WIDEN_F16": True, "PREFETCH": prefetch, "ROPE": rope,
-                  "V_T": v_t, "V_MAX": 448.0, "FUSE_COMBINE": fuse}
+                  "V_T": v_t, "V_MAX": 448.0}
         sig = {n: PTRS.get(n, "i32") for n in jitted.arg_names if n not in consts} | dict.fromkeys(consts, "constexpr")
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitted.arg_names) if n in DIV16}
         c = triton.compile(triton.compiler.ASTSource(fn=jitted, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 2, "num_stages": 3, **({"maxnreg": maxnreg} if maxnreg else {})})
         ptx = c.asm["ptx"]
-        out.append({"cubin": len(c.asm["cubin"]), "mma": "mma" in ptx, "atom": "atom." in ptx,
+        out.append({"cubin": len(c.asm["cubin"]), "mma": "mma" in ptx,
                     "maxnreg": f".maxnreg {maxnreg}" in ptx if maxnreg else None,
                     "byte_lds": ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8")})
     for k, cst in ((argmax._chunk_argmax_kernel, {"CHUNK_": 2048}), (argmax._rows_argmax_kernel, {"BLOCK_C": 64})):
@@ -216,14 +216,12 @@ GEMV_CASES = [  # (prologue, residual, split, row: the RMSNorm row at once, or 0
     (1, True, 2, 4096), (1, True, 1, 0), (1, False, 1, 4096), (2, False, 4, 0), (0, False, 2, 0), (0, False, 1, 0),
 ]
 SMALL_M_CASES = [(1, False), (4, True)]  # (split, bias)
-DECODE_CASES = [  # (rope, split, window, maxnreg, v_t[, block size, prefetch[, fuse_combine]]: 16, False, False)
+DECODE_CASES = [  # (rope, split, window, maxnreg, v_t[, block size, prefetch]: 16, False unless given)
     (True, True, False, 0, False), (True, False, True, 0, False), (False, True, False, 0, False),
     (False, False, False, 128, False), (True, False, False, 0, True), (True, True, True, 0, True),
     (False, False, False, 0, True),
     # blocks of 64 tokens (one block a key tile: bench/gpu_run.sh blocks), with the block ids a tile ahead
     (False, False, False, 0, False, 64, True), (False, False, False, 0, True, 64, True),
-    # the engine's layout with the splits combined by their last program (with the rope fused in, and without)
-    (True, True, False, 0, True, 64, True, True), (False, True, False, 0, True, 64, True, True),
 ]
 PREFILL_CASES = [  # (widen, block_m, block_n, warps, stages, compact[, V keys inner, block size, prefetch])
     ("q", 64, 64, 4, 2, False), ("fp16", 64, 64, 4, 2, False), ("q", 128, 128, 8, 3, False),
@@ -302,8 +300,6 @@ def test_decode_attention_and_argmax_compile_for_sm90(compiled):
     assert [g["cubin"] > 0 for g in got] == [True] * (len(cases) + 2)
     assert all(g["mma"] for g in got[: len(cases)])  # the score and value products on the tensor cores
     assert got[3]["maxnreg"] is True, "the register cap did not reach the PTX"
-    # the fused combine's arrival counter, and only there
-    assert [g["atom"] for g in got[: len(cases)]] == [len(c) > 7 and c[7] for c in cases]
     rows = [g["byte_lds"] for c, g in zip(cases, got) if not c[4]]
     inner = [g["byte_lds"] for c, g in zip(cases, got) if c[4]]
     assert min(rows) >= 128 and max(inner) <= 8, (rows, inner)  # (8 elsewhere in the split + rope variant)

@@ -79,9 +79,9 @@ def test_get_ops_decode_tiles_switch(monkeypatch) -> None:
     a malformed value fails when the ops are bound, naming the variable."""
     from kernels.decode_attention import TILES_ENV, decode_rope_attention_ref
 
-    monkeypatch.setenv(TILES_ENV, '{"prefetch": true, "num_stages": 4, "block_n": 16, "fuse_combine": true}')
+    monkeypatch.setenv(TILES_ENV, '{"prefetch": true, "num_stages": 4, "block_n": 16}')
     ops = get_ops("triton")
-    want = {"prefetch": True, "num_stages": 4, "block_n": 16, "fuse_combine": True}
+    want = {"prefetch": True, "num_stages": 4, "block_n": 16}
     assert ops.decode_attention.keywords == want and ops.decode_rope_attention.keywords == want
     assert ops.decode_attention.__name__ == "decode_attention_triton"
     assert ops.warm_up.keywords == {"decode_tiles": want}

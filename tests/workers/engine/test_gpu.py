@@ -116,15 +116,12 @@ def test_cuda_choices_share_the_prompt_blocks_in_one_step(llama_dir, n_prompt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("graphs", "fields"), [(True, {}), (False, {}),
                                                 (True, {"quantization": "fp8", "fp8_lm_head": True}),
-                                                (True, {"_env": {"FIRSTTOKEN_PREFILL_PREFETCH": "1"}}),
-                                                (True, {"quantization": "fp8", "kv_cache_dtype": "fp8",
-                                                        "_env": {"FIRSTTOKEN_DECODE_TILES": '{"fuse_combine": true}'}})])
+                                                (True, {"_env": {"FIRSTTOKEN_PREFILL_PREFETCH": "1"}})])
 def test_cuda_serving_never_compiles_after_start(graphs, fields, monkeypatch):
     """Every Triton variant is compiled at start-up: a mixed workload (decodes, chunked and
     split prefills, batch sizes from 1 to 48) launches no new specialisation (also with the
-    FP8 projections and lm_head: its GEMV, few-row GEMM and fused final norm; with the prefill
-    attention's block ids a tile ahead, whose 3 stages the warm-up compiles; and with decode attention's
-    splits combined by their last program, over an fp8 cache)."""
+    FP8 projections and lm_head: its GEMV, few-row GEMM and fused final norm; and with the prefill
+    attention's block ids a tile ahead, whose 3 stages the warm-up compiles)."""
     import random
 
     from kernels._triton import _KERNELS, kernel_compiles
@@ -748,46 +745,6 @@ def test_cuda_prefill_prefetch_gives_the_same_bits():
         torch.cuda.synchronize()
         assert torch.equal(out, base) and torch.equal(replayed, base), splits
         assert float((out.float() - exact).norm() / exact.norm()) < 0.005, splits  # the fp16 path's ~0.001
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("batch", [1, 8, 64])
-def test_cuda_decode_fused_combine_matches_two_launches(batch):
-    """Decode attention with its splits combined by the last split program to take its ticket (fuse_combine),
-    in the engine's fp8 layout (blocks of 64, V keys inner, scattered blocks, contexts 1-3000), Llama-3.1-8B
-    heads: the two launches' output up to fp32 rounding (within a bf16 ulp), eagerly and in 40 replays of a
-    captured graph whose q alternates between two values. A ticket that let a split combine before the others
-    had stored their partials would mix in the other q's partials, which the graph's buffers hold from the
-    replay before."""
-    from kernels.decode_attention import decode_attention_triton, default_num_splits
-    from kernels.kv_layout import to_v_layout
-
-    g = torch.Generator(device="cuda").manual_seed(batch)
-    hq, hk, d, bs, max_ctx = 32, 8, 128, 64, 3008
-    nblk = batch * (max_ctx // bs) + 4
-    kc = torch.randn((nblk, bs, hk, d), device="cuda", generator=g).to(torch.float8_e4m3fn)
-    vc = to_v_layout(torch.randn((nblk, bs, hk, d), device="cuda", generator=g).to(torch.float8_e4m3fn), "keys_inner")
-    bt = torch.randperm(nblk, device="cuda", generator=g)[: batch * (max_ctx // bs)].view(batch, -1).int()
-    sl = torch.randint(1, max_ctx, (batch,), device="cuda", generator=g).int()
-    qs = [torch.randn((batch, hq, d), device="cuda", generator=g).to(torch.bfloat16) for _ in range(2)]
-    splits = default_num_splits(batch, hk, max_ctx, torch.cuda.get_device_properties(0).multi_processor_count)
-    assert splits > 1, "nothing to combine at this batch"
-    want = []
-    for q in qs:
-        two = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5)
-        got = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, fuse_combine=True)
-        torch.testing.assert_close(got.float(), two.float(), rtol=2**-7, atol=1e-6)
-        want.append(got)
-    assert not torch.equal(want[0], want[1])
-    q = qs[0].clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = decode_attention_triton(q, kc, vc, bt, sl, d**-0.5, fuse_combine=True)
-    for i in range(40):
-        q.copy_(qs[i % 2])
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, want[i % 2]), i
 
 
 def test_cuda_fp8_attention_matches_its_emulation():
