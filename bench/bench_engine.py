@@ -340,7 +340,7 @@ ENGINES = {  # --engines names -> EngineConfig fields
     # too), not the default compact one
     "fp8-nocompact": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_COMPACT": "0"}},
     # A/B: the prefill attention's block ids a tile ahead (two K/V buffers at 3 stages: the next tile's copy under
-    # this tile's math; session 27, not yet timed)
+    # this tile's math; on an H100 no faster in the engine, session 28)
     # (an fp8 cache's: a 16-bit cache's tiles have two buffers without it)
     "fp8-prefillpf": {"quantization": "fp8", "_env": {"FIRSTTOKEN_PREFILL_PREFETCH": "1"}},
     "bf16-nocompact": {"_env": {"FIRSTTOKEN_PREFILL_COMPACT": "0"}},

@@ -349,7 +349,13 @@ def combine_splits(m: torch.Tensor, lsum: torch.Tensor, acc: torch.Tensor, out: 
     the token's scale over all its heads, one launch a layer fewer. In the engine on an H100 it was slower
     where it ran: decode b8 4.36 against 4.18 ms, TTFT 2048 cached + 128 6.21 against 6.00, the rest within
     noise; 8 to 128 programs a launch each combining 32 heads wait on their loads one after another,
-    bench/results/2026-12-07-session21-engine-foq-h100-06a8890.md.)
+    bench/results/2026-12-07-session21-engine-foq-h100-06a8890.md. And the combine moved into the split launch
+    itself, for decode and the prefill alike: each split program took a ticket once its partials were stored and the
+    last to arrive combined them in split order, the split-K GEMV's arrival counters (d686aa7, a65fb30). Right on the
+    GPU (its tests passed) but no faster in the engine on an H100, one process: decode b1 3.54 -> 3.77 ms (the last
+    program walks the 64 splits of a long max_model_len one after another, where this launch spreads them over
+    programs), b8 4.02 -> 4.02, b64 4.93 -> 4.89, TTFT 2048 cached + 128 6.00 -> 5.99, 512 8.55 -> 8.49;
+    bench/results/2026-12-08-session28.md.)
     """
     rows, splits, d = acc.shape
     per = rows_per_program or combine_rows_per_program(rows)
@@ -585,6 +591,9 @@ def paged_attention_triton(
     buffers instead of one, so the next tile's copy runs under this tile's math; without it, the copy waits for
     this tile to be read (bench/probe_attention_sm90.py): it is the fp8 tiles' widening through registers that
     leaves them one buffer (a 16-bit cache's get two without it). The same keys in the same order: the same output.
+    In the engine on an H100 it was no faster: TTFT 2048 cached + 128 6.44 -> 6.34 ms with it second in the
+    process, 6.45 against 6.38 without with it first (the engine timed second gains ~0.07 ms either way), TTFT 2048
+    29.5 / 29.6 either way (bench/results/2026-12-08-session28.md); the kernel alone has not been timed.
     """
     # q: [T, Hq, D]; out: [T, Hq, D]; split partials: [T * Hq, S] and [T * Hq, S, D] fp32
     skey = (q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
