@@ -585,7 +585,7 @@ def paged_attention_triton(
     first figure above that card's 5.9-6.1 of earlier runs: part of the gain may be noise), TTFT 512 8.61 -> 8.36,
     TTFT 2048 and decode unchanged (bench/results/2026-12-07-session20-ab20-h100-16ef669.md).
     compact=False (FIRSTTOKEN_PREFILL_COMPACT=0) is the per-sequence grid: the A/B switch.
-    prefetch (FIRSTTOKEN_PREFILL_PREFETCH=1; off by default until a GPU has timed it): each key tile's
+    prefetch (FIRSTTOKEN_PREFILL_PREFETCH=1; off by default, no faster in the engine: below): each key tile's
     block-table entries are loaded in the iteration before, as decode_attention_triton's prefetch does, and the
     launch takes at least 3 stages (fewer asked for are raised to 3). Compiled for sm90 by Triton 3.6, the K and V tiles then get two shared
     buffers instead of one, so the next tile's copy runs under this tile's math; without it, the copy waits for
